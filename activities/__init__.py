@@ -1,0 +1,1 @@
+"""Everything that touches the outside world: inference over vLLM, placement, ledger writes."""

@@ -1,0 +1,1 @@
+"""kvflow's processes: the `kvflow` CLI, the workers, the embedded dev stack, configuration."""
