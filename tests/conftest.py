@@ -12,6 +12,9 @@ from temporalio.testing import WorkflowEnvironment
 from workers.devserver import dynamic_config_args, find_temporal_binary
 from workflows.search_attributes import ALL as SEARCH_ATTRIBUTES
 
+# Fixture modules of the parts of kvflow (simulated and real vLLM servers, databases).
+pytest_plugins: list[str] = []
+
 
 @pytest.fixture(scope="session")
 async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
