@@ -41,7 +41,7 @@ err = Console(stderr=True, width=_PIPE_WIDTH)
 
 def fail(message: str, code: int = 2) -> NoReturn:
     """Print a user-facing error (no traceback) and exit with `code`."""
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -53,7 +53,7 @@ def load_fleet_or_exit(path: Path) -> FleetConfig:
         for problem in exc.problems:
             err.print(f"[red]✗[/] {problem}", highlight=False, soft_wrap=True)
         count = len(exc.problems)
-        fail(f"{path}: {count} problem{'s' if count != 1 else ''}; nothing was started")
+        fail(f"{path}: {count} problem{'s' if count != 1 else ''}; fix them and run again")
 
 
 @fleet_app.command("check")

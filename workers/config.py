@@ -98,8 +98,9 @@ def _key_path(loc: tuple[int | str, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif part in {"list[url]", "literal['simulated']"}:
-            # pydantic names the union branch it tried; the user only wrote `endpoints`.
+        elif "[" in part:
+            # pydantic names the union branch it tried (`list[...]`, `literal['simulated']`);
+            # the user only wrote the key.
             continue
         else:
             path += f".{part}" if path else part
@@ -129,9 +130,19 @@ def load_fleet(path: Path | str) -> FleetConfig:
     try:
         return FleetConfig.model_validate(raw)
     except ValidationError as exc:
+        errors = exc.errors()
         problems = [
-            ConfigProblem(path, _key_path(tuple(e["loc"])), _message(dict(e))) for e in exc.errors()
+            ConfigProblem(path, _key_path(tuple(e["loc"])), _message(dict(e))) for e in errors
         ]
-        # A union that fails both ways reports once per branch; one line per key is enough.
-        unique = list(dict.fromkeys(problems))
-        raise FleetConfigError(unique) from None
+        # When a value fits no branch of `"simulated" | list[URL]`, the branch the user meant is
+        # the one that got further: drop "should be 'simulated'" beside a deeper error.
+        deeper = {p.key_path for p in problems}
+        problems = [
+            p
+            for p, e in zip(problems, errors, strict=True)
+            if not (
+                e["type"] == "literal_error"
+                and any(k.startswith((p.key_path + "[", p.key_path + ".")) for k in deeper)
+            )
+        ]
+        raise FleetConfigError(list(dict.fromkeys(problems))) from None

@@ -1,0 +1,113 @@
+"""`kvflow server` and `kvflow demo` as a user runs them: real processes, real ports."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from workers.devserver import free_port, port_is_free
+
+KVFLOW = Path(sys.executable).parent / "kvflow"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _read_until(process: subprocess.Popen[str], marker: str, timeout_s: float = 60) -> str:
+    assert process.stdout is not None
+    seen = ""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line and process.poll() is not None:
+            break
+        seen += line
+        if marker in line:
+            return seen
+    raise AssertionError(f"{marker!r} never printed; output so far:\n{seen}")
+
+
+def test_server_prints_the_ui_address_serves_it_and_stops_on_ctrl_c(tmp_path: Path):
+    port, ui_port = free_port(), free_port()
+    process = subprocess.Popen(
+        [
+            str(KVFLOW),
+            "server",
+            "--port",
+            str(port),
+            "--ui-port",
+            str(ui_port),
+            "--state-dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        output = _read_until(process, "Web UI")
+        assert f"http://127.0.0.1:{ui_port}" in output
+        assert (
+            httpx.get(f"http://127.0.0.1:{ui_port}/namespaces/default/workflows").status_code == 200
+        )
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert (tmp_path / "temporal.db").exists()
+    # The dev server went with it: both ports can be bound again.
+    assert port_is_free(port) and port_is_free(ui_port)
+
+
+def test_server_on_a_taken_port_says_so_and_names_the_flag(tmp_path: Path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [
+                str(KVFLOW),
+                "server",
+                "--port",
+                str(port),
+                "--ui-port",
+                str(free_port()),
+                "--state-dir",
+                str(tmp_path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 2
+    assert f"port {port}" in done.stderr and "--port" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_demo_starts_the_embedded_stack_and_stops_it(tmp_path: Path):
+    port, ui_port = free_port(), free_port()
+    done = subprocess.run(
+        [
+            str(KVFLOW),
+            "demo",
+            "--fleet",
+            str(ROOT / "fleet.toml"),
+            "--port",
+            str(port),
+            "--ui-port",
+            str(ui_port),
+            "--state-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Embedded stack up" in done.stdout
+    assert port_is_free(port)
