@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from workers.config import FleetConfig, FleetConfigError, load_fleet
+from workers.console import fail, load_fleet_or_exit, out
 from workers.devserver import DEFAULT_STATE_DIR, DevServerError, EmbeddedTemporal
+from workers.worker_cli import worker_app
 
 app = typer.Typer(
     name="kvflow",
@@ -31,29 +31,7 @@ app = typer.Typer(
 )
 fleet_app = typer.Typer(help="Inspect and validate fleet.toml.", no_args_is_help=True)
 app.add_typer(fleet_app, name="fleet")
-
-# Piped output (CI logs, `| less`) gets 120 columns instead of rich's default 80 so the fleet
-# tables stay readable; a terminal keeps its own width.
-_PIPE_WIDTH = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 120
-out = Console(width=_PIPE_WIDTH)
-err = Console(stderr=True, width=_PIPE_WIDTH)
-
-
-def fail(message: str, code: int = 2) -> NoReturn:
-    """Print a user-facing error (no traceback) and exit with `code`."""
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
-
-
-def load_fleet_or_exit(path: Path) -> FleetConfig:
-    """Load `path`, or print every problem in it and exit 2."""
-    try:
-        return load_fleet(path)
-    except FleetConfigError as exc:
-        for problem in exc.problems:
-            err.print(f"[red]✗[/] {problem}", highlight=False, soft_wrap=True)
-        count = len(exc.problems)
-        fail(f"{path}: {count} problem{'s' if count != 1 else ''}; fix them and run again")
+app.add_typer(worker_app, name="worker")
 
 
 @fleet_app.command("check")

@@ -1,0 +1,173 @@
+"""Every way a model call can fail, and the one place where failures become Temporal errors.
+
+The hierarchy says what is retryable. The control plane (the workflow's step API) retries a
+retryable failure by re-placing the call on another replica; Temporal itself never retries an
+inference activity (`maximum_attempts=1`), so paid calls are never multiplied by stacked
+retries. HTTP statuses and transport errors are mapped here and nowhere else.
+
+    InferenceError
+    ├── RetryableInferenceError          the replica failed; another may succeed
+    │   ├── ReplicaUnreachable           connect error, connection refused or reset
+    │   ├── ReplicaTimeout               no answer (or no token) in time
+    │   ├── ReplicaOverloaded            429
+    │   ├── ReplicaServerError           5xx
+    │   └── StreamCut                    the stream ended before the answer did
+    └── PermanentInferenceError          the request itself is wrong; retrying cannot help
+        ├── ContextLengthExceeded        prompt + max_tokens over the model's context
+        ├── UnknownModel                 404 / model not served
+        ├── InvalidRequest               any other 4xx
+        └── SchemaInvalidOutput          structured output still invalid after repairs
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, ClassVar
+
+import httpx
+from temporalio.exceptions import ApplicationError
+
+
+class InferenceError(Exception):
+    """A model call failed."""
+
+    retryable: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        replica: str | None = None,
+        status: int | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> None:
+        self.replica = replica
+        self.status = status
+        self.details = details or {}
+        where = f"replica {replica}: " if replica else ""
+        code = f"HTTP {status}: " if status else ""
+        super().__init__(f"{where}{code}{message}")
+
+    @property
+    def error_type(self) -> str:
+        """The `ApplicationError.type` this failure travels under (the class name)."""
+        return type(self).__name__
+
+    def to_application_error(self) -> ApplicationError:
+        """The Temporal error the activity raises; `details[0]` carries partial progress."""
+        return ApplicationError(
+            str(self),
+            self.details,
+            type=self.error_type,
+            non_retryable=not self.retryable,
+        )
+
+
+class RetryableInferenceError(InferenceError):
+    """The replica failed; another replica (or the same one later) may succeed."""
+
+    retryable = True
+
+
+class ReplicaUnreachable(RetryableInferenceError):
+    """The replica refused or dropped the connection."""
+
+
+class ReplicaTimeout(RetryableInferenceError):
+    """The replica did not answer, or stopped streaming, within the timeout."""
+
+
+class ReplicaOverloaded(RetryableInferenceError):
+    """The replica answered 429: it is shedding load."""
+
+
+class ReplicaServerError(RetryableInferenceError):
+    """The replica answered 5xx."""
+
+
+class StreamCut(RetryableInferenceError):
+    """The stream ended before a finish reason; details carry the partial output."""
+
+
+class PermanentInferenceError(InferenceError):
+    """The request itself is wrong; sending it again anywhere gives the same answer."""
+
+
+class ContextLengthExceeded(PermanentInferenceError):
+    """The prompt plus `max_tokens` do not fit in the model's context."""
+
+
+class UnknownModel(PermanentInferenceError):
+    """The replica does not serve the requested model."""
+
+
+class InvalidRequest(PermanentInferenceError):
+    """The replica rejected the request's parameters."""
+
+
+class SchemaInvalidOutput(PermanentInferenceError):
+    """Structured output did not match the schema after the allowed repairs."""
+
+
+RETRYABLE_TYPES: frozenset[str] = frozenset(
+    cls.__name__
+    for cls in (
+        ReplicaUnreachable,
+        ReplicaTimeout,
+        ReplicaOverloaded,
+        ReplicaServerError,
+        StreamCut,
+    )
+)
+"""`ApplicationError.type` values that the step API re-places on another replica."""
+
+
+def vllm_error_text(body: bytes | str) -> str:
+    """The message of a vLLM error body (`{"error": {"message": ...}}`), or the raw text."""
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return text.strip()[:500] or "(empty body)"
+    if isinstance(parsed, dict):
+        error = parsed.get("error", parsed)
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if "detail" in parsed:
+            return str(parsed["detail"])
+    return text.strip()[:500]
+
+
+def from_status(
+    status: int, body: bytes | str, *, replica: str, details: dict[str, Any] | None = None
+) -> InferenceError:
+    """Map a non-2xx answer from a vLLM server to the error it means."""
+    message = vllm_error_text(body)
+    lowered = message.lower()
+    cls: type[InferenceError]
+    if status == 429:
+        cls = ReplicaOverloaded
+    elif status >= 500:
+        cls = ReplicaServerError
+    elif status == 404 or ("model" in lowered and "does not exist" in lowered):
+        cls = UnknownModel
+    elif "maximum context length" in lowered or "context length" in lowered:
+        cls = ContextLengthExceeded
+    elif status == 408:
+        cls = ReplicaTimeout
+    else:
+        cls = InvalidRequest
+    return cls(message, replica=replica, status=status, details=details)
+
+
+def from_transport(
+    exc: httpx.TransportError, *, replica: str, details: dict[str, Any] | None = None
+) -> InferenceError:
+    """Map an httpx transport failure (no HTTP answer, or a broken stream) to its error."""
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if isinstance(exc, httpx.TimeoutException):
+        return ReplicaTimeout(text, replica=replica, details=details)
+    if isinstance(exc, httpx.ConnectError):
+        return ReplicaUnreachable(text, replica=replica, details=details)
+    # RemoteProtocolError, ReadError: the server went away in the middle of an answer.
+    return StreamCut(text, replica=replica, details=details)

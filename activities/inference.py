@@ -1,0 +1,431 @@
+"""The inference activity: one model call, streamed from one vLLM replica.
+
+A GPU worker binds `InferenceActivities` to its replica and registers `infer` on the replica's
+task queue, so the queue a workflow dispatches to decides where the call runs. The activity
+streams (SSE) so that it can heartbeat its partial output; a call that dies mid-stream carries
+that output in its error details (and last heartbeat), and the next attempt, on any replica,
+continues from it instead of decoding it again: chat calls send the partial answer as the last
+assistant message with `continue_final_message`, completion calls append it to the prompt.
+
+Calls with a JSON schema never resume: guided decoding restarts its grammar at the start of the
+continuation, so a partial JSON document cannot be continued safely; they start over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal, Protocol, Self
+
+import httpx
+from opentelemetry import trace
+from pydantic import BaseModel, Field, model_validator
+from temporalio import activity
+
+from activities.errors import (
+    InferenceError,
+    StreamCut,
+    from_status,
+    from_transport,
+)
+from scheduler.fleet import Pool, replica_name
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("kvflow.inference")
+
+INFER_ACTIVITY = "kvflow.infer"
+"""The activity name every GPU worker registers; the task queue picks the replica."""
+
+
+class ChatMessage(BaseModel):
+    """One message of a chat conversation."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class Sampling(BaseModel):
+    """Sampling parameters, passed to vLLM as they are."""
+
+    temperature: float = Field(default=0.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+
+class Checkpoint(BaseModel):
+    """Output an earlier attempt already produced, to continue from."""
+
+    text: str = ""
+    completion_tokens: int = Field(default=0, ge=0)
+
+
+class InferenceRequest(BaseModel):
+    """One model call: what to send, and who it is for (for the ledger and the UI)."""
+
+    model: str
+    messages: list[ChatMessage] | None = None
+    prompt: str | None = None
+    max_tokens: int = Field(ge=1)
+    sampling: Sampling = Field(default_factory=Sampling)
+    json_schema: dict[str, Any] | None = None
+    tenant: str = "default"
+    step: str = "infer"
+    deadline: datetime | None = None
+    checkpoint: Checkpoint | None = None
+
+    @model_validator(mode="after")
+    def _messages_or_prompt(self) -> Self:
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("give exactly one of `messages` (chat) or `prompt` (completion)")
+        return self
+
+
+class Usage(BaseModel):
+    """Tokens of one attempt, as the server counted them."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Timings(BaseModel):
+    """Where the time of one attempt went, in seconds."""
+
+    queue_wait_s: float = 0.0
+    """From Temporal scheduling the attempt to a worker starting it."""
+    ttft_s: float | None = None
+    """From sending the request to the first output token."""
+    total_s: float = 0.0
+    """From sending the request to the end of the stream."""
+
+
+class InferenceResult(BaseModel):
+    """The answer of one model call and what it cost."""
+
+    text: str
+    """The whole answer, including any text reused from a checkpoint."""
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+    model: str
+    replica: str
+    pool: str
+    gpu: str
+    cost_micros: int
+    reused_tokens: int = 0
+    """Output tokens taken from a checkpoint instead of decoded again."""
+
+
+@dataclass
+class Progress:
+    """What the current attempt has produced so far; heartbeated and put in error details."""
+
+    text: str = ""
+    """The answer so far, including text reused from a checkpoint."""
+    reused_tokens: int = 0
+    """Output tokens taken from a checkpoint."""
+    completion_tokens: int = 0
+    """Output tokens this attempt decoded."""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    first_token_at: float | None = None
+    finish_reason: str | None = None
+
+    def checkpoint(self) -> dict[str, Any]:
+        """The partial output as `Checkpoint` fields (plain data for Temporal payloads)."""
+        return {"text": self.text, "completion_tokens": self.reused_tokens + self.completion_tokens}
+
+
+class AttemptSink(Protocol):
+    """Receives one record per attempt, success or failure (the ledger implements it)."""
+
+    async def record_attempt(self, attempt: AttemptReport) -> None:
+        """Store the attempt; must be idempotent on (workflow, run, activity, attempt)."""
+
+
+@dataclass(frozen=True)
+class AttemptReport:
+    """Everything known about one finished attempt, for the ledger."""
+
+    workflow_id: str
+    run_id: str
+    activity_id: str
+    attempt: int
+    workflow_type: str
+    step: str
+    tenant: str
+    model: str
+    pool: Pool
+    replica: str
+    started_at: datetime
+    ended_at: datetime
+    outcome: Literal["ok", "failed", "cancelled"]
+    usage: Usage
+    reused_tokens: int
+    cost_micros: int
+    error_type: str | None
+
+
+@dataclass(frozen=True)
+class ReplicaBinding:
+    """The replica a GPU worker serves: its pool (prices, GPU), index and vLLM base URL."""
+
+    pool: Pool
+    index: int
+    base_url: str
+
+    @property
+    def name(self) -> str:
+        """`pool/index`."""
+        return replica_name(self.pool.name, self.index)
+
+
+def default_http_client(stall_timeout_s: float = 30.0) -> httpx.AsyncClient:
+    """The worker's one pooled client: timeouts set, no client-side retries.
+
+    The read timeout is the longest silence tolerated between two streamed chunks, so a
+    stalled replica becomes a retryable `ReplicaTimeout` instead of a hung call.
+    """
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=5.0, read=stall_timeout_s, write=10.0, pool=10.0),
+        limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
+        transport=httpx.AsyncHTTPTransport(retries=0),
+    )
+
+
+class InferenceActivities:
+    """The inference activity bound to one replica."""
+
+    def __init__(
+        self,
+        replica: ReplicaBinding,
+        http: httpx.AsyncClient,
+        ledger: AttemptSink | None = None,
+        heartbeat_interval_s: float = 0.5,
+    ) -> None:
+        self.replica = replica
+        self.http = http
+        self.ledger = ledger
+        self.heartbeat_interval_s = heartbeat_interval_s
+
+    @activity.defn(name=INFER_ACTIVITY)
+    async def infer(self, request: InferenceRequest) -> InferenceResult:
+        """Run one model call on this replica, streaming, heartbeating and billing it."""
+        info = activity.info()
+        checkpoint = request.checkpoint or _checkpoint_from_heartbeat(info.heartbeat_details)
+        if request.json_schema is not None:
+            checkpoint = None
+        started_at = datetime.now(UTC)
+        queue_wait = max(
+            0.0, (info.started_time - info.current_attempt_scheduled_time).total_seconds()
+        )
+        reused = checkpoint.completion_tokens if checkpoint else 0
+        progress = Progress(text=checkpoint.text if checkpoint else "", reused_tokens=reused)
+        heartbeats = asyncio.create_task(self._heartbeat(progress))
+        sent = time.monotonic()
+        outcome: Literal["ok", "failed", "cancelled"] = "failed"
+        error_type: str | None = None
+        with tracer.start_as_current_span(
+            "kvflow.infer",
+            attributes={
+                "kvflow.model": request.model,
+                "kvflow.replica": self.replica.name,
+                "kvflow.step": request.step,
+                "kvflow.tenant": request.tenant,
+            },
+        ) as span:
+            try:
+                await self._stream(request, checkpoint, progress)
+                outcome = "ok"
+            except asyncio.CancelledError:
+                outcome = "cancelled"
+                raise
+            except InferenceError as exc:
+                error_type = exc.error_type
+                span.record_exception(exc)
+                raise exc.to_application_error() from exc
+            finally:
+                heartbeats.cancel()
+                usage = Usage(
+                    prompt_tokens=progress.prompt_tokens,
+                    cached_tokens=min(progress.cached_tokens, progress.prompt_tokens),
+                    completion_tokens=progress.completion_tokens,
+                )
+                cost = self.replica.pool.token_prices.cost_micros(
+                    usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens
+                )
+                ttft = (progress.first_token_at - sent) if progress.first_token_at else None
+                span.set_attributes(
+                    {
+                        "kvflow.prompt_tokens": usage.prompt_tokens,
+                        "kvflow.cached_tokens": usage.cached_tokens,
+                        "kvflow.completion_tokens": usage.completion_tokens,
+                        "kvflow.cost_micros": cost,
+                        "kvflow.outcome": outcome,
+                        **({"kvflow.ttft_s": ttft} if ttft is not None else {}),
+                    }
+                )
+                await self._record(
+                    AttemptReport(
+                        workflow_id=info.workflow_id or "",
+                        run_id=info.workflow_run_id or "",
+                        activity_id=info.activity_id,
+                        attempt=info.attempt,
+                        workflow_type=info.workflow_type or "",
+                        step=request.step,
+                        tenant=request.tenant,
+                        model=request.model,
+                        pool=self.replica.pool,
+                        replica=self.replica.name,
+                        started_at=started_at,
+                        ended_at=datetime.now(UTC),
+                        outcome=outcome,
+                        usage=usage,
+                        reused_tokens=reused,
+                        cost_micros=cost,
+                        error_type=error_type,
+                    )
+                )
+        return InferenceResult(
+            text=progress.text,
+            finish_reason=progress.finish_reason or "stop",
+            usage=usage,
+            timings=Timings(queue_wait_s=queue_wait, ttft_s=ttft, total_s=time.monotonic() - sent),
+            model=request.model,
+            replica=self.replica.name,
+            pool=self.replica.pool.name,
+            gpu=self.replica.pool.gpu.value,
+            cost_micros=cost,
+            reused_tokens=reused,
+        )
+
+    async def _record(self, report: AttemptReport) -> None:
+        if self.ledger is None:
+            return
+        try:
+            await self.ledger.record_attempt(report)
+        except Exception:
+            # Billing must not turn a good answer into a failure; the reconcile command and the
+            # workflow's own spend meter still see this attempt.
+            log.exception("could not record attempt %s/%s", report.workflow_id, report.attempt)
+
+    async def _heartbeat(self, progress: Progress) -> None:
+        # Heartbeats deliver cancellation too, so they run even before the first token.
+        while True:
+            activity.heartbeat(progress.checkpoint())
+            await asyncio.sleep(self.heartbeat_interval_s)
+
+    async def _stream(
+        self, request: InferenceRequest, checkpoint: Checkpoint | None, progress: Progress
+    ) -> None:
+        url, body = _request_body(request, checkpoint)
+        replica = self.replica.name
+        try:
+            async with self.http.stream("POST", self.replica.base_url + url, json=body) as response:
+                if response.status_code >= 400:
+                    raw = await response.aread()
+                    raise from_status(response.status_code, raw, replica=replica)
+                async for chunk in _sse_chunks(response, replica):
+                    _apply_chunk(chunk, progress, chat=request.messages is not None)
+        except httpx.TransportError as exc:
+            raise from_transport(exc, replica=replica, details=progress.checkpoint()) from exc
+        except InferenceError as exc:
+            # An error event in the middle of a stream still leaves usable partial output.
+            if progress.text and not exc.details:
+                exc.details = progress.checkpoint()
+            raise
+        if progress.finish_reason is None:
+            raise StreamCut(
+                f"stream ended after {progress.completion_tokens} tokens without a finish reason",
+                replica=replica,
+                details=progress.checkpoint(),
+            )
+
+
+def _checkpoint_from_heartbeat(details: Any) -> Checkpoint | None:
+    # Heartbeat details come back as plain dicts: rebuild the type.
+    if details and isinstance(details[0], dict) and details[0].get("text"):
+        return Checkpoint.model_validate(
+            {"text": details[0]["text"], "completion_tokens": details[0]["completion_tokens"]}
+        )
+    return None
+
+
+def _request_body(
+    request: InferenceRequest, checkpoint: Checkpoint | None
+) -> tuple[str, dict[str, Any]]:
+    reused = checkpoint.completion_tokens if checkpoint else 0
+    body: dict[str, Any] = {
+        "model": request.model,
+        "max_tokens": max(1, request.max_tokens - reused),
+        "stream": True,
+        # Usage in every chunk, so a cut stream still knows what was processed (and billed).
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "temperature": request.sampling.temperature,
+        "top_p": request.sampling.top_p,
+    }
+    if request.sampling.seed is not None:
+        body["seed"] = request.sampling.seed
+    if request.sampling.stop:
+        body["stop"] = request.sampling.stop
+    if request.sampling.ignore_eos:
+        body["ignore_eos"] = True
+    if request.json_schema is not None:
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "output", "schema": request.json_schema},
+        }
+    if request.messages is not None:
+        messages = [m.model_dump() for m in request.messages]
+        if checkpoint and checkpoint.text:
+            messages.append({"role": "assistant", "content": checkpoint.text})
+            # vLLM refuses continue_final_message unless add_generation_prompt is off.
+            body["continue_final_message"] = True
+            body["add_generation_prompt"] = False
+        body["messages"] = messages
+        return "/v1/chat/completions", body
+    assert request.prompt is not None
+    body["prompt"] = request.prompt + (checkpoint.text if checkpoint else "")
+    return "/v1/completions", body
+
+
+async def _sse_chunks(response: httpx.Response, replica: str) -> AsyncIterator[dict[str, Any]]:
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        chunk = json.loads(data)
+        if isinstance(chunk, dict) and "error" in chunk:
+            error = chunk["error"]
+            status = int(error.get("code") or 500) if isinstance(error, dict) else 500
+            raise from_status(status, data, replica=replica)
+        yield chunk
+
+
+def _apply_chunk(chunk: dict[str, Any], progress: Progress, *, chat: bool) -> None:
+    usage = chunk.get("usage")
+    for choice in chunk.get("choices") or []:
+        piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+        if piece:
+            if progress.first_token_at is None:
+                progress.first_token_at = time.monotonic()
+            progress.text += piece
+            if not usage:
+                progress.completion_tokens += 1
+        if choice.get("finish_reason"):
+            progress.finish_reason = choice["finish_reason"]
+    if usage:
+        progress.prompt_tokens = usage.get("prompt_tokens") or progress.prompt_tokens
+        progress.completion_tokens = usage.get("completion_tokens") or progress.completion_tokens
+        details = usage.get("prompt_tokens_details") or {}
+        if details.get("cached_tokens") is not None:
+            progress.cached_tokens = details["cached_tokens"]
