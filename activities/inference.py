@@ -27,6 +27,7 @@ from opentelemetry import trace
 from pydantic import BaseModel, Field, model_validator
 from temporalio import activity
 
+from activities.context_store import DirectoryContextStore
 from activities.errors import (
     InferenceError,
     StreamCut,
@@ -34,6 +35,7 @@ from activities.errors import (
     from_transport,
 )
 from scheduler.fleet import Pool, replica_name
+from workflows.context import ContextRef, needs_store
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("kvflow.inference")
@@ -43,10 +45,10 @@ INFER_ACTIVITY = "kvflow.infer"
 
 
 class ChatMessage(BaseModel):
-    """One message of a chat conversation."""
+    """One message of a chat conversation; large contents travel as a `ContextRef`."""
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: str | ContextRef
 
 
 class Sampling(BaseModel):
@@ -71,7 +73,7 @@ class InferenceRequest(BaseModel):
 
     model: str
     messages: list[ChatMessage] | None = None
-    prompt: str | None = None
+    prompt: str | ContextRef | None = None
     max_tokens: int = Field(ge=1)
     sampling: Sampling = Field(default_factory=Sampling)
     json_schema: dict[str, Any] | None = None
@@ -110,7 +112,10 @@ class InferenceResult(BaseModel):
     """The answer of one model call and what it cost."""
 
     text: str
-    """The whole answer, including any text reused from a checkpoint."""
+    """The whole answer, including any text reused from a checkpoint; when it is larger than
+    `INLINE_LIMIT_BYTES` only its preview, and the answer itself is in the context store."""
+    text_ref: ContextRef | None = None
+    """Where the whole answer is when it was too large to return inline."""
     finish_reason: str
     usage: Usage
     timings: Timings
@@ -208,11 +213,13 @@ class InferenceActivities:
         replica: ReplicaBinding,
         http: httpx.AsyncClient,
         ledger: AttemptSink | None = None,
+        store: DirectoryContextStore | None = None,
         heartbeat_interval_s: float = 0.5,
     ) -> None:
         self.replica = replica
         self.http = http
         self.ledger = ledger
+        self.store = store or DirectoryContextStore()
         self.heartbeat_interval_s = heartbeat_interval_s
 
     @activity.defn(name=INFER_ACTIVITY)
@@ -293,8 +300,13 @@ class InferenceActivities:
                         error_type=error_type,
                     )
                 )
+        text, text_ref = progress.text, None
+        if needs_store(text):
+            text_ref = await self.store.aput(text)
+            text = text_ref.preview
         return InferenceResult(
-            text=progress.text,
+            text=text,
+            text_ref=text_ref,
             finish_reason=progress.finish_reason or "stop",
             usage=usage,
             timings=Timings(queue_wait_s=queue_wait, ttft_s=ttft, total_s=time.monotonic() - sent),
@@ -325,7 +337,7 @@ class InferenceActivities:
     async def _stream(
         self, request: InferenceRequest, checkpoint: Checkpoint | None, progress: Progress
     ) -> None:
-        url, body = _request_body(request, checkpoint)
+        url, body = _request_body(await self._resolve(request), checkpoint)
         replica = self.replica.name
         try:
             async with self.http.stream("POST", self.replica.base_url + url, json=body) as response:
@@ -347,6 +359,20 @@ class InferenceActivities:
                 replica=replica,
                 details=progress.checkpoint(),
             )
+
+    async def _resolve(self, request: InferenceRequest) -> InferenceRequest:
+        """The request with every `ContextRef` replaced by the content it names."""
+        if isinstance(request.prompt, ContextRef):
+            return request.model_copy(update={"prompt": await self.store.aget(request.prompt)})
+        if request.messages and any(isinstance(m.content, ContextRef) for m in request.messages):
+            messages = [
+                m.model_copy(update={"content": await self.store.aget(m.content)})
+                if isinstance(m.content, ContextRef)
+                else m
+                for m in request.messages
+            ]
+            return request.model_copy(update={"messages": messages})
+        return request
 
 
 def _checkpoint_from_heartbeat(details: Any) -> Checkpoint | None:
@@ -391,7 +417,7 @@ def _request_body(
             body["add_generation_prompt"] = False
         body["messages"] = messages
         return "/v1/chat/completions", body
-    assert request.prompt is not None
+    assert isinstance(request.prompt, str), "context references are resolved before this"
     body["prompt"] = request.prompt + (checkpoint.text if checkpoint else "")
     return "/v1/completions", body
 

@@ -1,0 +1,109 @@
+"""A reverse proxy in front of a vLLM-compatible server that breaks calls on command.
+
+It lets the same test cut a stream, answer 503 or stall, whether the server behind it is the
+simulator or real vLLM. It runs uvicorn in a thread on a free port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from workers.devserver import free_port
+
+
+class CutConnection(Exception):
+    """Raised inside the streaming body: uvicorn then drops the connection mid-response."""
+
+
+@dataclass
+class Fault:
+    """What the proxy does to the next calls (applies to every call until cleared)."""
+
+    cut_after_chunks: int | None = None
+    status: int | None = None
+    stall_s: float = 0.0
+
+
+class FaultyProxy:
+    """Forwards `/v1/*`, `/health` and the rest to `upstream`, applying `fault`."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.fault = Fault()
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.cuts = 0
+        self.streams_closed_early = 0
+        app = Starlette(routes=[Route("/{path:path}", self._forward, methods=["GET", "POST"])])
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    def start(self) -> FaultyProxy:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("proxy did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+
+    async def _forward(self, request: Request) -> Response:
+        fault = self.fault
+        if fault.status is not None:
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": "injected by proxy",
+                        "type": "ServiceUnavailable",
+                        "param": None,
+                        "code": fault.status,
+                    }
+                },
+                status_code=fault.status,
+            )
+        if fault.stall_s:
+            await asyncio.sleep(fault.stall_s)
+        client = httpx.AsyncClient(timeout=None)
+        upstream = client.build_request(
+            request.method,
+            f"{self.upstream}{request.url.path}",
+            content=await request.body(),
+            headers={"content-type": request.headers.get("content-type", "application/json")},
+        )
+        response = await client.send(upstream, stream=True)
+
+        async def body() -> AsyncIterator[bytes]:
+            chunks = 0
+            try:
+                async for line in response.aiter_lines():
+                    if line.startswith("data:"):
+                        chunks += 1
+                        if fault.cut_after_chunks is not None and chunks > fault.cut_after_chunks:
+                            self.cuts += 1
+                            raise CutConnection
+                    yield (line + "\n").encode()
+            finally:
+                await response.aclose()
+                await client.aclose()
+
+        return StreamingResponse(
+            body(),
+            status_code=response.status_code,
+            media_type=response.headers.get("content-type"),
+        )
