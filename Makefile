@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvflow-installed
 
-.PHONY: install demo test lint format clean
+.PHONY: install demo test lint format clean vllm-env
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,7 +27,12 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-test: lint
+# Real vLLM (CPU build) and a tiny local model for the tests, built once per machine outside
+# the repository (KVFLOW_VLLM_HOME, default ~/.cache/kvflow/vllm).
+vllm-env:
+	PYTHON=$(PYTHON) bash scripts/vllm_env.sh
+
+test: lint vllm-env
 	$(BIN)/pytest
 
 clean:

@@ -34,6 +34,7 @@ from activities.errors import (
     from_status,
     from_transport,
 )
+from ledger.records import AttemptOutcome, AttemptRecord
 from scheduler.fleet import Pool, replica_name
 from workflows.context import ContextRef, needs_store
 
@@ -143,39 +144,25 @@ class Progress:
     first_token_at: float | None = None
     finish_reason: str | None = None
 
+    def usage(self) -> Usage:
+        """Tokens of the current attempt so far."""
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=min(self.cached_tokens, self.prompt_tokens),
+            completion_tokens=self.completion_tokens,
+        )
+
     def checkpoint(self) -> dict[str, Any]:
         """The partial output as `Checkpoint` fields (plain data for Temporal payloads)."""
         return {"text": self.text, "completion_tokens": self.reused_tokens + self.completion_tokens}
 
 
 class AttemptSink(Protocol):
-    """Receives one record per attempt, success or failure (the ledger implements it)."""
+    """Receives one record per attempt, success or failure (`ledger.AsyncLedger` is one)."""
 
-    async def record_attempt(self, attempt: AttemptReport) -> None:
-        """Store the attempt; must be idempotent on (workflow, run, activity, attempt)."""
-
-
-@dataclass(frozen=True)
-class AttemptReport:
-    """Everything known about one finished attempt, for the ledger."""
-
-    workflow_id: str
-    run_id: str
-    activity_id: str
-    attempt: int
-    workflow_type: str
-    step: str
-    tenant: str
-    model: str
-    pool: Pool
-    replica: str
-    started_at: datetime
-    ended_at: datetime
-    outcome: Literal["ok", "failed", "cancelled"]
-    usage: Usage
-    reused_tokens: int
-    cost_micros: int
-    error_type: str | None
+    async def record_attempt(self, record: AttemptRecord) -> bool:
+        """Store the attempt; idempotent on (workflow, run, activity, attempt)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -237,7 +224,7 @@ class InferenceActivities:
         progress = Progress(text=checkpoint.text if checkpoint else "", reused_tokens=reused)
         heartbeats = asyncio.create_task(self._heartbeat(progress))
         sent = time.monotonic()
-        outcome: Literal["ok", "failed", "cancelled"] = "failed"
+        outcome = AttemptOutcome.FAILED
         error_type: str | None = None
         with tracer.start_as_current_span(
             "kvflow.infer",
@@ -250,24 +237,20 @@ class InferenceActivities:
         ) as span:
             try:
                 await self._stream(request, checkpoint, progress)
-                outcome = "ok"
+                outcome = AttemptOutcome.OK
             except asyncio.CancelledError:
-                outcome = "cancelled"
+                outcome = AttemptOutcome.CANCELLED
                 raise
             except InferenceError as exc:
                 error_type = exc.error_type
                 span.record_exception(exc)
+                # The workflow's spend meter bills the failed attempt from these details.
+                exc.details = {**exc.details, **self._billing(progress)}
                 raise exc.to_application_error() from exc
             finally:
                 heartbeats.cancel()
-                usage = Usage(
-                    prompt_tokens=progress.prompt_tokens,
-                    cached_tokens=min(progress.cached_tokens, progress.prompt_tokens),
-                    completion_tokens=progress.completion_tokens,
-                )
-                cost = self.replica.pool.token_prices.cost_micros(
-                    usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens
-                )
+                usage = progress.usage()
+                cost = self._cost(usage)
                 ttft = (progress.first_token_at - sent) if progress.first_token_at else None
                 span.set_attributes(
                     {
@@ -275,27 +258,31 @@ class InferenceActivities:
                         "kvflow.cached_tokens": usage.cached_tokens,
                         "kvflow.completion_tokens": usage.completion_tokens,
                         "kvflow.cost_micros": cost,
-                        "kvflow.outcome": outcome,
+                        "kvflow.outcome": outcome.value,
                         **({"kvflow.ttft_s": ttft} if ttft is not None else {}),
                     }
                 )
                 await self._record(
-                    AttemptReport(
-                        workflow_id=info.workflow_id or "",
-                        run_id=info.workflow_run_id or "",
+                    AttemptRecord(
+                        workflow_id=info.workflow_id or "-",
+                        run_id=info.workflow_run_id or "-",
                         activity_id=info.activity_id,
                         attempt=info.attempt,
-                        workflow_type=info.workflow_type or "",
                         step=request.step,
                         tenant=request.tenant,
+                        workflow_type=info.workflow_type or "-",
                         model=request.model,
-                        pool=self.replica.pool,
+                        pool=self.replica.pool.name,
                         replica=self.replica.name,
+                        gpu=self.replica.pool.gpu.value,
                         started_at=started_at,
                         ended_at=datetime.now(UTC),
                         outcome=outcome,
-                        usage=usage,
+                        prompt_tokens=usage.prompt_tokens,
+                        cached_tokens=usage.cached_tokens,
+                        completion_tokens=usage.completion_tokens,
                         reused_tokens=reused,
+                        prices=self.replica.pool.token_prices,
                         cost_micros=cost,
                         error_type=error_type,
                     )
@@ -318,20 +305,34 @@ class InferenceActivities:
             reused_tokens=reused,
         )
 
-    async def _record(self, report: AttemptReport) -> None:
+    async def _record(self, record: AttemptRecord) -> None:
         if self.ledger is None:
             return
         try:
-            await self.ledger.record_attempt(report)
+            await self.ledger.record_attempt(record)
         except Exception:
-            # Billing must not turn a good answer into a failure; the reconcile command and the
-            # workflow's own spend meter still see this attempt.
-            log.exception("could not record attempt %s/%s", report.workflow_id, report.attempt)
+            # Billing must not turn a good answer into a failure; the workflow's spend meter
+            # still counts this attempt, and the log says which row is missing.
+            log.exception("could not record attempt %s", record.key)
+
+    def _cost(self, usage: Usage) -> int:
+        return self.replica.pool.token_prices.cost_micros(
+            usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens
+        )
+
+    def _billing(self, progress: Progress) -> dict[str, Any]:
+        """What this attempt has cost so far, and where it ran, as plain data."""
+        usage = progress.usage()
+        return {
+            "replica": self.replica.name,
+            "usage": usage.model_dump(),
+            "cost_micros": self._cost(usage),
+        }
 
     async def _heartbeat(self, progress: Progress) -> None:
         # Heartbeats deliver cancellation too, so they run even before the first token.
         while True:
-            activity.heartbeat(progress.checkpoint())
+            activity.heartbeat({**progress.checkpoint(), **self._billing(progress)})
             await asyncio.sleep(self.heartbeat_interval_s)
 
     async def _stream(

@@ -13,7 +13,7 @@ from workers.devserver import dynamic_config_args, find_temporal_binary
 from workflows.search_attributes import ALL as SEARCH_ATTRIBUTES
 
 # Fixture modules of the parts of kvflow (simulated and real vLLM servers, databases).
-pytest_plugins: list[str] = []
+pytest_plugins: list[str] = ["tests.fixtures_vllm", "tests.fixtures_ledger"]
 
 
 @pytest.fixture(scope="session")

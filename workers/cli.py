@@ -18,6 +18,7 @@ from typing import Annotated, NoReturn
 import typer
 from rich.table import Table
 
+from ledger.cli import ledger_app, report_command
 from workers.console import fail, load_fleet_or_exit, out
 from workers.devserver import DEFAULT_STATE_DIR, DevServerError, EmbeddedTemporal
 from workers.worker_cli import worker_app
@@ -32,6 +33,8 @@ app = typer.Typer(
 fleet_app = typer.Typer(help="Inspect and validate fleet.toml.", no_args_is_help=True)
 app.add_typer(fleet_app, name="fleet")
 app.add_typer(worker_app, name="worker")
+app.add_typer(ledger_app, name="ledger")
+app.command("report")(report_command)
 
 
 @fleet_app.command("check")
