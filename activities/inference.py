@@ -24,7 +24,7 @@ from typing import Any, Literal, Protocol, Self
 
 import httpx
 from opentelemetry import trace
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, TypeAdapter, model_validator
 from temporalio import activity
 
 from activities.context_store import DirectoryContextStore
@@ -52,6 +52,10 @@ class ChatMessage(BaseModel):
     content: str | ContextRef
 
 
+CONVERSATION = TypeAdapter(list[ChatMessage])
+"""How a stored run of messages (`InferenceRequest.earlier_messages`) is encoded."""
+
+
 class Sampling(BaseModel):
     """Sampling parameters, passed to vLLM as they are."""
 
@@ -74,6 +78,9 @@ class InferenceRequest(BaseModel):
 
     model: str
     messages: list[ChatMessage] | None = None
+    earlier_messages: ContextRef | None = None
+    """The conversation before `messages`, stored as a JSON list of `ChatMessage`: a long
+    conversation then costs history one reference per call, not one per message."""
     prompt: str | ContextRef | None = None
     max_tokens: int = Field(ge=1)
     sampling: Sampling = Field(default_factory=Sampling)
@@ -365,15 +372,19 @@ class InferenceActivities:
         """The request with every `ContextRef` replaced by the content it names."""
         if isinstance(request.prompt, ContextRef):
             return request.model_copy(update={"prompt": await self.store.aget(request.prompt)})
-        if request.messages and any(isinstance(m.content, ContextRef) for m in request.messages):
-            messages = [
-                m.model_copy(update={"content": await self.store.aget(m.content)})
-                if isinstance(m.content, ContextRef)
-                else m
-                for m in request.messages
-            ]
-            return request.model_copy(update={"messages": messages})
-        return request
+        if request.messages is None:
+            return request
+        messages = list(request.messages)
+        if request.earlier_messages is not None:
+            earlier = await self.store.aget(request.earlier_messages)
+            messages = [*CONVERSATION.validate_json(earlier), *messages]
+        resolved = [
+            m.model_copy(update={"content": await self.store.aget(m.content)})
+            if isinstance(m.content, ContextRef)
+            else m
+            for m in messages
+        ]
+        return request.model_copy(update={"messages": resolved, "earlier_messages": None})
 
 
 def _checkpoint_from_heartbeat(details: Any) -> Checkpoint | None:

@@ -13,7 +13,7 @@ from workers.devserver import dynamic_config_args, find_temporal_binary
 from workflows.search_attributes import ALL as SEARCH_ATTRIBUTES
 
 # Fixture modules of the parts of kvflow (simulated and real vLLM servers, databases).
-pytest_plugins: list[str] = ["tests.fixtures_vllm", "tests.fixtures_ledger"]
+pytest_plugins: list[str] = ["tests.fixtures_vllm", "tests.fixtures_ledger", "tests.fixtures_sim"]
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +31,7 @@ async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
         await env.shutdown()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def temporal_client(temporal_env: WorkflowEnvironment) -> Client:
     """A client of the session's Temporal server (pydantic data converter)."""
     return temporal_env.client

@@ -33,6 +33,8 @@ class Fault:
     cut_after_chunks: int | None = None
     status: int | None = None
     stall_s: float = 0.0
+    chunk_delay_s: float = 0.0
+    """Delay before each streamed chunk: makes a fast server stream slowly."""
 
 
 class FaultyProxy:
@@ -94,10 +96,15 @@ class FaultyProxy:
                 async for line in response.aiter_lines():
                     if line.startswith("data:"):
                         chunks += 1
+                        if fault.chunk_delay_s:
+                            await asyncio.sleep(fault.chunk_delay_s)
                         if fault.cut_after_chunks is not None and chunks > fault.cut_after_chunks:
                             self.cuts += 1
                             raise CutConnection
                     yield (line + "\n").encode()
+            except BaseException:
+                self.streams_closed_early += 1
+                raise
             finally:
                 await response.aclose()
                 await client.aclose()

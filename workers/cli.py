@@ -19,6 +19,7 @@ import typer
 from rich.table import Table
 
 from ledger.cli import ledger_app, report_command
+from simulator.cli import sim_app
 from workers.console import fail, load_fleet_or_exit, out
 from workers.devserver import DEFAULT_STATE_DIR, DevServerError, EmbeddedTemporal
 from workers.worker_cli import worker_app
@@ -34,6 +35,7 @@ fleet_app = typer.Typer(help="Inspect and validate fleet.toml.", no_args_is_help
 app.add_typer(fleet_app, name="fleet")
 app.add_typer(worker_app, name="worker")
 app.add_typer(ledger_app, name="ledger")
+app.add_typer(sim_app, name="sim")
 app.command("report")(report_command)
 
 

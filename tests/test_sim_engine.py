@@ -1,0 +1,303 @@
+"""The engine core under a discrete clock: caching, eviction, preemption and timing.
+
+No test sleeps: time is whatever the engine says a step costs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.blocks import block_hashes
+from scheduler.fleet import ModelSpec
+from simulator import BUILTIN_MODELS, EngineConfig, EngineCore, SimReplica, SimRequest
+from simulator.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+MODEL = BUILTIN_MODELS["llama-3.1-8b"]
+SMALL = BUILTIN_MODELS["llama-3.2-1b"]
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 50000 + 1 for i in range(length)]
+
+
+def run_to_end(engine: EngineCore | SimReplica, now: float = 0.0) -> float:
+    """Step until idle; the time the last step ended."""
+    while True:
+        duration = engine.begin_step(now)
+        if duration is None:
+            wake = engine.next_wake_time()
+            if wake is None:
+                return now
+            now = wake
+            continue
+        engine.end_step()
+        now += duration
+
+
+def one_request(
+    engine: EngineCore, tokens: list[int], max_tokens: int = 8, now: float = 0.0
+) -> SimRequest:
+    name = f"r{now}-{len(tokens)}-{tokens[0]}"
+    request = SimRequest(name, max_tokens=max_tokens, prompt_token_ids=tokens)
+    engine.add_request(request, now)
+    run_to_end(engine, now)
+    return request
+
+
+def test_repeated_prompt_reports_cached_tokens_in_whole_blocks() -> None:
+    engine = EngineCore("H100", MODEL, EngineConfig(block_size=16))
+    tokens = prompt(1, 1000)
+    first = one_request(engine, tokens)
+    second = one_request(engine, tokens, now=10.0)
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == (1000 - 1) // 16 * 16
+    assert engine.stats.prefix_cache_hits == second.num_cached_tokens
+    assert engine.stats.prefix_cache_queries == 2000
+
+
+def test_shared_prefix_is_reused_up_to_the_first_different_block() -> None:
+    engine = EngineCore("H100", MODEL, EngineConfig(block_size=16))
+    base = prompt(2, 640)
+    one_request(engine, base + prompt(3, 100))
+    other = one_request(engine, base + prompt(4, 100), now=5.0)
+    assert other.num_cached_tokens == 640
+
+
+def ttft(request: SimRequest) -> float:
+    assert request.ttft is not None
+    return request.ttft
+
+
+def test_ttft_grows_with_uncached_prompt_tokens() -> None:
+    ttfts = []
+    for length in (256, 2048, 8192):
+        engine = EngineCore("H100", MODEL)
+        ttfts.append(ttft(one_request(engine, prompt(length, length))))
+    assert ttfts[0] < ttfts[1] < ttfts[2]
+    # A cached prompt of the same length starts faster than an uncached one.
+    engine = EngineCore("H100", MODEL)
+    tokens = prompt(9, 8192)
+    one_request(engine, tokens)
+    cached = one_request(engine, tokens, now=100.0)
+    assert ttft(cached) < ttfts[2] / 5
+
+
+def test_ttft_grows_with_queue_length() -> None:
+    def ttft_behind(queued: int) -> float:
+        engine = EngineCore("H100", MODEL, EngineConfig(max_num_batched_tokens=4096))
+        for index in range(queued):
+            engine.add_request(
+                SimRequest(f"q{index}", max_tokens=4, prompt_token_ids=prompt(index + 10, 4000)),
+                0.0,
+            )
+        probe = SimRequest("probe", max_tokens=4, prompt_token_ids=prompt(999, 500))
+        engine.add_request(probe, 0.0)
+        run_to_end(engine)
+        return ttft(probe)
+
+    alone, behind_two, behind_eight = ttft_behind(0), ttft_behind(2), ttft_behind(8)
+    assert alone < behind_two < behind_eight
+
+
+def test_decode_slows_as_the_batch_grows() -> None:
+    def time_per_output_token(batch: int) -> float:
+        engine = EngineCore("H100", MODEL)
+        requests = [
+            SimRequest(f"b{i}", max_tokens=64, prompt_token_ids=prompt(i + 1, 512))
+            for i in range(batch)
+        ]
+        for request in requests:
+            engine.add_request(request, 0.0)
+        run_to_end(engine)
+        tpots = [(r.e2e_latency or 0.0) - ttft(r) for r in requests]
+        return max(t / 63 for t in tpots)
+
+    one, sixteen, two_fifty_six = (time_per_output_token(b) for b in (1, 16, 256))
+    assert one < sixteen < two_fifty_six
+
+
+def test_h200_is_faster_than_h100_is_faster_than_l4() -> None:
+    def e2e(gpu: str) -> float:
+        engine = EngineCore(gpu, SMALL, EngineConfig(max_model_len=8192))
+        requests = [
+            SimRequest(f"g{i}", max_tokens=128, prompt_token_ids=prompt(i + 1, 2000))
+            for i in range(8)
+        ]
+        for request in requests:
+            engine.add_request(request, 0.0)
+        return run_to_end(engine)
+
+    assert e2e("H200") < e2e("H100") < e2e("L4")
+    engine = {gpu: EngineCore(gpu, MODEL) for gpu in ("H200", "H100", "L4")}
+    prefill = {gpu: e.perf.prefill_seconds(4000) for gpu, e in engine.items()}
+    assert prefill["H200"] <= prefill["H100"] < prefill["L4"]
+
+
+def test_prefix_cache_evicts_least_recently_used_blocks_under_pressure() -> None:
+    config = EngineConfig(
+        block_size=16, num_gpu_blocks=40, max_model_len=512, enable_kv_events=True
+    )
+    engine = EngineCore("H100", SMALL, config)
+    old, newer, newest = prompt(1, 320), prompt(2, 320), prompt(3, 320)
+    one_request(engine, old, max_tokens=1)
+    one_request(engine, newer, max_tokens=1, now=1.0)
+    # 40 blocks hold two prompts of 20 blocks; a third evicts the least recently used one.
+    engine.step(2.0)  # drain queued events
+    newest_request = SimRequest("newest", max_tokens=1, prompt_token_ids=newest)
+    engine.add_request(newest_request, 3.0)
+    removed: list[int] = []
+    now = 3.0
+    while engine.has_unfinished_requests():
+        result = engine.step(now)
+        now = result.end
+        for event in result.kv_events:
+            if isinstance(event, BlockRemoved):
+                removed += event.block_hashes
+    assert set(removed) <= set(block_hashes(old, 16))
+    assert removed, "the oldest prompt's blocks were evicted"
+    assert engine.cached_prefix_tokens(block_hashes(newer, 16)) == 320
+    assert engine.cached_prefix_tokens(block_hashes(old, 16)) < 320
+
+
+def test_running_out_of_blocks_preempts_and_counts_it() -> None:
+    config = EngineConfig(block_size=16, num_gpu_blocks=64, max_model_len=1024)
+    engine = EngineCore("H100", SMALL, config)
+    requests = [
+        SimRequest(f"p{i}", max_tokens=200, prompt_token_ids=prompt(i + 1, 200), ignore_eos=True)
+        for i in range(6)
+    ]
+    for request in requests:
+        engine.add_request(request, 0.0)
+    run_to_end(engine)
+    assert engine.stats.num_preemptions > 0
+    assert all(r.finish_reason == "length" and r.num_output_tokens == 200 for r in requests)
+    assert sum(r.num_preemptions for r in requests) == engine.stats.num_preemptions
+    assert engine.kv_cache_usage() == 0.0
+
+
+def test_long_prompts_are_prefilled_in_chunks_of_the_token_budget() -> None:
+    engine = EngineCore("H100", SMALL, EngineConfig(max_num_batched_tokens=512))
+    request = SimRequest("long", max_tokens=1, prompt_token_ids=prompt(5, 2000))
+    engine.add_request(request, 0.0)
+    steps = []
+    now = 0.0
+    while engine.has_unfinished_requests():
+        result = engine.step(now)
+        steps.append(result.num_scheduled_tokens)
+        now = result.end
+    assert steps == [512, 512, 512, 464]
+
+
+def test_max_num_seqs_bounds_the_batch() -> None:
+    engine = EngineCore("H100", SMALL, EngineConfig(max_num_seqs=4))
+    for i in range(10):
+        engine.add_request(SimRequest(f"s{i}", max_tokens=5, prompt_token_ids=prompt(i, 50)), 0.0)
+    result = engine.step(0.0)
+    assert result.num_requests == 4
+    assert engine.num_running == 4 and engine.num_waiting == 6
+
+
+def test_cold_model_loads_before_its_first_request() -> None:
+    replica = SimReplica("H100", [SMALL], cold_models=[MODEL])
+    cold = replica.engine(MODEL.name)
+    assert not cold.loaded
+    request = SimRequest("cold", max_tokens=2, prompt_token_ids=prompt(1, 100))
+    replica.add_request(MODEL.name, request, 0.0)
+    run_to_end(replica)
+    assert ttft(request) >= cold.perf.load_seconds() == pytest.approx(8.0)
+    warm_again = SimRequest("warm", max_tokens=2, prompt_token_ids=prompt(2, 100))
+    replica.add_request(MODEL.name, warm_again, 100.0)
+    run_to_end(replica, 100.0)
+    assert ttft(warm_again) < 1.0
+
+
+def test_two_models_on_one_replica_share_memory_and_take_turns() -> None:
+    replica = SimReplica("H100", [SMALL, MODEL])
+    alone = EngineCore("H100", MODEL)
+    assert replica.engine(MODEL.name).num_gpu_blocks < alone.num_gpu_blocks
+    for model in (SMALL, MODEL):
+        replica.add_request(
+            model.name, SimRequest(model.name, max_tokens=3, prompt_token_ids=prompt(1, 64)), 0.0
+        )
+    served = []
+    now = 0.0
+    while replica.has_unfinished_requests():
+        duration = replica.begin_step(now)
+        assert duration is not None
+        served.append(replica.end_step().model)
+        now += duration
+    assert served[:2] in ([SMALL.name, MODEL.name], [MODEL.name, SMALL.name])
+    assert served.count(SMALL.name) == served.count(MODEL.name) == 3
+
+
+def test_kv_events_carry_the_scheduler_block_hashes() -> None:
+    engine = EngineCore("H100", SMALL, EngineConfig(block_size=16, enable_kv_events=True))
+    tokens = prompt(11, 100)
+    request = SimRequest("ev", max_tokens=1, prompt_token_ids=tokens)
+    engine.add_request(request, 0.0)
+    result = engine.step(0.0)
+    (stored,) = [e for e in result.kv_events if isinstance(e, BlockStored)]
+    assert stored.block_hashes == block_hashes(tokens, 16)
+    assert stored.parent_block_hash is None
+    assert stored.token_ids == tokens[:96]
+    assert stored.block_size == 16 and stored.medium == "GPU"
+    assert engine.reset_prefix_cache()
+    assert isinstance(engine.step(1.0).kv_events[-1], AllBlocksCleared)
+
+
+def test_output_blocks_are_cached_for_the_next_turn() -> None:
+    engine = EngineCore("H100", SMALL, EngineConfig(block_size=16))
+
+    class Counting:
+        def __init__(self) -> None:
+            self.value = 0
+
+        def next_token(self) -> tuple[int, bool]:
+            self.value += 1
+            return 1000 + self.value, False
+
+    tokens = prompt(12, 40)
+    first = SimRequest("turn1", max_tokens=40, prompt_token_ids=tokens, sampler=Counting())
+    engine.add_request(first, 0.0)
+    run_to_end(engine)
+    answer = first.output_token_ids
+    follow_up = SimRequest("turn2", max_tokens=1, prompt_token_ids=tokens + answer + [7, 8, 9])
+    engine.add_request(follow_up, 10.0)
+    run_to_end(engine, 10.0)
+    # Prompt (40) and answer (40) fill 4 whole blocks before the last answer token.
+    assert follow_up.num_cached_tokens == 64
+
+
+def test_aborted_request_gives_its_blocks_back() -> None:
+    engine = EngineCore("H100", SMALL)
+    request = SimRequest("gone", max_tokens=100, prompt_token_ids=prompt(1, 300))
+    engine.add_request(request, 0.0)
+    engine.step(0.0)
+    assert engine.kv_cache_usage() > 0
+    assert engine.abort_request("gone", 0.1)
+    assert engine.kv_cache_usage() == 0.0
+    assert not engine.has_unfinished_requests()
+
+
+def test_model_that_does_not_fit_is_refused_with_a_clear_error() -> None:
+    big = BUILTIN_MODELS["llama-3.1-70b"]
+    with pytest.raises(ValueError, match=r"does not fit on L4"):
+        EngineCore("L4", big)
+    tiny_context = ModelSpec(
+        name="x", parameters_b=1, layers=2, kv_heads=1, head_dim=8, context_length=4096
+    )
+    with pytest.raises(ValueError, match="lower max_model_len"):
+        EngineCore("H100", tiny_context, EngineConfig(num_gpu_blocks=10))
+
+
+def test_prompt_at_the_context_length_is_refused() -> None:
+    engine = EngineCore("H100", SMALL, EngineConfig(max_model_len=128))
+    with pytest.raises(ValueError, match="maximum context length is 128"):
+        engine.add_request(SimRequest("x", max_tokens=1, prompt_token_ids=prompt(1, 128)), 0.0)
+
+
+def test_output_stops_at_the_context_length() -> None:
+    engine = EngineCore("H100", SMALL, EngineConfig(max_model_len=128))
+    request = one_request(engine, prompt(1, 120), max_tokens=100)
+    assert request.finish_reason == "length"
+    assert request.num_tokens == 128
