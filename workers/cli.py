@@ -8,6 +8,7 @@ that succeeded must not exit non-zero because of it.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
@@ -18,6 +19,7 @@ from typing import Annotated, NoReturn
 import typer
 from rich.table import Table
 
+from benchmarks.cli import bench_app
 from ledger.cli import ledger_app, report_command
 from simulator.cli import sim_app
 from workers.console import fail, load_fleet_or_exit, out
@@ -36,6 +38,7 @@ app.add_typer(fleet_app, name="fleet")
 app.add_typer(worker_app, name="worker")
 app.add_typer(ledger_app, name="ledger")
 app.add_typer(sim_app, name="sim")
+app.add_typer(bench_app, name="bench")
 app.command("report")(report_command)
 
 
@@ -180,31 +183,49 @@ def server(
 @app.command()
 def demo(
     fleet: Annotated[Path, typer.Option("--fleet", help="fleet file")] = Path("fleet.toml"),
+    tasks: Annotated[int, typer.Option("--tasks", min=1, max=10_000, help="tasks to run")] = 24,
+    seed: Annotated[
+        int, typer.Option("--seed", help="seed of the workload and the simulators")
+    ] = 7,
+    keep_running: Annotated[
+        bool, typer.Option("--keep-running", help="leave the stack up after the report")
+    ] = False,
     port: PortOption = 7233,
     ui_port: UiPortOption = 8233,
     state_dir: StateDirOption = DEFAULT_STATE_DIR,
-    keep_running: Annotated[
-        bool, typer.Option("--keep-running", help="leave the stack up until Ctrl-C")
-    ] = False,
 ) -> None:
-    """Start the embedded stack from FLEET, show it, and stop it (or keep it up)."""
+    """Run agent tasks of three tenants on a simulated fleet, then show what they cost."""
+    from workers.demo import DemoOptions, connect_local, run_demo
+
     config = load_fleet_or_exit(fleet)
     temporal = EmbeddedTemporal(port=port, ui_port=ui_port, state_dir=state_dir)
     try:
         temporal.start()
     except DevServerError as exc:
         fail(str(exc))
-    try:
-        replicas = sum(p.replicas for p in config.pools)
-        out.print(
-            f"Embedded stack up: Temporal at {temporal.address}, UI {temporal.ui_url}; "
-            f"fleet {fleet}: {len(config.pools)} pools, {replicas} replicas, "
-            f"{len(config.tenants)} tenants.",
-            highlight=False,
+    out.print(
+        f"Temporal dev server at {temporal.address}, UI {temporal.ui_url}; fleet {fleet}: "
+        f"{len(config.pools)} pools, {sum(p.replicas for p in config.pools)} replicas, "
+        f"{len(config.tenants)} tenants; {tasks} tasks.",
+        highlight=False,
+    )
+
+    async def run() -> None:
+        client = await connect_local(temporal.address)
+        await run_demo(
+            client,
+            config,
+            state_dir=state_dir,
+            options=DemoOptions(tasks=tasks, seed=seed),
+            console=out,
+            ui_url=temporal.ui_url,
+            keep_running=keep_running,
         )
-        if keep_running:
-            out.print("Ctrl-C stops it.")
-            _wait_for_stop_signal(temporal)
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        out.print("Interrupted.")
     finally:
         temporal.stop()
     out.print("Embedded stack stopped.")

@@ -18,6 +18,7 @@ from temporalio.contrib.opentelemetry import TracingInterceptor
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Worker
 
+from activities.context_store import DirectoryContextStore
 from activities.inference import (
     AttemptSink,
     InferenceActivities,
@@ -82,6 +83,7 @@ class GpuWorker:
         binding: ReplicaBinding,
         *,
         ledger: AttemptSink | None = None,
+        store: DirectoryContextStore | None = None,
         http: httpx.AsyncClient | None = None,
         graceful_shutdown_s: float = 10.0,
         heartbeat_interval_s: float = 0.5,
@@ -89,7 +91,7 @@ class GpuWorker:
         self.binding = binding
         self.http = http or default_http_client()
         self.activities = InferenceActivities(
-            binding, self.http, ledger, heartbeat_interval_s=heartbeat_interval_s
+            binding, self.http, ledger, store=store, heartbeat_interval_s=heartbeat_interval_s
         )
         self.task_queue = task_queue_for(binding.pool.name, binding.index)
         self.worker = Worker(

@@ -1,0 +1,168 @@
+"""The activities the workflow worker runs for the step API: place, observe, bill, store.
+
+`place` and `observe` are local activities: the scheduler lives in the workflow worker's
+process, answers from memory in microseconds, and its answer is recorded in history as a
+marker, so a replay takes the same decision without asking again. Their inputs are not written
+to history, which is why `place` can receive the whole conversation (as context references)
+and compute the prompt's block hashes itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Any, Protocol
+
+from pydantic import BaseModel, Field
+from temporalio import activity
+
+from activities.context_store import DirectoryContextStore
+from activities.inference import ChatMessage
+from ledger.records import TaskRecord
+from scheduler.blocks import block_hashes
+from scheduler.placement import Observation, Placement, PlacementRequest, Refusal
+from simulator.tokenizer import Tokenizer, apply_chat_template
+from workflows.context import ContextRef
+
+log = logging.getLogger(__name__)
+
+PLACE_ACTIVITY = "kvflow.place"
+OBSERVE_ACTIVITY = "kvflow.observe"
+RECORD_TASK_ACTIVITY = "kvflow.record_task"
+CONTEXT_PUT_ACTIVITY = "kvflow.context_put"
+CONTEXT_GET_ACTIVITY = "kvflow.context_get"
+
+
+class PlacementPolicy(Protocol):
+    """The scheduler, as the control plane uses it."""
+
+    def place(self, request: PlacementRequest) -> Placement | Refusal:
+        """Choose a replica for one call, or refuse and say why."""
+        ...
+
+    def observe(self, observation: Observation) -> None:
+        """Learn from how a call ended."""
+        ...
+
+
+class TaskSink(Protocol):
+    """Stores task rows (`ledger.AsyncLedger` is one)."""
+
+    async def record_task(self, record: TaskRecord) -> bool:
+        """Store the task's row; idempotent on (workflow id, run id)."""
+        ...
+
+
+class PlaceInput(BaseModel):
+    """What the step API knows about a call when it asks for a placement."""
+
+    request: PlacementRequest
+    """Everything but the prompt's size and block hashes, which `place` computes."""
+    messages: list[ChatMessage] | None = None
+    prompt: str | ContextRef | None = None
+    checkpoint_text: str = ""
+    """Partial output a resume will send as well (it is part of the prompt then)."""
+
+
+class PlaceAnswer(BaseModel):
+    """A placement, or a refusal; and the prompt size it was computed for."""
+
+    placement: Placement | None = None
+    refusal: Refusal | None = None
+    prompt_tokens: int = Field(ge=0)
+
+
+_tokenizer = Tokenizer()
+
+
+@lru_cache(maxsize=4096)
+def _token_ids(text: str) -> tuple[int, ...]:
+    return tuple(_tokenizer.encode(text, add_special_tokens=False))
+
+
+class ControlPlaneActivities:
+    """Activities of the workflow worker, bound to its scheduler, ledger and context store.
+
+    Prompt sizes and block hashes come from kvflow's deterministic tokenizer: they estimate the
+    engine's token counts, and they are the same in every workflow worker, which is what the
+    approximate prefix index and rendezvous hashing need to agree.
+    """
+
+    def __init__(
+        self,
+        scheduler: PlacementPolicy,
+        *,
+        block_size: int,
+        ledger: TaskSink | None = None,
+        store: DirectoryContextStore | None = None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.block_size = block_size
+        self.ledger = ledger
+        self.store = store or DirectoryContextStore()
+
+    async def _text(self, content: str | ContextRef) -> str:
+        return content if isinstance(content, str) else await self.store.aget(content)
+
+    async def prompt_tokens(self, place: PlaceInput) -> list[int]:
+        """The prompt's token ids as kvflow's tokenizer renders it."""
+        if place.messages is not None:
+            messages = [
+                {"role": m.role, "content": await self._text(m.content)} for m in place.messages
+            ]
+            if place.checkpoint_text:
+                messages.append({"role": "assistant", "content": place.checkpoint_text})
+            rendered = apply_chat_template(
+                messages,
+                add_generation_prompt=not place.checkpoint_text,
+                continue_final_message=bool(place.checkpoint_text),
+            )
+        else:
+            assert place.prompt is not None
+            rendered = await self._text(place.prompt) + place.checkpoint_text
+        # Tokenizing a long conversation takes milliseconds: keep it off the event loop.
+        return list(await asyncio.to_thread(_token_ids, rendered))
+
+    @activity.defn(name=PLACE_ACTIVITY)
+    async def place(self, place: PlaceInput) -> PlaceAnswer:
+        """Ask the scheduler where the call should run (a local activity)."""
+        ids = await self.prompt_tokens(place)
+        request = place.request.model_copy(
+            update={
+                "prompt_tokens": len(ids),
+                "block_hashes": block_hashes(ids, self.block_size),
+            }
+        )
+        answer = self.scheduler.place(request)
+        if isinstance(answer, Placement):
+            return PlaceAnswer(placement=answer, prompt_tokens=len(ids))
+        return PlaceAnswer(refusal=answer, prompt_tokens=len(ids))
+
+    @activity.defn(name=OBSERVE_ACTIVITY)
+    async def observe(self, observation: Observation) -> None:
+        """Tell the scheduler how a call ended (a local activity)."""
+        self.scheduler.observe(observation)
+
+    @activity.defn(name=RECORD_TASK_ACTIVITY)
+    async def record_task(self, record: TaskRecord) -> bool:
+        """Write the task's ledger row (idempotent); False if it was already there."""
+        if self.ledger is None:
+            log.warning("no ledger configured; task %s not recorded", record.key)
+            return False
+        return await self.ledger.record_task(record)
+
+    @activity.defn(name=CONTEXT_PUT_ACTIVITY)
+    async def context_put(self, text: str) -> ContextRef:
+        """Store content; as a local activity its input (the text) stays out of history."""
+        return await self.store.aput(text)
+
+    @activity.defn(name=CONTEXT_GET_ACTIVITY)
+    async def context_get(self, ref: ContextRef) -> str:
+        """Read content back (the result is recorded: use it for small contents)."""
+        return await self.store.aget(ref)
+
+    def all(self) -> list[Callable[..., Any]]:
+        """Every activity of the control plane, to register on the workflow worker."""
+        return [self.place, self.observe, self.record_task, self.context_put, self.context_get]

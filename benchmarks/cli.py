@@ -1,0 +1,126 @@
+"""`kvflow bench ...`: benchmarks that print a table and optionally write JSON."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.scheduler_latency import DEFAULT_SIZES, LatencyResult, measure
+
+bench_app = typer.Typer(
+    help="Benchmarks of kvflow's policies and overheads.",
+    no_args_is_help=True,
+)
+
+_PIPE_WIDTH = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 120
+_out = Console(width=_PIPE_WIDTH)
+_err = Console(stderr=True, width=_PIPE_WIDTH)
+
+
+def _usage_error(message: str) -> typer.Exit:
+    _err.print(f"[bold red]error:[/] {message}", highlight=False)
+    return typer.Exit(2)
+
+
+def _parse_sizes(text: str) -> list[int]:
+    sizes: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 4 or int(part) % 4 or int(part) > 4096:
+            raise _usage_error(
+                f"--sizes: {part!r} is not a replica count; give multiples of 4 between 4 and "
+                "4096 separated by commas, e.g. --sizes 16,64,256,1024"
+            )
+        sizes.append(int(part))
+    return sizes
+
+
+@bench_app.command("scheduler")
+def scheduler_latency(
+    json_file: Annotated[
+        Path | None,
+        typer.Option("--json", help="also write the figures to this JSON file"),
+    ] = None,
+    sizes: Annotated[
+        str,
+        typer.Option("--sizes", help="fleet sizes (replicas), comma-separated"),
+    ] = ",".join(str(s) for s in DEFAULT_SIZES),
+    decisions: Annotated[
+        int,
+        typer.Option("--decisions", min=10, max=1_000_000, help="timed decisions per size"),
+    ] = 2000,
+    seed: Annotated[int, typer.Option("--seed", help="random seed of the workload")] = 7,
+) -> None:
+    """Decision latency of the scheduler (p50/p99) on fleets of 16 to 1,024 replicas."""
+    counts = _parse_sizes(sizes)
+    if json_file is not None and not json_file.parent.exists():
+        raise _usage_error(
+            f"--json: folder {json_file.parent} does not exist; create it or pick another path"
+        )
+    # The scheduler logs circuit changes of the synthetic fleet; they are not news here.
+    logging.getLogger("scheduler").setLevel(logging.ERROR)
+    results: list[LatencyResult] = []
+    with _out.status("measuring...") as status:
+        for count in counts:
+            status.update(f"measuring {count} replicas ({decisions} decisions)...")
+            results.append(measure(count, decisions=decisions, seed=seed))
+
+    table = Table(title="Scheduler decision latency (µs, one decision at a time)")
+    for column in (
+        "replicas",
+        "decisions",
+        "placed",
+        "p50",
+        "p90",
+        "p99",
+        "max",
+        "CPU p50",
+        "CPU p99",
+    ):
+        table.add_column(column, justify="right")
+    for r in results:
+        table.add_row(
+            str(r.replicas),
+            str(r.decisions),
+            str(r.placed),
+            f"{r.p50_us:.0f}",
+            f"{r.p90_us:.0f}",
+            f"{r.p99_us:.0f}",
+            f"{r.max_us:.0f}",
+            f"{r.cpu_p50_us:.0f}",
+            f"{r.cpu_p99_us:.0f}",
+        )
+    _out.print(table)
+    _out.print(
+        "Wall-clock figures include any time the process waited for a core; CPU figures "
+        "count the deciding thread only.",
+        highlight=False,
+    )
+    if json_file is not None:
+        payload = {
+            "decision_latency_us": {
+                str(r.replicas): {
+                    "p50": round(r.p50_us, 2),
+                    "p99": round(r.p99_us, 2),
+                    "p90": round(r.p90_us, 2),
+                    "max": round(r.max_us, 2),
+                    "mean": round(r.mean_us, 2),
+                    "cpu_p50": round(r.cpu_p50_us, 2),
+                    "cpu_p99": round(r.cpu_p99_us, 2),
+                    "decisions": r.decisions,
+                    "placed": r.placed,
+                    "refused": r.refused,
+                }
+                for r in results
+            }
+        }
+        json_file.write_text(json.dumps(payload, indent=2) + "\n")
+        _out.print(f"wrote {json_file}", highlight=False)

@@ -1,0 +1,1 @@
+"""Agent workflows to copy from: a research assistant, support triage with a saga, code review."""

@@ -1,0 +1,271 @@
+"""Weights and thresholds of the scheduler, one pydantic model per concern.
+
+Every number the placement policy uses lives here with its default and what it means, so an
+operator tunes placement in configuration rather than in code. The defaults follow the systems
+kvflow is measured against where they publish one (SGLang's circuit breaker: open after 5
+consecutive failures, half-open after 30 s, closed after 2 successes) and are otherwise chosen
+to be conservative.
+"""
+
+from __future__ import annotations
+
+from typing import Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SpeedConfig(_Config):
+    """The roofline speed model used until a replica has reported its own timings.
+
+    prefill seconds = 2 · parameters · uncached tokens / (TFLOP/s · GPUs · `prefill_mfu`)
+    decode seconds per token = weight bytes / (bandwidth · GPUs · `decode_bandwidth_efficiency`)
+    """
+
+    prefill_mfu: float = Field(
+        default=0.4, gt=0, le=1, description="fraction of peak BF16 FLOP/s prefill reaches"
+    )
+    decode_bandwidth_efficiency: float = Field(
+        default=0.6, gt=0, le=1, description="fraction of peak memory bandwidth decode reaches"
+    )
+    weight_bytes_per_parameter: float = Field(default=2.0, gt=0, description="2 for BF16")
+    ttft_overhead_s: float = Field(
+        default=0.02, ge=0, description="fixed cost of a request before its first token"
+    )
+    decode_batch_slowdown: float = Field(
+        default=0.5,
+        ge=0,
+        description="time per output token grows by this factor at full concurrency",
+    )
+    ewma_alpha: float = Field(
+        default=0.2, gt=0, le=1, description="weight of the newest observation in the EWMAs"
+    )
+    observation_clamp: float = Field(
+        default=1e4,
+        gt=1,
+        description=(
+            "a measured time per token counts within [roofline / clamp, roofline · clamp], so "
+            "one absurd report cannot wreck an estimate"
+        ),
+    )
+    default_service_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="mean call duration assumed for queue estimates before any is observed",
+    )
+    load_bandwidth_gbps: float = Field(
+        default=2.0, gt=0, description="GB/s at which a cold replica reads model weights"
+    )
+    load_overhead_s: float = Field(
+        default=20.0, ge=0, description="engine start-up time of a cold model load"
+    )
+
+
+class WeightsConfig(_Config):
+    """Multiplicative preferences applied to a replica's expected cost per success.
+
+    A replica's objective is multiplied by `(1 + queue · load fraction)`,
+    `(1 + kv_usage · KV-cache usage)` and `(1 + cold_start)` when it must load the model; the
+    workflow's previous replica is multiplied by `(1 − sticky)`.
+    """
+
+    queue: float = Field(default=0.5, ge=0, description="weight of running+waiting / slots")
+    kv_usage: float = Field(default=0.5, ge=0, description="weight of KV-cache usage (0..1)")
+    cold_start: float = Field(default=1.0, ge=0, description="penalty for loading weights")
+    sticky: float = Field(
+        default=0.1, ge=0, lt=1, description="discount for the workflow's previous replica"
+    )
+    sunk_cost: float = Field(
+        default=0.5,
+        ge=0,
+        description=(
+            "share of the task's spend so far that a failure of this call is assumed to waste "
+            "(λ in (cost + λ·spent·(1−p)) / p)"
+        ),
+    )
+
+
+class MemoryConfig(_Config):
+    """When a replica's KV cache is too full for a request (it would preempt others)."""
+
+    reserve_fraction: float = Field(
+        default=0.05,
+        ge=0,
+        lt=1,
+        description="share of a replica's KV blocks kept free for running requests to grow",
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.9, gt=0, le=1, description="as vLLM's flag; sizes the KV cache before scraping"
+    )
+    saturated_retry_after_s: float = Field(
+        default=2.0, gt=0, description="retry-after of a refusal because every cache is full"
+    )
+
+
+class LatencyConfig(_Config):
+    """How much of a task's remaining deadline one step may use, and how risky a tight fit is.
+
+    step budget = min(remaining, `step_share_multiplier` · remaining / steps remaining)
+    P(on time) = 1 / (1 + (estimate / step budget) ^ `deadline_shape`)
+    """
+
+    step_share_multiplier: float = Field(
+        default=1.5,
+        ge=1,
+        description="a step may use this multiple of an even share of the remaining deadline",
+    )
+    deadline_shape: float = Field(
+        default=4.0,
+        gt=0,
+        description="shape of the log-logistic run-time distribution; larger = estimates trusted",
+    )
+    schedule_to_start_margin_s: float = Field(
+        default=5.0, gt=0, description="added to twice the queue estimate for schedule_to_start"
+    )
+    min_schedule_to_start_s: float = Field(default=1.0, gt=0)
+    max_schedule_to_start_s: float = Field(default=300.0, gt=0)
+
+
+class CircuitBreakerConfig(_Config):
+    """Per-replica circuit breaker: closed → open → half-open → closed."""
+
+    consecutive_failures: int = Field(
+        default=5, ge=1, description="failures in a row that open the circuit"
+    )
+    error_rate: float = Field(
+        default=0.5, gt=0, le=1, description="failure share over the window that opens it"
+    )
+    window_s: float = Field(default=60.0, gt=0, description="the error-rate window")
+    min_calls_in_window: int = Field(
+        default=10, ge=1, description="calls needed in the window before the rate counts"
+    )
+    cooldown_s: float = Field(default=30.0, gt=0, description="open time before a probe")
+    half_open_successes: int = Field(
+        default=2, ge=1, description="probe successes that close the circuit again"
+    )
+    half_open_probes: int = Field(
+        default=1, ge=1, description="calls allowed at once while half-open"
+    )
+    half_open_success_probability: float = Field(
+        default=0.5, gt=0, le=1, description="P(success) assumed for a half-open replica"
+    )
+    prior_successes: float = Field(
+        default=10.0,
+        gt=0,
+        description=(
+            "pseudo-successes added to a replica's window: P(ok) = (ok + prior) / (calls + prior)"
+        ),
+    )
+
+
+class RetryBudgetConfig(_Config):
+    """Limits on re-placements, so a failing fleet cannot multiply spend."""
+
+    max_task_retries: int = Field(
+        default=3, ge=0, description="re-placements one task may make in total"
+    )
+    tenant_retry_fraction: float = Field(
+        default=0.2, ge=0, le=1, description="retries a tenant may make per call over the window"
+    )
+    tenant_min_retries: int = Field(
+        default=10, ge=0, description="retries always allowed per window (small tenants)"
+    )
+    tenant_window_s: float = Field(default=60.0, gt=0)
+
+
+class PrefixConfig(_Config):
+    """The prefix index and the rendezvous fallback."""
+
+    block_size: int = Field(
+        default=16,
+        ge=1,
+        description=(
+            "tokens per block of the hashes in a PlacementRequest; must divide every engine's "
+            "block size for KV events to be matched"
+        ),
+    )
+    index_stride: int = Field(
+        default=4,
+        ge=1,
+        description=(
+            "index every n-th block of a prompt: matches are exact to n blocks (64 tokens by "
+            "default) and the index does n times less work and holds n times fewer entries"
+        ),
+    )
+    speculative_ttl_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="how long a placement's blocks count as cached before a KV event confirms",
+    )
+    default_capacity_blocks: int = Field(
+        default=200_000,
+        ge=1,
+        description="LRU size of a replica's index entries before its cache size is scraped",
+    )
+    rendezvous_prefix_blocks: int = Field(
+        default=4,
+        ge=1,
+        description="the rendezvous key is the hash of this many leading blocks (or fewer)",
+    )
+    rendezvous_tolerance: float = Field(
+        default=0.25,
+        ge=0,
+        description="replicas within this share of the best objective are rendezvous candidates",
+    )
+    bounded_load_factor: float = Field(
+        default=1.25,
+        ge=1,
+        description="a rendezvous pick may hold at most this multiple of the mean load",
+    )
+    scored_candidates: int = Field(
+        default=4,
+        ge=1,
+        description=(
+            "feasible replicas fully scored per decision, best-first by a lower bound on their "
+            "objective (the rendezvous pick may score a few more)"
+        ),
+    )
+    remembered_workflows: int = Field(
+        default=65_536, ge=0, description="workflows whose last replica is remembered"
+    )
+
+
+class AdmissionConfig(_Config):
+    """Admission under saturation: low tiers wait before high tiers do.
+
+    A tenant of tier t is refused (with a retry-after) when the load fraction of the replicas
+    serving the model, (running + waiting) / slots, is at least `saturation_by_tier[t − 1]`.
+    """
+
+    saturation_by_tier: tuple[float, float, float, float, float] = (4.0, 2.0, 1.5, 1.25, 1.0)
+    retry_after_s: float = Field(default=2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _tiers_ordered(self) -> Self:
+        thresholds = self.saturation_by_tier
+        if any(t <= 0 for t in thresholds) or list(thresholds) != sorted(thresholds, reverse=True):
+            raise ValueError(
+                "saturation_by_tier must be positive and non-increasing from tier 1 to tier 5 "
+                f"(tier 1 is admitted longest); got {list(thresholds)}"
+            )
+        return self
+
+
+class SchedulerConfig(_Config):
+    """All of the scheduler's weights and thresholds, with documented defaults."""
+
+    speed: SpeedConfig = SpeedConfig()
+    weights: WeightsConfig = WeightsConfig()
+    memory: MemoryConfig = MemoryConfig()
+    latency: LatencyConfig = LatencyConfig()
+    circuit: CircuitBreakerConfig = CircuitBreakerConfig()
+    retries: RetryBudgetConfig = RetryBudgetConfig()
+    prefix: PrefixConfig = PrefixConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    allow_cold_start: bool = Field(
+        default=True,
+        description="place on a replica that must load the model when no warm one fits",
+    )

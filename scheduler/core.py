@@ -1,0 +1,1064 @@
+"""`Scheduler`: filter → score → pick over the fleet's replicas, with a reason for every answer.
+
+A decision, for one `PlacementRequest`:
+
+1. **Tenant checks**: the task's and the tenant's retry budgets, the tenant's daily quota.
+2. **Model**: the model asked for, then (if it cannot be placed and the request allows it) its
+   fallback chain. A model's candidates are the replicas that are up, whose circuit is not
+   open, and that hold its weights (warm) or, when no warm replica fits, could load them
+   (cold). Tier admission refuses low tiers first when those replicas are saturated.
+3. **Filters** per replica, in order: excluded, not warm, down, circuit open (or its half-open
+   probe slot busy), too small, KV cache too full (would preempt), deadline, spend cap. When
+   nothing passes, the refusal reports the furthest filter any replica reached.
+4. **Objective** (see `scheduler.axes`): the lowest expected cost per successful call,
+   J = (cost + λ · spent · (1 − p)) / p × penalties × sticky.
+5. **Pick**: the lowest J; but when no feasible replica holds any of the prompt's prefix,
+   rendezvous hashing of the prefix key over the replicas whose bound is within
+   `rendezvous_tolerance` of the lowest, with bounded load, computed from shared telemetry
+   only, so that every scheduler process sends a new prefix to the same replica.
+
+Speed: a replica's request-independent factor (penalties / P(success), from scraped load) is
+kept in a per-pool list sorted by that factor and updated when telemetry changes. Since
+J ≥ cost · factor for every replica but the previous one, replicas are scored best-first by
+that bound (the deepest prefix holders with their own depth, the rest pool by pool) until the
+bound reaches the best J found or `scored_candidates` feasible replicas were scored. Matching
+the prompt against the prefix index is O(levels · log blocks). No I/O happens here: telemetry
+is pushed in by `update_metrics`, `set_replica_up`, `apply_kv_events` and `observe`.
+
+All methods are thread-safe (one lock): Temporal may run local activities in threads while
+the telemetry loops run on the event loop.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import threading
+import time
+from bisect import bisect_left, bisect_right, insort
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from itertools import islice
+
+from scheduler.axes import (
+    GpuGenerationAxis,
+    KvCacheAxis,
+    LatencyBudget,
+    MemoryHeadroom,
+    PoolPrices,
+    QueueLoad,
+    TenantPriority,
+    WarmWeights,
+    WorkflowContext,
+)
+from scheduler.config import SchedulerConfig
+from scheduler.fleet import Fleet, ModelSpec, Pool, Tenant, replica_name, task_queue_for
+from scheduler.placement import (
+    Observation,
+    Placement,
+    PlacementInputError,
+    PlacementRequest,
+    Refusal,
+    RefusalReason,
+    ReplicaStatus,
+)
+from scheduler.prefix_index import KvEvent, PrefixIndex
+from scheduler.reliability import (
+    CircuitState,
+    TenantRetryBudget,
+    task_retry_allowed,
+)
+from scheduler.rendezvous import (
+    bounded_capacity,
+    rendezvous_key,
+    rendezvous_weight,
+    replica_seed,
+)
+from scheduler.state import ReplicaMetrics, ReplicaState
+
+logger = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+"""Seconds; wall-clock (`time.time`) by default, so tenant quotas follow UTC days."""
+
+SECONDS_PER_DAY = 86_400
+
+# Filters in pipeline order. When nothing fits, the refusal reports the furthest filter any
+# replica reached: "3 replicas too slow, 1 excluded" is a deadline problem, not an exclusion.
+_FILTER_ORDER = (
+    "excluded",
+    "not_warm",
+    "down",
+    "circuit_open",
+    "too_small",
+    "memory",
+    "deadline",
+    "spend",
+)
+_FILTER_REASON = {
+    "excluded": RefusalReason.NO_REPLICA,
+    "down": RefusalReason.NO_REPLICA,
+    "not_warm": RefusalReason.MODEL_NOT_WARM,
+    "circuit_open": RefusalReason.ALL_CIRCUITS_OPEN,
+    "too_small": RefusalReason.NO_REPLICA,
+    "memory": RefusalReason.SATURATED,
+    "deadline": RefusalReason.DEADLINE,
+    "spend": RefusalReason.OVER_BUDGET,
+}
+_DOWN_RETRY_AFTER_S = 5.0
+
+
+@dataclass(slots=True)
+class _Candidate:
+    """One replica scored for one request."""
+
+    rid: int
+    depth: int
+    cached_tokens: int
+    queue_wait_s: float
+    cold_load_s: float
+    ttft_s: float
+    duration_s: float
+    cost: float
+    p_success: float
+    objective: float
+
+
+@dataclass(slots=True)
+class _ModelView:
+    """The replicas that can serve one model, per pool, sorted by their static factor."""
+
+    model: ModelSpec
+    warm: list[list[tuple[float, int]]]
+    cold: list[list[tuple[float, int]]]
+    member: dict[
+        int, tuple[list[tuple[float, int]], tuple[float, int], tuple[int, int, int] | None]
+    ] = field(default_factory=dict)
+    """Replica id → (its ranking list, its key there, its (load, slots, scraped) if warm)."""
+    load: int = 0
+    slots: int = 0
+    shared_load: int = 0
+    warm_count: int = 0
+
+
+@dataclass(slots=True)
+class _Request:
+    """Per-request constants, computed once per decision."""
+
+    request: PlacementRequest
+    now: float
+    budget_s: float | None
+    excluded: frozenset[int]
+    previous: int
+    prompt: int
+    output: int
+    spent: int
+    budget_micros: int | None
+    spec: ModelSpec = field(init=False)
+    depths: dict[int, int] = field(init=False)
+    can_load: list[bool] = field(init=False)
+    """Per pool: whether a cold replica there may load the model."""
+    cold_load_s: float = field(init=False)
+
+
+class Scheduler:
+    """Places model calls on replicas of a `Fleet`; see the module docstring."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        config: SchedulerConfig | None = None,
+        *,
+        clock: Clock = time.time,
+    ) -> None:
+        self.fleet = fleet
+        self.config = config = config or SchedulerConfig()
+        self._clock = clock
+        self._lock = threading.RLock()
+        self.block_size = config.prefix.block_size
+        """Tokens per block of the hashes a `PlacementRequest` must carry."""
+        self._entry_tokens = self.block_size * config.prefix.index_stride
+
+        self.gpu = GpuGenerationAxis(config.speed)
+        self.queue = QueueLoad(config.weights, config.speed)
+        self.memory = MemoryHeadroom(config.memory, config.weights)
+        self.kv = KvCacheAxis()
+        self.warm = WarmWeights(config.speed, config.memory)
+        self.tenants = TenantPriority(config.admission)
+        self.latency = LatencyBudget(config.latency)
+        self.context = WorkflowContext(config.weights)
+        self.indexes: dict[str, PrefixIndex] = {
+            m.name: PrefixIndex(
+                self.block_size, config.prefix.speculative_ttl_s, config.prefix.index_stride
+            )
+            for m in fleet.models
+        }
+        """One prefix index per model: a KV cache holds one model's blocks."""
+
+        self._models = {m.name: m for m in fleet.models}
+        self._tenants = {t.name: t for t in fleet.tenants}
+        self._pools: list[Pool] = list(fleet.pools)
+        self._prices = [PoolPrices.of(p.token_prices) for p in self._pools]
+        self._replicas: list[ReplicaState] = []
+        self._by_name: dict[str, ReplicaState] = {}
+        for position, pool in enumerate(self._pools):
+            for i in range(pool.replicas):
+                name = replica_name(pool.name, i)
+                state = ReplicaState.create(
+                    rid=len(self._replicas),
+                    pool=pool,
+                    pool_position=position,
+                    index=i,
+                    task_queue=task_queue_for(pool.name, i),
+                    name=name,
+                    circuit=config.circuit,
+                )
+                self._replicas.append(state)
+                self._by_name[name] = state
+                for model_name, index in self.indexes.items():
+                    index.add_replica(
+                        self.warm.kv_capacity_blocks(
+                            pool, self._models[model_name], self._entry_tokens
+                        )
+                    )
+        self._seeds = [replica_seed(r.name) for r in self._replicas]
+        self._load_s = {m.name: self.warm.load_s(m) for m in fleet.models}
+        self._can_load = {
+            m.name: [self.warm.can_load(p, m) for p in self._pools] for m in fleet.models
+        }
+        self._views: dict[str, _ModelView] = {
+            m.name: _ModelView(
+                model=m,
+                warm=[[] for _ in self._pools],
+                cold=[[] for _ in self._pools],
+            )
+            for m in fleet.models
+        }
+        self._open: dict[int, float] = {}
+        self._next_wake = math.inf
+        self._tenant_retries = {t.name: TenantRetryBudget(config.retries) for t in fleet.tenants}
+        self._tenant_spend: dict[str, tuple[int, int]] = {}
+        self._last_replica: OrderedDict[str, int] = OrderedDict()
+        for state in self._replicas:
+            self._refresh(state)
+
+    # ------------------------------------------------------------------ telemetry in
+
+    def update_metrics(self, replica: str, metrics: ReplicaMetrics) -> None:
+        """Apply one scrape of the replica's `/metrics`; the replica answered, so it is up."""
+        with self._lock:
+            state = self._state(replica)
+            if metrics.kv_cache_usage is not None:
+                state.kv_usage = min(1.0, max(0.0, metrics.kv_cache_usage))
+            if metrics.running is not None:
+                state.running = max(0, metrics.running)
+            if metrics.waiting is not None:
+                state.waiting = max(0, metrics.waiting)
+            resized = False
+            if metrics.block_size is not None and metrics.block_size != state.engine_block_size:
+                state.engine_block_size = metrics.block_size
+                resized = True
+            if metrics.num_gpu_blocks is not None and (
+                metrics.num_gpu_blocks != state.num_gpu_blocks
+            ):
+                state.num_gpu_blocks = metrics.num_gpu_blocks
+                resized = True
+            if resized and state.num_gpu_blocks is not None:
+                engine_block = state.engine_block_size or self.block_size
+                entries = state.num_gpu_blocks * engine_block // self._entry_tokens
+                for index in self.indexes.values():
+                    index.set_capacity(state.rid, entries)
+            if metrics.models:
+                served = {m for m in metrics.models if m in self._models}
+                if served:
+                    state.warm_models = served
+                elif not state.unknown_models_logged:
+                    # A served name the fleet does not know is a configuration mistake; the
+                    # fleet file's warm models stay in force.
+                    state.unknown_models_logged = True
+                    logger.warning(
+                        "replica %s serves %s, none of which fleet.toml lists under [[models]]",
+                        replica,
+                        ", ".join(metrics.models),
+                    )
+            state.placed_since_scrape = 0
+            state.metrics_at = self._clock()
+            if not state.up:
+                logger.info("replica %s answers again", replica)
+                state.up = True
+            self._refresh(state)
+
+    def set_replica_up(self, replica: str, up: bool) -> None:
+        """Mark a replica up or down; a replica that goes down is assumed to lose its cache."""
+        with self._lock:
+            state = self._state(replica)
+            if state.up and not up:
+                logger.warning("replica %s is down; its prefix entries are dropped", replica)
+                for index in self.indexes.values():
+                    index.clear(state.rid)
+            state.up = up
+            self._refresh(state)
+
+    def set_warm_models(self, replica: str, models: Iterable[str]) -> None:
+        """The models whose weights the replica holds now."""
+        with self._lock:
+            state = self._state(replica)
+            state.warm_models = set(models)
+            self._refresh(state)
+
+    def apply_kv_events(
+        self, replica: str, events: Iterable[KvEvent], model: str | None = None
+    ) -> None:
+        """Apply the replica's KV-cache events; its prefix entries become precise.
+
+        `model` is the model the engine serves; it may be left out when the replica has
+        exactly one warm model (a vLLM server serves one).
+        """
+        with self._lock:
+            state = self._state(replica)
+            if model is None:
+                if len(state.warm_models) != 1:
+                    raise PlacementInputError(
+                        f"replica {replica} has {len(state.warm_models)} warm models "
+                        f"({', '.join(sorted(state.warm_models)) or 'none'}); say which model "
+                        "its KV events belong to"
+                    )
+                (model,) = state.warm_models
+            index = self.indexes.get(model)
+            if index is None:
+                raise PlacementInputError(f"unknown model {model!r} in KV events of {replica}")
+            index.apply(state.rid, events)
+
+    def observe(self, observation: Observation) -> None:
+        """Fold a finished call into estimates, the replica's circuit and the tenant's spend."""
+        with self._lock:
+            now = self._clock()
+            state = self._state(observation.replica)
+            state.inflight = max(0, state.inflight - 1)
+            if observation.ok or observation.replica_fault:
+                state.breaker.record(observation.ok, now, probe=observation.probe)
+                self._track_circuit(state)
+            spec = self._models.get(observation.model)
+            if observation.ok and spec is not None:
+                self._observe_timings(state, spec, observation)
+            if observation.cost_micros:
+                self._add_tenant_spend(observation.tenant, observation.cost_micros, now)
+            self._refresh(state)
+
+    def set_tenant_spend_today(self, tenant: str, micros: int) -> None:
+        """Seed a tenant's spend for the current UTC day (e.g. from the ledger at start-up)."""
+        with self._lock:
+            day = int(self._clock() // SECONDS_PER_DAY)
+            self._tenant_spend[tenant] = (day, micros)
+
+    def tenant_spend_today(self, tenant: str) -> int:
+        """The tenant's spend seen today (UTC), in micro-dollars."""
+        with self._lock:
+            day = int(self._clock() // SECONDS_PER_DAY)
+            spent_day, micros = self._tenant_spend.get(tenant, (day, 0))
+            return micros if spent_day == day else 0
+
+    # ------------------------------------------------------------------ status out
+
+    def replica_names(self) -> list[str]:
+        """All replica names, pool by pool."""
+        return [r.name for r in self._replicas]
+
+    def status(self) -> list[ReplicaStatus]:
+        """A snapshot of every replica's state."""
+        with self._lock:
+            now = self._clock()
+            result = []
+            for state in self._replicas:
+                state.breaker.refresh(now)
+                result.append(
+                    ReplicaStatus(
+                        replica=state.name,
+                        pool=state.pool.name,
+                        gpu=state.gpu.value,
+                        task_queue=state.task_queue,
+                        up=state.up,
+                        circuit=state.breaker.state.value,
+                        warm_models=sorted(state.warm_models),
+                        kv_cache_usage=state.kv_usage,
+                        running=state.running,
+                        waiting=state.waiting,
+                        inflight=state.inflight,
+                        block_size=state.engine_block_size,
+                        num_gpu_blocks=state.num_gpu_blocks,
+                        blocks_indexed=sum(
+                            index.blocks_held(state.rid) for index in self.indexes.values()
+                        ),
+                        precise=any(index.is_precise(state.rid) for index in self.indexes.values()),
+                    )
+                )
+            return result
+
+    # ------------------------------------------------------------------ decisions
+
+    def place(self, request: PlacementRequest) -> Placement | Refusal:
+        """Choose a replica for the call, or say why none fits (see the module docstring)."""
+        with self._lock:
+            now = self._clock()
+            spec = self._models.get(request.model)
+            if spec is None:
+                raise PlacementInputError(
+                    f"unknown model {request.model!r}; the fleet serves: "
+                    + ", ".join(sorted(self._models))
+                )
+            tenant = self._tenants.get(request.tenant)
+            if tenant is None:
+                raise PlacementInputError(
+                    f"unknown tenant {request.tenant!r}; fleet tenants: "
+                    + ", ".join(sorted(self._tenants))
+                )
+            self._wake_circuits(now)
+            refusal = self._tenant_refusal(request, tenant, now)
+            if refusal is not None:
+                return refusal
+            previous = request.previous_replica
+            previous_state = self._by_name.get(previous) if previous else None
+            if previous_state is None and request.workflow_id:
+                remembered = self._last_replica.get(request.workflow_id)
+                previous_state = self._replicas[remembered] if remembered is not None else None
+            excluded = frozenset(
+                self._by_name[name].rid for name in request.exclude if name in self._by_name
+            )
+            ctx = _Request(
+                request=request,
+                now=now,
+                budget_s=self.latency.step_budget_s(
+                    request.deadline_s_remaining, request.steps_remaining
+                ),
+                excluded=excluded,
+                previous=previous_state.rid if previous_state is not None else -1,
+                prompt=request.prompt_tokens,
+                output=request.max_output_tokens,
+                spent=request.spent_micros,
+                budget_micros=request.budget_micros,
+            )
+            self._for_model(ctx, spec)
+            outcome = self._place_model(ctx)
+            if isinstance(outcome, tuple):
+                return self._commit(ctx, tenant, *outcome, degraded_from=None)
+            primary = outcome
+            fallback = spec.fallback
+            seen = {spec.name}
+            failed: list[str] = []
+            while fallback is not None and fallback not in seen:
+                seen.add(fallback)
+                fallback_spec = self._models[fallback]
+                self._for_model(ctx, fallback_spec)
+                attempt = self._place_model(ctx)
+                if isinstance(attempt, tuple):
+                    if request.allow_fallback:
+                        return self._commit(ctx, tenant, *attempt, degraded_from=spec.name)
+                    return primary.model_copy(
+                        update={
+                            "alternative_model": fallback,
+                            "message": f"{primary.message}; the fallback {fallback} would fit "
+                            "(the request does not allow fallback)",
+                        }
+                    )
+                failed.append(f"{fallback}: {attempt.reason.value}")
+                fallback = fallback_spec.fallback
+            if failed:
+                return primary.model_copy(
+                    update={
+                        "message": f"{primary.message}; the fallback does not fit either ("
+                        + "; ".join(failed)
+                        + ")"
+                    }
+                )
+            return primary
+
+    # ------------------------------------------------------------------ internals
+
+    def _for_model(self, ctx: _Request, spec: ModelSpec) -> None:
+        """Set the model-dependent constants of a request."""
+        ctx.spec = spec
+        ctx.depths = self.indexes[spec.name].match(ctx.request.block_hashes, ctx.now)
+        if self.config.allow_cold_start:
+            ctx.can_load = self._can_load[spec.name]
+        else:
+            ctx.can_load = [False] * len(self._pools)
+        ctx.cold_load_s = self._load_s[spec.name]
+
+    def _state(self, replica: str) -> ReplicaState:
+        state = self._by_name.get(replica)
+        if state is None:
+            raise PlacementInputError(
+                f"unknown replica {replica!r}; replicas are named pool/index, e.g. "
+                f"{self._replicas[0].name}"
+            )
+        return state
+
+    def _refresh(self, state: ReplicaState) -> None:
+        """Recompute the replica's static factor and its place in every model's ranking."""
+        p = state.breaker.p_success()
+        slots = state.pool.max_concurrency
+        load = state.load
+        shared = state.shared_load
+        # Request-independent parts of the objective, computed once per telemetry change
+        # instead of once per scored request. The penalty (and so the ranking) uses the load
+        # every scheduler process sees alike, so that processes fed the same telemetry rank
+        # replicas alike; this process's newer calls count in the queue-wait estimate.
+        state.p_static = p
+        state.penalty = (1.0 + self.queue.penalty(shared, slots)) * (
+            1.0 + self.memory.penalty(state.kv_usage)
+        )
+        state.load_fraction = self.queue.load_fraction(load, slots)
+        state.wait_s = self.queue.wait_s(
+            load - state.waiting, state.waiting, slots, state.service_s
+        )
+        state.free_blocks = self.memory.free_blocks(state.num_gpu_blocks, state.kv_usage)
+        state.static_factor = math.inf if p <= 0.0 else state.penalty / p
+        eligible = state.up and state.breaker.state is not CircuitState.OPEN
+        rid = state.rid
+        key = (state.static_factor, rid)
+        allow_cold = self.config.allow_cold_start
+        for name, view in self._views.items():
+            old = view.member.pop(rid, None)
+            if old is not None:
+                ranked, old_key, contribution = old
+                del ranked[bisect_left(ranked, old_key)]
+                if contribution is not None:
+                    view.load -= contribution[0]
+                    view.slots -= contribution[1]
+                    view.shared_load -= contribution[2]
+                    view.warm_count -= 1
+            if not eligible:
+                continue
+            if name in state.warm_models:
+                ranked = view.warm[state.pool_position]
+                contribution = (load, slots, shared)
+                view.load += load
+                view.slots += slots
+                view.shared_load += shared
+                view.warm_count += 1
+            elif allow_cold and self._can_load[name][state.pool_position]:
+                ranked = view.cold[state.pool_position]
+                contribution = None
+            else:
+                continue
+            insort(ranked, key)
+            view.member[rid] = (ranked, key, contribution)
+
+    def _track_circuit(self, state: ReplicaState) -> None:
+        breaker = state.breaker
+        if breaker.state is CircuitState.OPEN:
+            if state.rid not in self._open:
+                logger.warning(
+                    "circuit of replica %s opened for %.0f s",
+                    state.name,
+                    self.config.circuit.cooldown_s,
+                )
+            self._open[state.rid] = breaker.open_until
+        else:
+            self._open.pop(state.rid, None)
+        self._next_wake = min(self._open.values(), default=math.inf)
+
+    def _wake_circuits(self, now: float) -> None:
+        if now < self._next_wake:
+            return
+        for rid in list(self._open):
+            state = self._replicas[rid]
+            if state.breaker.refresh(now):
+                logger.info("circuit of replica %s is half-open: one probe allowed", state.name)
+                self._track_circuit(state)
+                self._refresh(state)
+        self._next_wake = min(self._open.values(), default=math.inf)
+
+    def _observe_timings(self, state: ReplicaState, spec: ModelSpec, obs: Observation) -> None:
+        slots = state.pool.max_concurrency
+        prefill_s = None
+        if obs.ttft_s is not None and not obs.cold_start:
+            # A cold start's first token waited for the weights to load; it says nothing
+            # about prefill speed.
+            prefill_s = obs.ttft_s - (obs.queue_s or 0.0)
+        decode_s = None
+        if obs.duration_s is not None and obs.ttft_s is not None:
+            decode_s = obs.duration_s - obs.ttft_s
+        self.gpu.observe(
+            state.name,
+            state.pool,
+            spec,
+            uncached_tokens=max(0, obs.prompt_tokens - obs.cached_tokens),
+            prefill_s=prefill_s,
+            output_tokens=obs.completion_tokens,
+            decode_s=decode_s,
+            load_fraction=self.queue.load_fraction(state.load, slots),
+        )
+        if obs.duration_s is not None:
+            alpha = self.config.speed.ewma_alpha
+            old = state.service_s
+            state.service_s = (
+                obs.duration_s if old is None else old + alpha * (obs.duration_s - old)
+            )
+
+    def _add_tenant_spend(self, tenant: str, micros: int, now: float) -> None:
+        day = int(now // SECONDS_PER_DAY)
+        spent_day, spent = self._tenant_spend.get(tenant, (day, 0))
+        self._tenant_spend[tenant] = (day, (spent if spent_day == day else 0) + micros)
+
+    def _tenant_refusal(
+        self, request: PlacementRequest, tenant: Tenant, now: float
+    ) -> Refusal | None:
+        def refuse(
+            reason: RefusalReason, message: str, retry_after: float | None = None
+        ) -> Refusal:
+            return Refusal(
+                reason=reason,
+                message=message,
+                model=request.model,
+                tenant=tenant.name,
+                retry_after_s=retry_after,
+                retryable=retry_after is not None,
+            )
+
+        retries = self.config.retries
+        if not task_retry_allowed(request.task_retries, request.attempt, retries):
+            return refuse(
+                RefusalReason.RETRY_BUDGET_EXHAUSTED,
+                f"the task has used all {retries.max_task_retries} re-placements its retry "
+                "budget allows; it fails here instead of spending more",
+            )
+        budget = self._tenant_retries[tenant.name]
+        if request.attempt > 1 and not budget.allows_retry(now):
+            wait = budget.seconds_until_retry(now)
+            return refuse(
+                RefusalReason.RETRY_BUDGET_EXHAUSTED,
+                f"tenant {tenant.name} has retried more than "
+                f"{retries.tenant_retry_fraction:.0%} of its calls in the last "
+                f"{retries.tenant_window_s:.0f} s; retries resume in {wait:.1f} s",
+                retry_after=wait,
+            )
+        day = int(now // SECONDS_PER_DAY)
+        spent_day, spent = self._tenant_spend.get(tenant.name, (day, 0))
+        spent_today = spent if spent_day == day else 0
+        if self.tenants.over_quota(tenant, spent_today):
+            wait = (day + 1) * SECONDS_PER_DAY - now
+            return refuse(
+                RefusalReason.TENANT_OVER_QUOTA,
+                f"tenant {tenant.name} has spent ${spent_today / 1e6:.2f} today, its daily "
+                f"budget is ${tenant.daily_budget_usd}; calls resume at 00:00 UTC",
+                retry_after=wait,
+            )
+        return None
+
+    def _place_model(self, ctx: _Request) -> tuple[_Candidate, bool] | Refusal:
+        """Choose a replica for `ctx.spec`; (candidate, chosen by rendezvous) or a refusal."""
+        request, spec = ctx.request, ctx.spec
+        view = self._views[spec.name]
+        tenant = self._tenants[request.tenant]
+        length = request.prompt_tokens + request.max_output_tokens
+        if length > spec.context_length:
+            return self._refusal(
+                ctx,
+                RefusalReason.NO_REPLICA,
+                f"{request.prompt_tokens} prompt + {request.max_output_tokens} output tokens "
+                f"exceed {spec.name}'s context of {spec.context_length} tokens",
+                retryable=False,
+            )
+        if view.slots and not self.tenants.admits(tenant.tier, view.load / view.slots):
+            retry = self.config.admission.retry_after_s
+            return self._refusal(
+                ctx,
+                RefusalReason.SATURATED,
+                f"replicas serving {spec.name} are at {view.load / view.slots:.0%} of their "
+                f"slots; tier {tenant.tier} calls wait until load falls below "
+                f"{self.config.admission.saturation_by_tier[tenant.tier - 1]:.0%}",
+                retry_after=retry,
+                retryable=True,
+            )
+
+        evaluated: dict[int, _Candidate | str] = {}
+        best: list[_Candidate] = []  # one element: the best so far
+
+        def consider(rid: int) -> _Candidate | str:
+            found = evaluated.get(rid)
+            if found is None:
+                found = self._evaluate(rid, ctx)
+                evaluated[rid] = found
+                if isinstance(found, _Candidate) and (
+                    not best or found.objective < best[0].objective
+                ):
+                    best[:] = [found]
+            return found
+
+        if ctx.previous >= 0:
+            consider(ctx.previous)
+        for cold in (False, True):
+            self._search(ctx, view, cold, best, consider)
+            if best:
+                break
+        if not best:
+            return self._no_fit(ctx, view, evaluated)
+        chosen = best[0]
+        if not request.block_hashes and not request.workflow_id:
+            return chosen, False
+        if any(isinstance(c, _Candidate) and c.cached_tokens > 0 for c in evaluated.values()):
+            return chosen, False
+        return self._rendezvous(ctx, view, chosen, consider)
+
+    def _search(
+        self,
+        ctx: _Request,
+        view: _ModelView,
+        cold: bool,
+        best: list[_Candidate],
+        consider: Callable[[int], _Candidate | str],
+    ) -> None:
+        """Score replicas best-first by a lower bound on their objective.
+
+        A replica's objective is at least cost(its cached tokens) · its static factor. The
+        deepest prefix holders enter with their own depth; every other replica of a pool
+        enters, in static order, with the depth of the next-deepest holder. The search stops
+        when the next bound reaches the best objective found, or after `scored_candidates`
+        feasible replicas.
+        """
+        prompt, output = ctx.prompt, ctx.output
+        block = self._entry_tokens
+        prices = self._prices
+        replicas = self._replicas
+        limit = self.config.prefix.scored_candidates
+        heap: list[tuple[float, int, int, list[tuple[float, int]] | None, float]] = []
+        bulk_depth = 0
+        if not cold:
+            # `match` lists replicas deepest first.
+            deepest = list(islice(ctx.depths.items(), limit + 1))
+            for rid, depth in deepest[:limit]:
+                state = replicas[rid]
+                cost = prices[state.pool_position].cost(
+                    prompt, min(depth * block, max(0, prompt - 1)), output
+                )
+                heap.append((cost * state.static_factor, rid, -1, None, 0.0))
+            if len(deepest) > limit:
+                bulk_depth = deepest[limit][1]
+        cached_bound = min(bulk_depth * block, max(0, prompt - 1))
+        for position, pool_ranking in enumerate(view.cold if cold else view.warm):
+            if pool_ranking:
+                cost = prices[position].cost(prompt, cached_bound, output)
+                factor, rid = pool_ranking[0]
+                heap.append((cost * factor, rid, 0, pool_ranking, cost))
+        heapq.heapify(heap)
+        feasible = 0
+        while heap:
+            bound, rid, at, ranked, cost = heapq.heappop(heap)
+            if best and bound >= best[0].objective:
+                break
+            if ranked is not None and at + 1 < len(ranked):
+                factor, following = ranked[at + 1]
+                heapq.heappush(heap, (cost * factor, following, at + 1, ranked, cost))
+            if isinstance(consider(rid), _Candidate):
+                feasible += 1
+                if feasible >= limit:
+                    break
+
+    def _rendezvous(
+        self,
+        ctx: _Request,
+        view: _ModelView,
+        chosen: _Candidate,
+        consider: Callable[[int], _Candidate | str],
+    ) -> tuple[_Candidate, bool]:
+        """The highest rendezvous weight among near-best replicas, under the load bound.
+
+        The group and the bound come from shared state only (static factors and scraped
+        loads), so processes fed the same telemetry form the same group: replicas whose lower
+        bound cost · static factor is within `rendezvous_tolerance` of the lowest bound. The
+        first in weight order that passes the filters, holds no more than the bounded-load
+        capacity and whose objective is within the tolerance of the best found wins.
+        """
+        request = ctx.request
+        config = self.config.prefix
+        tolerance = 1.0 + config.rendezvous_tolerance
+        lists = view.cold if chosen.cold_load_s else view.warm
+        costs = [
+            self._prices[position].cost(request.prompt_tokens, 0, request.max_output_tokens)
+            for position in range(len(lists))
+        ]
+        lowest = min(
+            (costs[position] * ranked[0][0] for position, ranked in enumerate(lists) if ranked),
+            default=math.inf,
+        )
+        if not math.isfinite(lowest):
+            return chosen, False
+        group: list[int] = []
+        for position, ranked in enumerate(lists):
+            if not ranked:
+                continue
+            if costs[position] <= 0:
+                group.extend(rid for _, rid in ranked)
+                continue
+            end = bisect_right(ranked, (lowest * tolerance / costs[position], math.inf))
+            group.extend(rid for _, rid in ranked[:end])
+        key = rendezvous_key(
+            request.block_hashes, request.workflow_id, config.rendezvous_prefix_blocks
+        )
+        seeds = self._seeds
+        weights = [rendezvous_weight(key, seeds[rid]) for rid in group]
+        capacity = bounded_capacity(view.shared_load, view.warm_count, config.bounded_load_factor)
+        replicas = self._replicas
+        limit = chosen.objective * tolerance * tolerance
+        for position in sorted(range(len(group)), key=weights.__getitem__, reverse=True):
+            rid = group[position]
+            if replicas[rid].shared_load + 1 > capacity:
+                continue
+            candidate = consider(rid)
+            if isinstance(candidate, _Candidate) and candidate.objective <= limit:
+                return candidate, True
+        return chosen, False
+
+    def _evaluate(self, rid: int, ctx: _Request) -> _Candidate | str:
+        """Run the filters on one replica and score it; a filter name when it is rejected."""
+        if rid in ctx.excluded:
+            return "excluded"
+        state = self._replicas[rid]
+        position = state.pool_position
+        warm = ctx.spec.name in state.warm_models
+        if not warm and not ctx.can_load[position]:
+            return "not_warm"
+        if not state.up:
+            return "down"
+        breaker = state.breaker
+        if breaker.state is not CircuitState.CLOSED and not breaker.allows(ctx.now):
+            return "circuit_open"
+        prompt, output = ctx.prompt, ctx.output
+        engine_block = state.engine_block_size or self.block_size
+        depth = ctx.depths.get(rid, 0)
+        cached = self.kv.expected_cached_tokens(depth, prompt, self._entry_tokens, engine_block)
+        total_blocks = state.num_gpu_blocks
+        if total_blocks is not None:
+            memory = self.memory
+            need = memory.blocks_needed(prompt, output, cached, engine_block)
+            if not memory.fits_at_all(need, total_blocks):
+                return "too_small"
+            if not memory.admits(need, state.free_blocks):
+                return "memory"
+        gpu = self.gpu
+        speed = gpu.speed(state.name, state.pool, ctx.spec)
+        wait = state.wait_s
+        cold_load = 0.0 if warm else ctx.cold_load_s
+        ttft = wait + cold_load + gpu.prefill_s(speed, prompt - cached)
+        duration = ttft + gpu.decode_s(speed, output, state.load_fraction)
+        budget = ctx.budget_s
+        if not self.latency.admits(duration, budget):
+            return "deadline"
+        cost = self._prices[position].cost(prompt, cached, output)
+        if ctx.budget_micros is not None and ctx.spent + cost > ctx.budget_micros:
+            return "spend"
+        p = state.p_static
+        if budget is not None:
+            p *= self.latency.p_on_time(duration, budget)
+        # J = objective × (queue and KV-usage penalties): with P(success) ≤ the breaker's,
+        # J ≥ cost · static factor, the bound the ranking walk prunes with.
+        objective = self.context.objective(cost, p, ctx.spent) * state.penalty
+        if not warm:
+            objective *= 1.0 + self.config.weights.cold_start
+        if rid == ctx.previous:
+            objective *= self.context.sticky_factor(True)
+        return _Candidate(
+            rid=rid,
+            depth=depth,
+            cached_tokens=cached,
+            queue_wait_s=wait,
+            cold_load_s=cold_load,
+            ttft_s=ttft,
+            duration_s=duration,
+            cost=cost,
+            p_success=p,
+            objective=objective,
+        )
+
+    def _no_fit(
+        self, ctx: _Request, view: _ModelView, evaluated: dict[int, _Candidate | str]
+    ) -> Refusal:
+        """Explain why no replica fits: the furthest filter any replica reached decides."""
+        spec = ctx.spec
+        counts: Counter[str] = Counter()
+        open_waits: list[float] = []
+        for state in self._replicas:
+            found = evaluated.get(state.rid)
+            if found is None:
+                found = self._evaluate(state.rid, ctx)
+            if isinstance(found, str):
+                counts[found] += 1
+                if found == "circuit_open" and state.rid not in ctx.excluded:
+                    open_waits.append(state.breaker.seconds_until_half_open(ctx.now))
+        furthest = max(counts, key=_FILTER_ORDER.index)
+        reason = _FILTER_REASON[furthest]
+        summary = ", ".join(
+            f"{counts[f]} {f.replace('_', ' ')}" for f in _FILTER_ORDER if counts[f]
+        )
+        retry_after: float | None = None
+        retryable = False
+        request = ctx.request
+        if furthest == "circuit_open":
+            retry_after = max(0.0, min(open_waits, default=self.config.circuit.cooldown_s))
+            retryable = True
+            message = (
+                f"every replica that could serve {spec.name} has an open circuit breaker "
+                f"({summary}); the next probe is allowed in {retry_after:.1f} s"
+            )
+        elif furthest == "memory":
+            retry_after = self.config.memory.saturated_retry_after_s
+            retryable = True
+            message = (
+                f"every replica's KV cache is too full for {request.prompt_tokens} + "
+                f"{request.max_output_tokens} tokens of {spec.name} without preempting running "
+                f"calls ({summary})"
+            )
+        elif furthest == "deadline":
+            message = (
+                f"no replica can run {spec.name} within this step's "
+                f"{_seconds(ctx.budget_s or 0.0)} share of the remaining "
+                f"{_seconds(request.deadline_s_remaining or 0.0)} deadline ({summary}); a fallback "
+                "model, fewer output tokens or a longer deadline would help"
+            )
+        elif furthest == "spend":
+            message = (
+                f"the call would take the task over its spend cap of "
+                f"${(request.budget_micros or 0) / 1e6:.4f} (spent "
+                f"${request.spent_micros / 1e6:.4f}) on every replica ({summary})"
+            )
+        elif furthest == "not_warm":
+            message = (
+                f"no replica holds {spec.name}'s weights"
+                + ("" if self.config.allow_cold_start else " and cold starts are disabled")
+                + f" ({summary})"
+            )
+        elif furthest == "too_small":
+            message = (
+                f"{request.prompt_tokens} + {request.max_output_tokens} tokens do not fit any "
+                f"replica's KV cache for {spec.name} ({summary})"
+            )
+        elif furthest == "down":
+            retry_after = _DOWN_RETRY_AFTER_S
+            retryable = True
+            message = f"every replica that could serve {spec.name} is down ({summary})"
+        else:
+            message = f"every replica that could serve {spec.name} is excluded ({summary})"
+        return self._refusal(
+            ctx,
+            reason,
+            message,
+            retry_after=retry_after,
+            retryable=retryable,
+            rejections=dict(counts),
+        )
+
+    def _refusal(
+        self,
+        ctx: _Request,
+        reason: RefusalReason,
+        message: str,
+        *,
+        retryable: bool,
+        retry_after: float | None = None,
+        rejections: dict[str, int] | None = None,
+    ) -> Refusal:
+        return Refusal(
+            reason=reason,
+            message=message,
+            model=ctx.spec.name,
+            tenant=ctx.request.tenant,
+            retry_after_s=retry_after,
+            retryable=retryable,
+            rejections=rejections or {},
+        )
+
+    def _commit(
+        self,
+        ctx: _Request,
+        tenant: Tenant,
+        chosen: _Candidate,
+        rendezvous: bool,
+        *,
+        degraded_from: str | None,
+    ) -> Placement:
+        """Record the decision (load, probe, prefix, stickiness) and describe it."""
+        request, spec = ctx.request, ctx.spec
+        state = self._replicas[chosen.rid]
+        now = ctx.now
+        ahead = state.load
+        probe = state.breaker.state is CircuitState.HALF_OPEN
+        if probe:
+            state.breaker.start_probe(now)
+        state.placed_since_scrape += 1
+        state.inflight += 1
+        self.indexes[spec.name].record_placement(
+            chosen.rid, request.block_hashes, now, held_depth=chosen.depth
+        )
+        if request.workflow_id and self.config.prefix.remembered_workflows:
+            remembered = self._last_replica
+            remembered[request.workflow_id] = chosen.rid
+            remembered.move_to_end(request.workflow_id)
+            if len(remembered) > self.config.prefix.remembered_workflows:
+                remembered.popitem(last=False)
+        self._tenant_retries[tenant.name].record(request.attempt > 1, now)
+        self._refresh(state)
+
+        cost = state.pool.token_prices.cost_micros(
+            request.prompt_tokens, chosen.cached_tokens, request.max_output_tokens
+        )
+        budget = ctx.budget_s
+        priority, fairness_key, fairness_weight = self.tenants.keys(tenant)
+        run_s = chosen.duration_s - chosen.queue_wait_s
+        reason = (
+            f"{state.name}: {_tokens(chosen.cached_tokens)} of {_tokens(request.prompt_tokens)} "
+            f"prompt tokens cached, queue {ahead}, est {_seconds(chosen.duration_s)}"
+            + (f" of {_seconds(budget)} budget" if budget is not None else " (no deadline)")
+            + f", ${cost / 1e6:.4f}"
+        )
+        notes = []
+        if degraded_from is not None:
+            notes.append(f"degraded from {degraded_from}")
+        if chosen.cold_load_s:
+            notes.append(f"cold start +{chosen.cold_load_s:.0f} s")
+        if probe:
+            notes.append("half-open probe")
+        if rendezvous:
+            notes.append("new prefix, rendezvous pick")
+        elif chosen.rid == ctx.previous:
+            notes.append("sticky")
+        if notes:
+            reason += " (" + "; ".join(notes) + ")"
+        return Placement(
+            replica=state.name,
+            task_queue=state.task_queue,
+            pool=state.pool.name,
+            gpu=state.gpu.value,
+            model=spec.name,
+            degraded_from=degraded_from,
+            block_size=state.engine_block_size or self.block_size,
+            expected_cached_tokens=chosen.cached_tokens,
+            est_queue_wait_s=chosen.queue_wait_s,
+            est_ttft_s=chosen.ttft_s,
+            est_duration_s=chosen.duration_s,
+            est_cost_micros=cost,
+            p_success=chosen.p_success,
+            step_budget_s=budget,
+            priority_key=priority,
+            fairness_key=fairness_key,
+            fairness_weight=fairness_weight,
+            schedule_to_start_s=self.latency.schedule_to_start_s(
+                chosen.queue_wait_s, run_s, budget
+            ),
+            cold_start=chosen.cold_load_s > 0,
+            probe=probe,
+            rendezvous=rendezvous,
+            reason=reason,
+        )
+
+
+def _seconds(value: float) -> str:
+    """1.234 → "1.2 s", 0.042 → "42 ms"."""
+    return f"{value * 1000:.0f} ms" if value < 0.1 else f"{value:.1f} s"
+
+
+def _tokens(count: int) -> str:
+    """3100 → "3.1k", 512 → "512"."""
+    return f"{count / 1000:.1f}k" if count >= 1000 else str(count)

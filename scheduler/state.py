@@ -1,0 +1,108 @@
+"""Live state of one replica, as the scheduler knows it from telemetry and its own decisions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.config import CircuitBreakerConfig
+from scheduler.fleet import Pool
+from scheduler.gpus import GpuGeneration
+from scheduler.reliability import CircuitBreaker
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaMetrics:
+    """One scrape of a replica's `/metrics`; None where the server did not say."""
+
+    kv_cache_usage: float | None = None
+    """`vllm:kv_cache_usage_perc`, 0..1."""
+    running: int | None = None
+    """`vllm:num_requests_running`."""
+    waiting: int | None = None
+    """`vllm:num_requests_waiting`."""
+    block_size: int | None = None
+    """`block_size` label of `vllm:cache_config_info`."""
+    num_gpu_blocks: int | None = None
+    """`num_gpu_blocks` label of `vllm:cache_config_info`."""
+    models: tuple[str, ...] = ()
+    """Served model names (`model_name` labels)."""
+
+
+@dataclass(slots=True, eq=False)
+class ReplicaState:
+    """What the scheduler knows about one replica right now."""
+
+    rid: int
+    name: str
+    pool: Pool
+    pool_position: int
+    index: int
+    task_queue: str
+    warm_models: set[str]
+    breaker: CircuitBreaker
+    up: bool = True
+    kv_usage: float = 0.0
+    running: int = 0
+    waiting: int = 0
+    engine_block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    metrics_at: float | None = None
+    placed_since_scrape: int = 0
+    inflight: int = 0
+    service_s: float | None = None
+    """EWMA of whole-call durations on this replica."""
+    p_static: float = 1.0
+    """P(success) from the circuit breaker and recent errors."""
+    penalty: float = 1.0
+    """(1 + queue penalty) · (1 + KV-usage penalty), from the shared load."""
+    load_fraction: float = 0.0
+    wait_s: float = 0.0
+    """Expected queue wait of a new call."""
+    free_blocks: float | None = None
+    """KV blocks free beyond the reserve; None before the cache size is known."""
+    unknown_models_logged: bool = False
+    static_factor: float = 1.0
+    """penalty / p_static: the objective of a call costing 1 µ$ with no deadline."""
+
+    @classmethod
+    def create(
+        cls,
+        rid: int,
+        pool: Pool,
+        pool_position: int,
+        index: int,
+        task_queue: str,
+        name: str,
+        circuit: CircuitBreakerConfig,
+    ) -> ReplicaState:
+        """A replica as the fleet file describes it, before any telemetry."""
+        return cls(
+            rid=rid,
+            name=name,
+            pool=pool,
+            pool_position=pool_position,
+            index=index,
+            task_queue=task_queue,
+            warm_models=set(pool.warm_models),
+            breaker=CircuitBreaker(circuit),
+        )
+
+    @property
+    def gpu(self) -> GpuGeneration:
+        """The replica's GPU generation."""
+        return self.pool.gpu
+
+    @property
+    def load(self) -> int:
+        """Calls on the replica: scraped running + waiting plus this scheduler's newer ones."""
+        return max(self.running + self.waiting + self.placed_since_scrape, self.inflight)
+
+    @property
+    def shared_load(self) -> int:
+        """The load every scheduler process agrees on: running + waiting as last scraped.
+
+        Before the first scrape, the calls this process has in flight.
+        """
+        if self.metrics_at is None:
+            return self.inflight
+        return self.running + self.waiting

@@ -1,0 +1,131 @@
+"""Agent workflows the step-API tests run (a real workflow worker runs them)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+from temporalio import activity, workflow
+
+with workflow.unsafe.imports_passed_through():
+    from activities.inference import ChatMessage, Sampling
+    from workflows.agent import Agent, TaskSpec
+
+
+class StepsInput(BaseModel):
+    spec: TaskSpec
+    model: str
+    steps: int = 5
+    max_tokens: int = 16
+    context: str = "You are a careful research agent."
+
+
+class StepsOutput(BaseModel):
+    replicas: list[str]
+    answers: list[str]
+    answer_bytes: list[int]
+
+
+@workflow.defn
+class MultiStepAgent:
+    """A conversation of `steps` model calls; each answer joins the conversation."""
+
+    @workflow.run
+    async def run(self, task: StepsInput) -> StepsOutput:
+        agent = Agent(task.spec)
+        out = StepsOutput(replicas=[], answers=[], answer_bytes=[])
+        async with agent:
+            conversation = [ChatMessage(role="system", content=task.context)]
+            for i in range(task.steps):
+                conversation.append(ChatMessage(role="user", content=f"Now do part {i + 1}."))
+                result = await agent.infer(
+                    conversation,
+                    model=task.model,
+                    max_tokens=task.max_tokens,
+                    step=f"part-{i + 1}",
+                    sampling=Sampling(ignore_eos=True, seed=i),
+                )
+                conversation.append(
+                    ChatMessage(role="assistant", content=result.text_ref or result.text)
+                )
+                out.replicas.append(result.replica)
+                out.answers.append(result.text)
+                size = result.text_ref.size if result.text_ref else len(result.text.encode())
+                out.answer_bytes.append(size)
+        return out
+
+
+class Refund(BaseModel):
+    account: str
+    amount_cents: int
+
+
+REFUNDS: list[Refund] = []
+REVERSED: list[Refund] = []
+
+
+@activity.defn
+async def issue_refund(refund: Refund) -> str:
+    REFUNDS.append(refund)
+    return f"refund-{len(REFUNDS)}"
+
+
+@activity.defn
+async def reverse_refund(refund: Refund) -> None:
+    REVERSED.append(refund)
+
+
+class RefundInput(BaseModel):
+    spec: TaskSpec
+    model: str
+    refund: Refund
+    max_tokens: int = 16
+
+
+@workflow.defn
+class RefundThenReply:
+    """Issue a refund (a tool with a compensation), then draft the reply with a model call."""
+
+    @workflow.run
+    async def run(self, task: RefundInput) -> str:
+        agent = Agent(task.spec)
+        async with agent:
+            await agent.tool(issue_refund, task.refund, compensation=reverse_refund, step="refund")
+            reply = await agent.infer(
+                [ChatMessage(role="user", content="Draft the reply to the customer.")],
+                model=task.model,
+                max_tokens=task.max_tokens,
+                step="reply",
+                sampling=Sampling(ignore_eos=True),
+            )
+            return reply.text
+
+
+class Verdict(BaseModel):
+    approve: bool
+    reason: str
+    score: int
+
+
+class VerdictInput(BaseModel):
+    spec: TaskSpec
+    model: str
+
+
+@workflow.defn
+class StructuredVerdict:
+    """One model call with structured output."""
+
+    @workflow.run
+    async def run(self, task: VerdictInput) -> Verdict:
+        agent = Agent(task.spec)
+        async with agent:
+            return await agent.infer(
+                [ChatMessage(role="user", content="Review the change and give a verdict.")],
+                model=task.model,
+                max_tokens=200,
+                output=Verdict,
+                step="verdict",
+            )
+
+
+ALL_WORKFLOWS = [MultiStepAgent, RefundThenReply, StructuredVerdict]
+ALL_ACTIVITIES = [issue_refund, reverse_refund]

@@ -1,0 +1,332 @@
+"""The three samples, end to end: the example fleet.toml simulated, a real Temporal dev server.
+
+One stack serves the module, as `kvflow demo` does: six simulated replicas (2×H200, 2×H100,
+2×L4) with a GPU worker each, a workflow worker with the three samples registered, and a SQLite
+ledger. Each test runs a sample's example input and checks what its user would see.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
+from temporalio.exceptions import ApplicationError
+from temporalio.worker import Replayer
+
+import samples.code_review as code_review
+import samples.research_assistant as research
+import samples.support_triage as support
+from activities.context_store import DirectoryContextStore
+from ledger.records import AttemptRecord, TaskOutcome, TaskRecord
+from ledger.store import AsyncLedger, open_async_ledger
+from samples.support_triage import activities as desk
+from workers.config import load_fleet
+from workers.embedded import EmbeddedFleet
+from workflows import errors
+from workflows.agent import SPEND_QUERY, SpendBreakdown
+from workflows.context import INLINE_LIMIT_BYTES
+
+FLEET_FILE = Path(__file__).resolve().parent.parent / "fleet.toml"
+SAMPLES = [research, support, code_review]
+
+
+@dataclass
+class Stack:
+    client: Client
+    ledger: AsyncLedger
+    task_queue: str
+
+    async def start(self, sample: Any, task: Any) -> WorkflowHandle[Any, Any]:
+        return await self.client.start_workflow(
+            sample.WORKFLOW.run, task, id=f"sample-{uuid.uuid4()}", task_queue=self.task_queue
+        )
+
+    async def rows(
+        self, handle: WorkflowHandle[Any, Any]
+    ) -> tuple[TaskRecord, list[AttemptRecord]]:
+        """The task row and the attempt rows the ledger holds for `handle`'s run."""
+        run_id = (await handle.describe()).run_id or ""
+        task = await self.ledger.task(handle.id, run_id)
+        assert task is not None, "the workflow wrote no task row"
+        return task, await self.ledger.attempts_for(handle.id, run_id)
+
+
+@pytest.fixture(scope="module")
+async def stack(
+    temporal_client: Client, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Stack]:
+    tmp_path = tmp_path_factory.mktemp("samples")
+    ledger = await open_async_ledger(f"sqlite:///{tmp_path}/ledger.db", migrate=True)
+    task_queue = f"samples-{uuid.uuid4()}"
+    try:
+        async with EmbeddedFleet(
+            temporal_client,
+            load_fleet(FLEET_FILE),
+            ledger=ledger,
+            store=DirectoryContextStore(tmp_path / "context"),
+        ) as embedded:
+            worker = await embedded.workflow_worker(
+                workflows=[s.WORKFLOW for s in SAMPLES],
+                activities=[a for s in SAMPLES for a in s.ACTIVITIES],
+                task_queue=task_queue,
+            )
+            async with worker:
+                yield Stack(temporal_client, ledger, task_queue)
+    finally:
+        await ledger.close()
+
+
+async def assert_replays(handle: WorkflowHandle[Any, Any]) -> None:
+    history = await handle.fetch_history()
+    replayer = Replayer(
+        workflows=[s.WORKFLOW for s in SAMPLES], data_converter=handle._client.data_converter
+    )
+    await replayer.replay_workflow(history)
+
+
+def assert_ledger_adds_up(task: TaskRecord, attempts: list[AttemptRecord], spend: int) -> None:
+    assert attempts and all(a.cost_micros > 0 for a in attempts)
+    assert task.spend_micros == sum(a.cost_micros for a in attempts) == spend
+    assert task.attempts == len(attempts)
+
+
+async def test_research_assistant_answers_after_parallel_sub_questions_on_a_cached_source(
+    stack: Stack,
+):
+    task = research.example_input(random.Random(7), "acme")
+    assert len(task.source.encode()) > INLINE_LIMIT_BYTES
+    handle = await stack.start(research, task)
+    answer = await handle.result()
+
+    assert answer.answer and answer.question == task.question
+    assert 3 <= len(answer.sub_questions) == len(answer.findings) <= 5
+    assert 1 <= answer.critique_rounds <= task.max_critique_rounds
+
+    spend = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
+    names = [s.name for s in spend.steps]
+    subs = [f"sub-question {i}" for i in range(1, len(answer.sub_questions) + 1)]
+    assert names[: 2 + len(subs)] == ["plan", *subs, "draft"]
+    assert names[-1] == "answer" and all(s.outcome == "ok" for s in spend.steps)
+    assert sum(n.startswith("critique") for n in names) == answer.critique_rounds
+
+    # Fan-out: every sub-question was dispatched before the first of them came back.
+    history = await handle.fetch_history()
+    summary_of = step_summary_reader(handle)
+    scheduled = {
+        e.event_id
+        for e in history.events
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+        and "'sub-question" in summary_of(e)
+    }
+    completed = [
+        e.event_id
+        for e in history.events
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED
+        and e.activity_task_completed_event_attributes.scheduled_event_id in scheduled
+    ]
+    assert len(scheduled) == len(completed) == len(subs)
+    assert max(scheduled) < min(completed)
+
+    # The shared source stayed cached: later steps were billed for cached input tokens.
+    row, attempts = await stack.rows(handle)
+    assert row.outcome == TaskOutcome.SUCCEEDED and row.workflow_type == "ResearchAssistant"
+    assert_ledger_adds_up(row, attempts, spend.spend_micros)
+    later = [a for a in attempts if a.step != "plan"]
+    print(
+        f"\nresearch: {len(spend.steps)} steps, {answer.critique_rounds} critique rounds, "
+        f"cached {sum(a.cached_tokens for a in later):,} of {sum(a.prompt_tokens for a in later):,}"
+        f" prompt tokens after the plan, replicas {sorted({a.replica for a in attempts})}"
+    )
+    assert sum(a.cached_tokens for a in later) > sum(a.prompt_tokens for a in later) / 2
+    await assert_replays(handle)
+
+
+def step_summary_reader(handle: WorkflowHandle[Any, Any]) -> Any:
+    converter = handle._client.data_converter.payload_converter
+
+    def summary(event: Any) -> str:
+        if not event.user_metadata.HasField("summary"):
+            return ""
+        return str(converter.from_payload(event.user_metadata.summary, str))
+
+    return summary
+
+
+async def test_support_ticket_is_refunded_and_answered(stack: Stack):
+    account = _account(stack)
+    task = _ticket(account, disputed=account.recent_charges_cents[0])
+    handle = await stack.start(support, task)
+    result = await handle.result()
+
+    assert result.refund is not None and not result.refund.reversed
+    assert desk.ACCOUNTS[account.id].credit_cents == account.recent_charges_cents[0]
+    assert result.reply and result.delivery == f"queued for {account.email}"
+    assert [r.to for r in desk.OUTBOX if r.ticket_id == task.ticket.ticket_id] == [account.email]
+
+    spend = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
+    assert [(s.kind, s.name) for s in spend.steps] == [
+        ("infer", "classify"),
+        ("tool", "look up account"),
+        ("tool", "issue refund"),
+        ("infer", "draft reply"),
+        ("tool", "send reply"),
+    ]
+    row, attempts = await stack.rows(handle)
+    assert row.outcome == TaskOutcome.SUCCEEDED and row.steps == 5
+    assert_ledger_adds_up(row, attempts, spend.spend_micros)
+    await assert_replays(handle)
+
+
+async def test_rejected_reply_reverses_the_refund_and_the_task_is_compensated(stack: Stack):
+    account = _account(stack)
+    desk.REJECTED_ADDRESSES.add(account.email)
+    task = _ticket(account, disputed=account.recent_charges_cents[1])
+    handle = await stack.start(support, task)
+    with pytest.raises(WorkflowFailureError) as failed:
+        await handle.result()
+
+    cause = failed.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == errors.TOOL_FAILED
+    assert "'send reply'" in cause.message and "rejected" in cause.message
+    refund = desk.REFUNDS[f"{handle.id}/refund"]
+    assert refund.reversed and desk.ACCOUNTS[account.id].credit_cents == 0
+    assert not [r for r in desk.OUTBOX if r.ticket_id == task.ticket.ticket_id]
+
+    spend = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
+    assert spend.outcome == "compensated"
+    assert [(s.kind, s.name, s.outcome) for s in spend.steps[-2:]] == [
+        ("tool", "send reply", "failed"),
+        ("compensation", "undo issue refund", "ok"),
+    ]
+    row, attempts = await stack.rows(handle)
+    assert row.outcome == TaskOutcome.COMPENSATED
+    assert_ledger_adds_up(row, attempts, spend.spend_micros)
+    await assert_replays(handle)
+
+
+def _account(stack: Stack) -> desk.Account:
+    """A fresh account in the desk's store, so tests do not share credit or refunds."""
+    base = desk.example_accounts()[0]
+    suffix = uuid.uuid4().hex[:8]
+    account = base.model_copy(update={"id": f"ACC-{suffix}", "email": f"{suffix}@example.com"})
+    desk.ACCOUNTS[account.id] = account
+    return account
+
+
+def _ticket(account: desk.Account, *, disputed: int) -> support.SupportTask:
+    task = support.example_input(random.Random(3), "globex")
+    ticket = task.ticket.model_copy(
+        update={
+            "ticket_id": f"T-{uuid.uuid4().hex[:8]}",
+            "account_id": account.id,
+            "disputed_charge_cents": disputed,
+        }
+    )
+    return task.model_copy(update={"ticket": ticket})
+
+
+async def test_code_review_finishes_within_its_tight_budget_and_names_the_models(stack: Stack):
+    task = code_review.example_input(random.Random(11), "initech")
+    assert len(task.diff.encode()) > 2 * INLINE_LIMIT_BYTES
+    budget = task.spec.latency_budget_s
+    assert budget is not None
+    handle = await stack.start(code_review, task)
+    report = await handle.result()
+
+    assert [r.file for r in report.files] == task.files
+    assert all(r.comments for r in report.files) and report.summary
+    assert report.models <= {"llama-3.1-8b", "llama-3.2-1b"}
+
+    description = await handle.describe()
+    assert description.close_time is not None
+    took = (description.close_time - description.start_time).total_seconds()
+    print(
+        f"\ncode review: {len(task.files)} files, {len(task.diff):,} B diff, {took:.1f} s of "
+        f"{budget:g} s; models "
+        + ", ".join(f"{r.file}={r.model}@{r.replica}" for r in report.files)
+        + f", summary={report.summary_model}"
+    )
+    assert took <= budget
+
+    # The ledger bills each step to the model that answered it, and each step's placement
+    # reason says when the scheduler degraded it to the fallback to fit the deadline.
+    row, attempts = await stack.rows(handle)
+    assert row.outcome == TaskOutcome.SUCCEEDED
+    served = {a.step: a.model for a in attempts if a.outcome == "ok"}
+    assert served == {
+        **{f"review {r.file}": r.model for r in report.files},
+        "summary": report.summary_model,
+    }
+    spend = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
+    for step in spend.steps:
+        degraded = "degraded from llama-3.1-8b" in (step.reason or "")
+        assert degraded == (served[step.name] == "llama-3.2-1b"), step.reason
+    assert_ledger_adds_up(row, attempts, spend.spend_micros)
+    await assert_replays(handle)
+
+
+async def test_code_review_with_an_unmeetable_deadline_fails_fast_without_spending(stack: Stack):
+    task = code_review.example_input(random.Random(12), "initech")
+    task.spec.latency_budget_s = 0.05
+    handle = await stack.start(code_review, task)
+    with pytest.raises(WorkflowFailureError) as failed:
+        await handle.result()
+
+    cause = failed.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == errors.DEADLINE_EXCEEDED
+    assert f"step 1/{len(task.files) + 1} 'review {task.files[0]}'" in cause.message
+    assert "llama-3.2-1b" in cause.message  # the fallback was tried too
+    run_id = (await handle.describe()).run_id or ""
+    row = await stack.ledger.task(handle.id, run_id)
+    assert row is not None and row.outcome == TaskOutcome.FAILED
+    assert row.spend_micros == 0 and not await stack.ledger.attempts_for(handle.id, run_id)
+
+
+@pytest.mark.parametrize(
+    ("sample", "shows"),
+    [
+        ("research_assistant", "critique round(s)"),
+        ("support_triage", "1. infer classify: ok"),
+        ("code_review", "Summary"),
+    ],
+)
+async def test_starter_runs_one_task_against_a_running_stack(
+    stack: Stack, temporal_client: Client, sample: str, shows: str
+):
+    address = temporal_client.service_client.config.target_host
+    starter = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        f"samples.{sample}.starter",
+        "--address",
+        address,
+        "--task-queue",
+        stack.task_queue,
+        "--tenant",
+        "globex",
+        cwd=FLEET_FILE.parent,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    output, _ = await asyncio.wait_for(starter.communicate(), timeout=60)
+    text = output.decode()
+    assert starter.returncode == 0, text
+    assert shows in text and "$0." in text
+
+
+def test_example_inputs_are_the_same_for_the_same_seed():
+    for sample in SAMPLES:
+        first = sample.example_input(random.Random(42), "acme")
+        again = sample.example_input(random.Random(42), "acme")
+        assert first == again and first.spec.tenant == "acme"

@@ -1,0 +1,360 @@
+"""vLLM KV-cache events over a real ZMQ socket, encoded exactly as vLLM encodes them."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from scheduler.blocks import block_hashes
+from scheduler.core import Scheduler
+from scheduler.fleet import Fleet
+from scheduler.kv_events import (
+    KvEventDecodeError,
+    KvEventSubscriber,
+    decode_event_batch,
+)
+from scheduler.placement import Placement, PlacementRequest
+from scheduler.prefix_index import AllBlocksCleared, BlockRemoved, BlockStored
+
+MODEL = "tiny-llama"
+TOPIC = "kv"
+ENGINE_BLOCK = 64
+Hash = int | bytes
+
+
+# vLLM's wire types (vllm/distributed/kv_events.py), as msgspec structs. Current vLLM: the
+# batch is an array, each event a map tagged "type". Older vLLM: events are tagged arrays.
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base class of current vLLM's events (tagged maps)."""
+
+
+class BlockStoredEvent(KVCacheEvent, tag="BlockStored"):
+    block_hashes: list[Hash]
+    parent_block_hash: Hash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+
+
+class BlockRemovedEvent(KVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[Hash]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksClearedEvent(KVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class OldKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base class of older vLLM's events (tagged arrays)."""
+
+
+class OldBlockStored(OldKVCacheEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class OldBlockRemoved(OldKVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+encoder = msgspec.msgpack.Encoder()
+
+
+def encode(events: list[Any]) -> bytes:
+    return encoder.encode(EventBatch(ts=1_700_000_000.0, events=events))
+
+
+def tokens(seed: int, count: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(count)]
+
+
+def stored(chunk: list[int], hashes: list[Hash], parent: Hash | None) -> BlockStoredEvent:
+    return BlockStoredEvent(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=chunk,
+        block_size=ENGINE_BLOCK,
+        lora_id=None,
+        medium="GPU",
+    )
+
+
+def tiny_fleet() -> Fleet:
+    prices = {
+        "input_per_mtok_usd": "0.1",
+        "cached_input_per_mtok_usd": "0.01",
+        "output_per_mtok_usd": "0.3",
+    }
+    return Fleet.model_validate(
+        {
+            "models": [
+                {
+                    "name": MODEL,
+                    "parameters_b": 0.01,
+                    "layers": 2,
+                    "kv_heads": 4,
+                    "head_dim": 32,
+                    "context_length": 4096,
+                }
+            ],
+            "pools": [
+                {
+                    "name": "cpu",
+                    "gpu": "L4",
+                    "replicas": 3,
+                    "price_per_gpu_hour_usd": "0.5",
+                    "token_prices": prices,
+                    "warm_models": [MODEL],
+                }
+            ],
+            "tenants": [{"name": "acme", "tier": 2}],
+        }
+    )
+
+
+def ask(scheduler: Scheduler, prompt: list[int], workflow: str) -> Placement:
+    result = scheduler.place(
+        PlacementRequest(
+            model=MODEL,
+            block_hashes=block_hashes(prompt, 16),
+            prompt_tokens=len(prompt),
+            max_output_tokens=16,
+            tenant="acme",
+            workflow_id=workflow,
+        )
+    )
+    assert isinstance(result, Placement), result
+    return result
+
+
+class Publisher:
+    """vLLM's side: a PUB socket of [topic, seq, batch] and a ROUTER that replays the buffer."""
+
+    def __init__(self, context: zmq.Context[zmq.Socket[bytes]]) -> None:
+        self.pub = context.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.router = context.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
+        self.buffer: list[tuple[int, bytes]] = []
+        self.replay_requests: list[int] = []
+        self.seq = 0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._serve_replay, daemon=True)
+        self._thread.start()
+
+    def publish(self, payload: bytes) -> None:
+        with self._lock:
+            seq = self.seq
+            self.seq += 1
+            self.buffer.append((seq, payload))
+            self.pub.send_multipart([TOPIC.encode(), seq.to_bytes(8, "big"), payload])
+
+    def _serve_replay(self) -> None:
+        # As vLLM's ZmqEventPublisher: [identity, b"", start] in; one [identity, b"", seq,
+        # payload] per buffered batch from start on, then seq -1 with an empty payload.
+        while not self._stop.is_set():
+            if not self.router.poll(20):
+                continue
+            identity, _, start_bytes = self.router.recv_multipart()
+            start = int.from_bytes(start_bytes, "big")
+            self.replay_requests.append(start)
+            with self._lock:
+                buffered = [item for item in self.buffer if item[0] >= start]
+            for seq, payload in buffered:
+                self.router.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
+            self.router.send_multipart([identity, b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
+@pytest.fixture
+async def publisher() -> AsyncIterator[Publisher]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    publisher = Publisher(context)
+    try:
+        yield publisher
+    finally:
+        publisher.close()
+        context.term()
+
+
+async def eventually(condition: Callable[[], bool], what: str) -> None:
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"timed out waiting until {what}")
+
+
+async def subscribed(subscriber: KvEventSubscriber, publisher: Publisher) -> None:
+    """Publish empty batches until the subscriber receives one (ZMQ drops until connected)."""
+    await subscriber.wait_ready()
+    start = subscriber.batches
+    for _ in range(400):
+        publisher.publish(encode([]))
+        await asyncio.sleep(0.01)
+        if subscriber.batches > start:
+            return
+    raise AssertionError("the subscriber never received a batch")
+
+
+async def test_engine_events_make_the_scheduler_send_the_prompt_to_that_replica(
+    publisher: Publisher,
+) -> None:
+    scheduler = Scheduler(tiny_fleet())
+    subscriber = KvEventSubscriber(scheduler, "cpu/2", publisher.endpoint, topic=TOPIC)
+    task = asyncio.create_task(subscriber.run())
+    try:
+        await subscribed(subscriber, publisher)
+        prompt = tokens(1, 6 * ENGINE_BLOCK)
+        # Engine hashes are the engine's own business (random here): the index re-hashes.
+        publisher.publish(encode([stored(prompt[:256], [9001, 9002, 9003, 9004], None)]))
+        publisher.publish(encode([stored(prompt[256:], [9005, 9006], 9004)]))
+        await eventually(lambda: subscriber.events >= 2, "both batches arrived")
+        result = ask(scheduler, prompt + tokens(2, 40), "wf-1")
+        assert result.replica == "cpu/2"
+        assert result.expected_cached_tokens == 6 * ENGINE_BLOCK
+        assert "384 of 424 prompt tokens cached" in result.reason
+
+        publisher.publish(encode([BlockRemovedEvent(block_hashes=[9006, 9005], medium="GPU")]))
+        await eventually(lambda: subscriber.events >= 3, "the removal arrived")
+        status = {s.replica: s for s in scheduler.status()}["cpu/2"]
+        assert status.precise
+        # Four engine blocks of 64 tokens are left: four index entries (one per 4 blocks of 16).
+        assert status.blocks_indexed == 4
+    finally:
+        subscriber.stop()
+        await asyncio.wait_for(task, timeout=5)
+
+
+async def test_older_vllm_array_encoding_and_a_cache_reset_are_understood(
+    publisher: Publisher,
+) -> None:
+    scheduler = Scheduler(tiny_fleet())
+    subscriber = KvEventSubscriber(scheduler, "cpu/0", publisher.endpoint, topic=TOPIC)
+    task = asyncio.create_task(subscriber.run())
+    try:
+        await subscribed(subscriber, publisher)
+        prompt = tokens(3, 2 * ENGINE_BLOCK)
+        publisher.publish(
+            encode(
+                [
+                    OldBlockStored(
+                        block_hashes=[5, 6],
+                        parent_block_hash=None,
+                        token_ids=prompt,
+                        block_size=ENGINE_BLOCK,
+                        lora_id=None,
+                        medium=None,
+                    )
+                ]
+            )
+        )
+        await eventually(lambda: subscriber.events >= 1, "the batch arrived")
+        assert ask(scheduler, prompt + [1] * 10, "wf-2").replica == "cpu/0"
+        publisher.publish(encode([AllBlocksClearedEvent()]))
+        await eventually(lambda: subscriber.events >= 2, "the reset arrived")
+        status = {s.replica: s for s in scheduler.status()}["cpu/0"]
+        assert status.blocks_indexed == 0
+    finally:
+        subscriber.stop()
+        await asyncio.wait_for(task, timeout=5)
+
+
+async def test_a_late_subscriber_recovers_earlier_batches_from_the_replay_socket(
+    publisher: Publisher,
+) -> None:
+    scheduler = Scheduler(tiny_fleet())
+    prompt = tokens(4, 3 * ENGINE_BLOCK)
+    # Published before anyone listens: lost on the PUB socket, kept in the replay buffer.
+    publisher.publish(encode([stored(prompt[:128], [b"\x01" * 32, b"\x02" * 32], None)]))
+    publisher.publish(encode([stored(prompt[128:], [b"\x03" * 32], b"\x02" * 32)]))
+    subscriber = KvEventSubscriber(
+        scheduler,
+        "cpu/1",
+        publisher.endpoint,
+        topic=TOPIC,
+        replay_endpoint=publisher.replay_endpoint,
+    )
+    task = asyncio.create_task(subscriber.run())
+    try:
+        await subscribed(subscriber, publisher)
+        assert publisher.replay_requests and publisher.replay_requests[0] == 0
+        assert subscriber.replayed >= 2 and subscriber.gaps == 0
+        result = ask(scheduler, prompt + [7] * 20, "wf-3")
+        assert result.replica == "cpu/1"
+        assert result.expected_cached_tokens == 3 * ENGINE_BLOCK
+    finally:
+        subscriber.stop()
+        await asyncio.wait_for(task, timeout=5)
+
+
+def test_decoder_skips_lora_and_offloaded_blocks_and_rejects_garbage() -> None:
+    lora = BlockStoredEvent(
+        block_hashes=[1],
+        parent_block_hash=None,
+        token_ids=list(range(64)),
+        block_size=64,
+        lora_id=3,
+        medium="GPU",
+        lora_name="adapter",
+    )
+    offloaded = BlockStoredEvent(
+        block_hashes=[2],
+        parent_block_hash=None,
+        token_ids=list(range(64)),
+        block_size=64,
+        lora_id=None,
+        medium="CPU",
+    )
+    plain = stored(list(range(64)), [3], None)
+    ts, events = decode_event_batch(encode([lora, offloaded, plain, AllBlocksClearedEvent()]))
+    assert ts == 1_700_000_000.0
+    assert events == [
+        BlockStored(
+            block_hashes=(3,), parent_block_hash=None, token_ids=tuple(range(64)), block_size=64
+        ),
+        AllBlocksCleared(),
+    ]
+    removed = decode_event_batch(encode([OldBlockRemoved(block_hashes=[4, 5], medium=None)]))
+    assert removed[1] == [BlockRemoved(block_hashes=(4, 5))]
+    with pytest.raises(KvEventDecodeError):
+        decode_event_batch(b"\xc1 not msgpack")
+    with pytest.raises(KvEventDecodeError):
+        decode_event_batch(msgspec.msgpack.encode({"hello": "world"}))

@@ -1,0 +1,729 @@
+"""Placement end to end: what a workflow gets back from `Scheduler.place`, and why."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduler.blocks import block_hashes
+from scheduler.config import SchedulerConfig, WeightsConfig
+from scheduler.core import Scheduler
+from scheduler.fleet import Fleet, task_queue_for
+from scheduler.placement import (
+    Observation,
+    Placement,
+    PlacementInputError,
+    PlacementRequest,
+    Refusal,
+    RefusalReason,
+)
+from scheduler.prefix_index import BlockStored
+from scheduler.state import ReplicaMetrics
+
+BIG, SMALL, SOLO = "llama-3.1-8b", "llama-3.2-1b", "qwen-3b"
+
+
+def prices(inp: str, cached: str, out: str) -> dict[str, str]:
+    return {
+        "input_per_mtok_usd": inp,
+        "cached_input_per_mtok_usd": cached,
+        "output_per_mtok_usd": out,
+    }
+
+
+def make_fleet(**overrides: Any) -> Fleet:
+    data: dict[str, Any] = {
+        "models": [
+            {
+                "name": BIG,
+                "parameters_b": 8.0,
+                "layers": 32,
+                "kv_heads": 8,
+                "head_dim": 128,
+                "context_length": 32768,
+                "fallback": SMALL,
+            },
+            {
+                "name": SMALL,
+                "parameters_b": 1.2,
+                "layers": 16,
+                "kv_heads": 8,
+                "head_dim": 64,
+                "context_length": 32768,
+            },
+            {
+                "name": SOLO,
+                "parameters_b": 3.0,
+                "layers": 28,
+                "kv_heads": 8,
+                "head_dim": 128,
+                "context_length": 8192,
+            },
+        ],
+        "pools": [
+            {
+                "name": "h200",
+                "gpu": "H200",
+                "replicas": 2,
+                "price_per_gpu_hour_usd": "3.80",
+                "token_prices": prices("0.20", "0.02", "0.60"),
+                "warm_models": [BIG, SMALL],
+                "max_concurrency": 64,
+            },
+            {
+                "name": "h100",
+                "gpu": "H100",
+                "replicas": 2,
+                "price_per_gpu_hour_usd": "2.90",
+                "token_prices": prices("0.18", "0.018", "0.54"),
+                "warm_models": [BIG, SMALL],
+                "max_concurrency": 48,
+            },
+            {
+                "name": "l4",
+                "gpu": "L4",
+                "replicas": 2,
+                "price_per_gpu_hour_usd": "0.80",
+                "token_prices": prices("0.10", "0.01", "0.40"),
+                "warm_models": [SMALL],
+                "max_concurrency": 16,
+            },
+        ],
+        "tenants": [
+            {"name": "acme", "tier": 1, "fairness_weight": 3.0, "daily_budget_usd": "50.00"},
+            {"name": "globex", "tier": 3, "fairness_weight": 2.0},
+            {"name": "initech", "tier": 5, "fairness_weight": 1.0, "daily_budget_usd": "0.01"},
+        ],
+    }
+    data.update(overrides)
+    return Fleet.model_validate(data)
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self, now: float = 1_700_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def make_scheduler(
+    fleet: Fleet | None = None, config: SchedulerConfig | None = None, clock: Clock | None = None
+) -> Scheduler:
+    return Scheduler(fleet or make_fleet(), config or SchedulerConfig(), clock=clock or Clock())
+
+
+def prompt(seed: int, tokens: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 50_000 for i in range(tokens)]
+
+
+def request(tokens: list[int], **fields: Any) -> PlacementRequest:
+    values: dict[str, Any] = {
+        "model": BIG,
+        "block_hashes": block_hashes(tokens, 16),
+        "prompt_tokens": len(tokens),
+        "max_output_tokens": 200,
+        "tenant": "acme",
+        "workflow_id": "wf-1",
+    }
+    values.update(fields)
+    return PlacementRequest(**values)
+
+
+def placed(result: Placement | Refusal) -> Placement:
+    assert isinstance(result, Placement), result
+    return result
+
+
+def refused(result: Placement | Refusal) -> Refusal:
+    assert isinstance(result, Refusal), result
+    return result
+
+
+def fail(scheduler: Scheduler, replica: str, times: int, model: str = BIG) -> None:
+    for _ in range(times):
+        scheduler.observe(Observation(replica=replica, model=model, tenant="acme", ok=False))
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+
+def test_repeated_prompt_goes_back_to_the_replica_that_cached_it() -> None:
+    scheduler = make_scheduler()
+    tokens = prompt(1, 3400)
+    first = placed(scheduler.place(request(tokens)))
+    assert first.expected_cached_tokens == 0
+    # The next step of the agent: the same conversation plus the model's answer and a tool call.
+    longer = tokens + prompt(2, 300)
+    second = placed(scheduler.place(request(longer, workflow_id="wf-other")))
+    assert second.replica == first.replica
+    assert second.expected_cached_tokens == 3392  # 212 whole blocks of 16 tokens
+    assert "3.4k of 3.7k prompt tokens cached" in second.reason
+
+
+def test_cached_tokens_come_in_whole_engine_blocks_and_never_cover_the_last_token() -> None:
+    scheduler = make_scheduler()
+    for name in scheduler.replica_names():
+        scheduler.update_metrics(name, ReplicaMetrics(block_size=128, num_gpu_blocks=10_000))
+    tokens = prompt(3, 1024)  # exactly 8 engine blocks
+    first = placed(scheduler.place(request(tokens)))
+    again = placed(scheduler.place(request(tokens)))
+    assert again.replica == first.replica
+    # vLLM recomputes the last prompt token, so a fully cached prompt hits 7 of its 8 blocks.
+    assert again.expected_cached_tokens == 896
+    assert again.block_size == 128
+
+
+def test_kv_events_from_the_engine_steer_the_prompt_to_the_replica_holding_it() -> None:
+    scheduler = make_scheduler()
+    tokens = prompt(4, 2048)
+    # h100/1 reports, through its KV events, that it cached the prompt (engine hashes are its
+    # own; only the token ids matter).
+    scheduler.update_metrics("h100/1", ReplicaMetrics(models=(BIG,)))
+    scheduler.apply_kv_events(
+        "h100/1",
+        [
+            BlockStored(
+                block_hashes=tuple(range(900, 916)),
+                parent_block_hash=None,
+                token_ids=tuple(tokens),
+                block_size=128,
+            )
+        ],
+    )
+    result = placed(scheduler.place(request(tokens + prompt(5, 100))))
+    assert result.replica == "h100/1"
+    assert result.expected_cached_tokens == 2048
+
+
+def test_a_prefix_cached_for_one_model_does_not_count_for_another() -> None:
+    scheduler = make_scheduler()
+    tokens = prompt(6, 2000)
+    big = placed(scheduler.place(request(tokens)))
+    small = placed(scheduler.place(request(tokens, model=SMALL, workflow_id="wf-2")))
+    assert small.expected_cached_tokens == 0 or small.replica != big.replica
+
+
+# ----------------------------------------------------------------------------- what comes back
+
+
+def test_placement_carries_queue_priority_fairness_and_a_readable_reason() -> None:
+    scheduler = make_scheduler()
+    result = placed(
+        scheduler.place(
+            request(prompt(7, 3400), tenant="globex", deadline_s_remaining=12.0, steps_remaining=3)
+        )
+    )
+    pool, index = result.replica.split("/")
+    assert result.task_queue == task_queue_for(pool, int(index))
+    assert result.pool == pool
+    assert result.gpu in ("H200", "H100")
+    assert (result.priority_key, result.fairness_key, result.fairness_weight) == (
+        3,
+        "globex",
+        2.0,
+    )
+    assert result.step_budget_s == pytest.approx(6.0)  # 1.5 × 12 s / 3 steps
+    assert 0 < result.est_ttft_s <= result.est_duration_s <= 6.0
+    assert result.est_cost_micros > 0
+    assert 1.0 <= result.schedule_to_start_s <= 6.0
+    assert re.fullmatch(
+        rf"{re.escape(result.replica)}: 0 of 3\.4k prompt tokens cached, queue 0, "
+        r"est \d+\.\d s of 6\.0 s budget, \$0\.\d{4} \(new prefix, rendezvous pick\)",
+        result.reason,
+    ), result.reason
+
+
+def test_placement_round_trips_through_json_as_temporal_would_carry_it() -> None:
+    scheduler = make_scheduler()
+    result = placed(scheduler.place(request(prompt(8, 500))))
+    assert Placement.model_validate_json(result.model_dump_json()) == result
+    refusal = refused(scheduler.place(request(prompt(8, 500), deadline_s_remaining=0.001)))
+    assert Refusal.model_validate_json(refusal.model_dump_json()) == refusal
+
+
+def test_unknown_model_or_tenant_is_an_input_error_that_names_the_known_ones() -> None:
+    scheduler = make_scheduler()
+    with pytest.raises(PlacementInputError, match=r"unknown model 'gpt-9'.*llama-3\.1-8b"):
+        scheduler.place(request(prompt(1, 100), model="gpt-9"))
+    with pytest.raises(PlacementInputError, match=r"unknown tenant 'umbrella'.*acme"):
+        scheduler.place(request(prompt(1, 100), tenant="umbrella"))
+
+
+# ----------------------------------------------------------------------------- filters
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    excluded=st.sets(
+        st.sampled_from(["h200/0", "h200/1", "h100/0", "h100/1", "l4/0", "l4/1"]), max_size=6
+    ),
+    seed=st.integers(0, 1000),
+    model=st.sampled_from([BIG, SMALL]),
+)
+def test_an_excluded_replica_is_never_chosen(excluded: set[str], seed: int, model: str) -> None:
+    scheduler = make_scheduler()
+    result = scheduler.place(request(prompt(seed, 1000), model=model, exclude=sorted(excluded)))
+    if isinstance(result, Placement):
+        assert result.replica not in excluded
+    else:
+        assert result.message
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    broken=st.sets(
+        st.sampled_from(["h200/0", "h200/1", "h100/0", "h100/1", "l4/0", "l4/1"]), max_size=6
+    ),
+    seed=st.integers(0, 1000),
+)
+def test_a_replica_with_an_open_circuit_is_never_chosen(broken: set[str], seed: int) -> None:
+    scheduler = make_scheduler()
+    for name in broken:
+        fail(scheduler, name, 5)
+    for step in range(3):
+        result = scheduler.place(request(prompt(seed + step, 800)))
+        if isinstance(result, Placement):
+            assert result.replica not in broken
+        else:
+            assert result.reason in (RefusalReason.ALL_CIRCUITS_OPEN, RefusalReason.NO_REPLICA)
+
+
+def test_a_replica_that_went_down_is_not_chosen_and_forgets_its_cache() -> None:
+    scheduler = make_scheduler()
+    tokens = prompt(9, 2000)
+    first = placed(scheduler.place(request(tokens)))
+    scheduler.set_replica_up(first.replica, False)
+    second = placed(scheduler.place(request(tokens)))
+    assert second.replica != first.replica
+    scheduler.set_replica_up(first.replica, True)
+    status = {s.replica: s for s in scheduler.status()}
+    assert status[first.replica].blocks_indexed == 0
+
+
+def test_a_replica_whose_kv_cache_is_full_is_passed_over() -> None:
+    scheduler = make_scheduler()
+    tokens = prompt(10, 3000)
+    first = placed(scheduler.place(request(tokens)))
+    # The replica that holds the prefix is now 99 % full: the next step would preempt others.
+    scheduler.update_metrics(
+        first.replica,
+        ReplicaMetrics(kv_cache_usage=0.99, running=10, num_gpu_blocks=2000, block_size=16),
+    )
+    second = placed(scheduler.place(request(tokens + prompt(11, 100))))
+    assert second.replica != first.replica
+
+
+def test_every_replica_full_is_a_saturated_refusal_with_a_retry_after() -> None:
+    scheduler = make_scheduler()
+    for name in scheduler.replica_names():
+        scheduler.update_metrics(
+            name, ReplicaMetrics(kv_cache_usage=0.97, num_gpu_blocks=1000, block_size=16)
+        )
+    refusal = refused(scheduler.place(request(prompt(12, 2000))))
+    assert refusal.reason is RefusalReason.SATURATED
+    assert refusal.retryable and refusal.retry_after_s == pytest.approx(2.0)
+    assert "too full" in refusal.message
+    # The L4s could load the 8B cold, but their caches are just as full.
+    assert refusal.rejections == {"memory": 6}
+    assert "the fallback does not fit either (llama-3.2-1b: saturated)" in refusal.message
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def test_all_circuits_open_is_refused_with_the_time_of_the_next_probe() -> None:
+    clock = Clock()
+    scheduler = make_scheduler(clock=clock)
+    for name in scheduler.replica_names():
+        fail(scheduler, name, 5, model=SMALL)
+    clock.advance(10)
+    refusal = refused(scheduler.place(request(prompt(13, 500), model=SMALL)))
+    assert refusal.reason is RefusalReason.ALL_CIRCUITS_OPEN
+    assert refusal.retry_after_s == pytest.approx(20.0)
+    assert refusal.retryable
+    assert "open circuit breaker" in refusal.message and "20.0 s" in refusal.message
+
+    clock.advance(20)
+    probe = placed(scheduler.place(request(prompt(14, 500), model=SMALL)))
+    assert probe.probe and "half-open probe" in probe.reason
+
+
+def test_half_open_replica_takes_one_probe_at_a_time_and_closes_after_two_successes() -> None:
+    clock = Clock()
+    fleet = make_fleet(
+        pools=[
+            {
+                "name": "solo",
+                "gpu": "H100",
+                "replicas": 1,
+                "price_per_gpu_hour_usd": "2.90",
+                "token_prices": prices("0.18", "0.018", "0.54"),
+                "warm_models": [BIG, SMALL],
+            }
+        ]
+    )
+    scheduler = make_scheduler(fleet=fleet, clock=clock)
+    fail(scheduler, "solo/0", 5)
+    clock.advance(30)
+    probe = placed(scheduler.place(request(prompt(15, 300))))
+    assert probe.probe
+    busy = refused(scheduler.place(request(prompt(16, 300))))
+    assert busy.reason is RefusalReason.ALL_CIRCUITS_OPEN
+    ok = Observation(replica="solo/0", model=BIG, tenant="acme", ok=True, probe=True)
+    # A call placed before the circuit opened, reporting late, does not count as a probe.
+    scheduler.observe(ok.model_copy(update={"probe": False}))
+    assert {s.replica: s.circuit for s in scheduler.status()} == {"solo/0": "half_open"}
+    scheduler.observe(ok)
+    second = placed(scheduler.place(request(prompt(17, 300))))
+    assert second.probe
+    scheduler.observe(ok)
+    closed = placed(scheduler.place(request(prompt(18, 300))))
+    assert not closed.probe
+    assert {s.replica: s.circuit for s in scheduler.status()} == {"solo/0": "closed"}
+
+
+def test_a_deadline_the_model_cannot_meet_degrades_to_its_fallback() -> None:
+    scheduler = make_scheduler()
+    # 400 output tokens of an 8B model take about 2 s even on an H200; the 1B takes 0.4 s.
+    result = placed(
+        scheduler.place(request(prompt(19, 1000), max_output_tokens=400, deadline_s_remaining=1.2))
+    )
+    assert result.model == SMALL
+    assert result.degraded_from == BIG
+    assert "degraded from llama-3.1-8b" in result.reason
+    assert result.est_duration_s <= 1.2
+
+
+def test_a_deadline_refusal_names_the_fallback_when_the_request_forbids_degrading() -> None:
+    scheduler = make_scheduler()
+    refusal = refused(
+        scheduler.place(
+            request(
+                prompt(20, 1000),
+                max_output_tokens=400,
+                deadline_s_remaining=1.2,
+                allow_fallback=False,
+            )
+        )
+    )
+    assert refusal.reason is RefusalReason.DEADLINE
+    assert refusal.alternative_model == SMALL
+    assert not refusal.retryable
+    assert "1.2 s share" in refusal.message and "would fit" in refusal.message
+
+
+def test_nothing_fits_a_tiny_deadline_and_the_refusal_says_so() -> None:
+    scheduler = make_scheduler()
+    refusal = refused(
+        scheduler.place(request(prompt(21, 4000), deadline_s_remaining=0.01, steps_remaining=4))
+    )
+    assert refusal.reason is RefusalReason.DEADLINE
+    assert refusal.alternative_model is None
+    assert refusal.rejections.get("deadline", 0) >= 4
+
+
+def test_a_model_warm_nowhere_is_refused_when_cold_starts_are_off() -> None:
+    scheduler = make_scheduler(config=SchedulerConfig(allow_cold_start=False))
+    refusal = refused(scheduler.place(request(prompt(22, 500), model=SOLO)))
+    assert refusal.reason is RefusalReason.MODEL_NOT_WARM
+    assert "qwen-3b" in refusal.message and "cold starts are disabled" in refusal.message
+
+
+def test_a_cold_replica_pays_the_model_load_time() -> None:
+    scheduler = make_scheduler()
+    result = placed(scheduler.place(request(prompt(23, 500), model=SOLO)))
+    assert result.cold_start
+    # 6 GB of weights at 2 GB/s plus 20 s of engine start-up.
+    assert result.est_ttft_s >= 23.0
+    assert "cold start +23 s" in result.reason
+
+
+def test_a_tenant_over_its_daily_budget_is_refused_until_midnight_utc() -> None:
+    clock = Clock(now=86_400 * 20_000 + 3600 * 20)  # 20:00 UTC
+    scheduler = make_scheduler(clock=clock)
+    scheduler.observe(
+        Observation(replica="l4/0", model=SMALL, tenant="initech", ok=True, cost_micros=10_000)
+    )
+    refusal = refused(scheduler.place(request(prompt(24, 200), tenant="initech")))
+    assert refusal.reason is RefusalReason.TENANT_OVER_QUOTA
+    assert refusal.retry_after_s == pytest.approx(4 * 3600)
+    clock.advance(4 * 3600)
+    placed(scheduler.place(request(prompt(24, 200), tenant="initech")))
+
+
+def test_the_task_spend_cap_is_respected_or_refused_as_over_budget() -> None:
+    scheduler = make_scheduler()
+    ok = placed(scheduler.place(request(prompt(25, 1000), budget_micros=10_000)))
+    assert ok.est_cost_micros <= 10_000
+    refusal = refused(
+        scheduler.place(request(prompt(25, 3000), spent_micros=9_900, budget_micros=10_000))
+    )
+    assert refusal.reason is RefusalReason.OVER_BUDGET
+    assert "spend cap of $0.0100" in refusal.message
+
+
+def test_a_task_that_used_its_retry_budget_is_refused_instead_of_replaced() -> None:
+    scheduler = make_scheduler()
+    tokens = prompt(26, 500)
+    placed(scheduler.place(request(tokens, attempt=2, task_retries=2)))
+    refusal = refused(scheduler.place(request(tokens, attempt=2, task_retries=3)))
+    assert refusal.reason is RefusalReason.RETRY_BUDGET_EXHAUSTED
+    assert not refusal.retryable
+    assert "3 re-placements" in refusal.message
+
+
+def test_a_tenant_retrying_too_much_of_its_traffic_is_throttled() -> None:
+    clock = Clock()
+    scheduler = make_scheduler(clock=clock)
+    tokens = prompt(27, 300)
+    for _ in range(10):  # the minimum every tenant may retry per window
+        placed(scheduler.place(request(tokens, attempt=2)))
+    refusal = refused(scheduler.place(request(tokens, attempt=2)))
+    assert refusal.reason is RefusalReason.RETRY_BUDGET_EXHAUSTED
+    assert refusal.retryable and 0 < (refusal.retry_after_s or 0) <= 60
+    clock.advance(61)
+    placed(scheduler.place(request(tokens, attempt=2)))
+
+
+def test_under_saturation_the_lowest_tier_waits_while_the_highest_is_served() -> None:
+    scheduler = make_scheduler()
+    for name in scheduler.replica_names():
+        pool = name.split("/")[0]
+        slots = {"h200": 64, "h100": 48, "l4": 16}[pool]
+        scheduler.update_metrics(name, ReplicaMetrics(running=slots, waiting=slots // 4))
+    low = refused(scheduler.place(request(prompt(28, 300), model=SMALL, tenant="initech")))
+    assert low.reason is RefusalReason.SATURATED and low.retry_after_s
+    assert "tier 5" in low.message
+    placed(scheduler.place(request(prompt(28, 300), model=SMALL, tenant="acme")))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    tenant=st.sampled_from(["acme", "globex", "initech"]),
+    model=st.sampled_from([BIG, SMALL, SOLO]),
+    tokens=st.integers(0, 9000),
+    output=st.integers(0, 3000),
+    deadline=st.one_of(st.none(), st.floats(0.0, 120.0)),
+    steps=st.integers(1, 8),
+    excluded=st.sets(st.sampled_from(["h200/0", "h200/1", "h100/0", "h100/1", "l4/0", "l4/1"])),
+    failing=st.sets(st.sampled_from(["h200/0", "h200/1", "h100/0", "h100/1", "l4/0", "l4/1"])),
+    usage=st.floats(0.0, 1.0),
+    budget=st.one_of(st.none(), st.integers(0, 5000)),
+    cold=st.booleans(),
+)
+def test_a_refusal_always_says_why(
+    tenant: str,
+    model: str,
+    tokens: int,
+    output: int,
+    deadline: float | None,
+    steps: int,
+    excluded: set[str],
+    failing: set[str],
+    usage: float,
+    budget: int | None,
+    cold: bool,
+) -> None:
+    scheduler = make_scheduler(config=SchedulerConfig(allow_cold_start=cold))
+    for name in scheduler.replica_names():
+        scheduler.update_metrics(
+            name, ReplicaMetrics(kv_cache_usage=usage, num_gpu_blocks=4000, block_size=16)
+        )
+    for name in failing:
+        fail(scheduler, name, 5, model=model)
+    result = scheduler.place(
+        request(
+            prompt(tokens, tokens),
+            model=model,
+            tenant=tenant,
+            max_output_tokens=output,
+            deadline_s_remaining=deadline,
+            steps_remaining=steps,
+            exclude=sorted(excluded),
+            budget_micros=budget,
+        )
+    )
+    if isinstance(result, Refusal):
+        assert isinstance(result.reason, RefusalReason)
+        assert len(result.message) > 20
+        assert result.model in (BIG, SMALL, SOLO) and result.tenant == tenant
+        if result.retry_after_s is not None:
+            assert result.retry_after_s >= 0 and result.retryable
+    else:
+        assert result.replica not in excluded
+        assert result.replica not in failing
+        if deadline is not None:
+            assert result.est_duration_s <= deadline + 1e-9
+        if budget is not None:
+            assert result.est_cost_micros <= budget + 1  # float ranking vs exact price
+
+
+# ----------------------------------------------------------------------------- workflow context
+
+
+def test_a_workflow_sticks_to_its_previous_replica_among_equals() -> None:
+    scheduler = make_scheduler()
+    # A short prompt caches nothing (less than a block), so only stickiness differs.
+    first = placed(scheduler.place(request(prompt(29, 10), workflow_id="")))
+    second = placed(
+        scheduler.place(request(prompt(30, 10), workflow_id="", previous_replica=first.replica))
+    )
+    assert second.replica == first.replica
+    assert "sticky" in second.reason
+
+
+def test_a_task_with_high_sunk_cost_avoids_a_cheap_but_flaky_replica() -> None:
+    fleet = make_fleet(
+        pools=[
+            {
+                "name": "cheap",
+                "gpu": "A100",
+                "replicas": 1,
+                "price_per_gpu_hour_usd": "1.00",
+                "token_prices": prices("0.10", "0.01", "0.30"),
+                "warm_models": [SMALL],
+            },
+            {
+                "name": "solid",
+                "gpu": "H100",
+                "replicas": 1,
+                "price_per_gpu_hour_usd": "2.90",
+                "token_prices": prices("0.20", "0.02", "0.60"),
+                "warm_models": [SMALL],
+            },
+        ]
+    )
+    scheduler = make_scheduler(fleet=fleet)
+    fail(scheduler, "cheap/0", 3, model=SMALL)  # not enough to open it: P(ok) = 10/13
+    fresh = placed(scheduler.place(request(prompt(31, 1000), model=SMALL, workflow_id="a")))
+    assert fresh.replica == "cheap/0"
+    invested = placed(
+        scheduler.place(
+            request(prompt(32, 1000), model=SMALL, workflow_id="b", spent_micros=200_000)
+        )
+    )
+    assert invested.replica == "solid/0"
+
+
+def test_observed_slow_calls_raise_the_replicas_estimates() -> None:
+    fleet = make_fleet(
+        pools=[
+            {
+                "name": "h100",
+                "gpu": "H100",
+                "replicas": 1,
+                "price_per_gpu_hour_usd": "2.90",
+                "token_prices": prices("0.18", "0.018", "0.54"),
+                "warm_models": [SMALL],
+            }
+        ]
+    )
+    scheduler = make_scheduler(fleet=fleet)
+    before = placed(scheduler.place(request(prompt(33, 2000), model=SMALL, workflow_id="x")))
+    for _ in range(10):
+        scheduler.observe(
+            Observation(
+                replica="h100/0",
+                model=SMALL,
+                tenant="acme",
+                ok=True,
+                queue_s=0.0,
+                ttft_s=2.0,
+                duration_s=12.0,
+                prompt_tokens=2000,
+                cached_tokens=0,
+                completion_tokens=201,
+            )
+        )
+    after = placed(scheduler.place(request(prompt(34, 2000), model=SMALL, workflow_id="y")))
+    assert after.est_ttft_s > 5 * before.est_ttft_s
+    assert after.est_duration_s > 5 * before.est_duration_s
+
+
+# ----------------------------------------------------------------------------- consistency
+
+
+def same_telemetry(*schedulers: Scheduler) -> None:
+    loads = {"h200/0": 5, "h200/1": 9, "h100/0": 2, "h100/1": 7, "l4/0": 1, "l4/1": 3}
+    for scheduler in schedulers:
+        for name, running in loads.items():
+            scheduler.update_metrics(
+                name,
+                ReplicaMetrics(
+                    kv_cache_usage=running / 20,
+                    running=running,
+                    waiting=0,
+                    block_size=16,
+                    num_gpu_blocks=30_000,
+                ),
+            )
+
+
+def test_placements_are_deterministic_for_the_same_state() -> None:
+    a, b = make_scheduler(), make_scheduler()
+    same_telemetry(a, b)
+    for i in range(30):
+        req = request(
+            prompt(i % 7, 500 + 100 * (i % 5)),
+            model=(BIG, SMALL)[i % 2],
+            workflow_id=f"wf-{i % 4}",
+            deadline_s_remaining=None if i % 3 else 30.0,
+        )
+        assert a.place(req) == b.place(req)
+
+
+def test_two_schedulers_fed_the_same_telemetry_agree_on_new_prefixes() -> None:
+    a, b = make_scheduler(), make_scheduler()
+    same_telemetry(a, b)
+    prompts = [prompt(100 + i, 640) for i in range(24)]
+    # Each process sees the workflows in a different order and places only its own share
+    # first: without a shared database they must still agree on where each prefix goes.
+    on_a = {
+        i: placed(a.place(request(p, workflow_id=f"a{i}"))).replica for i, p in enumerate(prompts)
+    }
+    on_b = {
+        i: placed(b.place(request(p, workflow_id=f"b{i}"))).replica
+        for i, p in reversed(list(enumerate(prompts)))
+    }
+    assert on_a == on_b
+    # Rendezvous spreads new prefixes over the replicas that are about as good (the H100s are
+    # 10 % cheaper than the H200s, within the tolerance) instead of piling them on one; the
+    # busiest, h200/1 (9 running, 45 % of its cache used), is outside the tolerance.
+    assert set(on_a.values()) == {"h200/0", "h100/0", "h100/1"}
+
+
+def test_two_schedulers_fed_the_same_kv_events_send_a_prefix_to_its_holder() -> None:
+    a, b = make_scheduler(), make_scheduler()
+    same_telemetry(a, b)
+    tokens = prompt(200, 1536)
+    event = BlockStored(
+        block_hashes=(11, 12, 13), parent_block_hash=None, token_ids=tuple(tokens), block_size=512
+    )
+    for scheduler in (a, b):
+        scheduler.update_metrics("h200/1", ReplicaMetrics(models=(BIG,)))
+        scheduler.apply_kv_events("h200/1", [event])
+    for scheduler in (a, b):
+        result = placed(scheduler.place(request(tokens + prompt(201, 64))))
+        assert result.replica == "h200/1"
+        assert result.expected_cached_tokens == 1536
+
+
+def test_weights_in_config_change_the_choice() -> None:
+    # With no stickiness weight a previous replica is not preferred over a less loaded one.
+    config = SchedulerConfig(weights=WeightsConfig(sticky=0.0, queue=5.0))
+    scheduler = make_scheduler(config=config)
+    scheduler.update_metrics("h100/0", ReplicaMetrics(running=40))
+    result = placed(
+        scheduler.place(request(prompt(300, 10), workflow_id="", previous_replica="h100/0"))
+    )
+    assert result.replica != "h100/0"

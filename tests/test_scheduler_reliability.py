@@ -1,0 +1,136 @@
+"""Circuit breakers and retry budgets, stepped through time by hand."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from scheduler.config import CircuitBreakerConfig, RetryBudgetConfig
+from scheduler.reliability import (
+    CircuitBreaker,
+    CircuitState,
+    TenantRetryBudget,
+    task_retry_allowed,
+)
+
+
+def state_of(breaker: CircuitBreaker) -> CircuitState:
+    # A function call, so that type checkers do not narrow the state between transitions.
+    return breaker.state
+
+
+def test_five_failures_in_a_row_open_the_circuit_for_thirty_seconds() -> None:
+    breaker = CircuitBreaker(CircuitBreakerConfig())
+    for i in range(4):
+        breaker.record(False, now=float(i))
+        assert state_of(breaker) is CircuitState.CLOSED
+    assert breaker.record(False, now=4.0)
+    assert state_of(breaker) is CircuitState.OPEN
+    assert not breaker.allows(now=33.9)
+    assert breaker.seconds_until_half_open(now=14.0) == 20.0
+    assert breaker.p_success() == 0.0
+    assert breaker.allows(now=34.0)
+    assert state_of(breaker) is CircuitState.HALF_OPEN
+
+
+def test_a_success_resets_the_consecutive_count() -> None:
+    breaker = CircuitBreaker(CircuitBreakerConfig(min_calls_in_window=1000))
+    for i in range(20):
+        breaker.record(i % 4 == 3, now=float(i))  # three failures, then a success
+    assert state_of(breaker) is CircuitState.CLOSED
+
+
+def test_an_error_rate_over_the_window_opens_the_circuit() -> None:
+    breaker = CircuitBreaker(CircuitBreakerConfig(error_rate=0.5, min_calls_in_window=10))
+    for i in range(9):
+        breaker.record(i % 2 == 0, now=float(i))  # alternating: never 5 in a row
+    assert state_of(breaker) is CircuitState.CLOSED
+    breaker.record(False, now=9.0)  # 5 failures in 10 calls
+    assert state_of(breaker) is CircuitState.OPEN
+
+
+def test_old_failures_leave_the_window() -> None:
+    breaker = CircuitBreaker(CircuitBreakerConfig(window_s=60.0, min_calls_in_window=4))
+    for i in range(3):
+        breaker.record(False, now=float(i))
+    breaker.record(True, now=3.0)
+    assert breaker.p_success() < 1.0
+    for i in range(4):
+        breaker.record(True, now=100.0 + i)
+    assert breaker.p_success() == 1.0
+
+
+def test_half_open_lets_one_probe_through_and_closes_after_two_successes() -> None:
+    breaker = CircuitBreaker(CircuitBreakerConfig())
+    for i in range(5):
+        breaker.record(False, now=float(i))
+    assert breaker.allows(now=40.0)
+    breaker.start_probe(now=40.0)
+    assert not breaker.allows(now=40.5)  # one probe at a time
+    assert breaker.p_success() == 0.5 * (10 / 15)
+    breaker.record(True, now=41.0)
+    assert state_of(breaker) is CircuitState.HALF_OPEN and breaker.allows(now=41.0)
+    breaker.start_probe(now=41.0)
+    breaker.record(True, now=42.0)
+    assert state_of(breaker) is CircuitState.CLOSED
+    assert breaker.p_success() == 1.0
+
+
+def test_a_failed_probe_opens_the_circuit_again() -> None:
+    breaker = CircuitBreaker(CircuitBreakerConfig())
+    for i in range(5):
+        breaker.record(False, now=float(i))
+    breaker.refresh(now=40.0)
+    breaker.start_probe(now=40.0)
+    breaker.record(False, now=41.0)
+    assert state_of(breaker) is CircuitState.OPEN
+    assert breaker.seconds_until_half_open(now=41.0) == 30.0
+
+
+def test_a_probe_that_never_reports_frees_its_slot_after_a_cooldown() -> None:
+    breaker = CircuitBreaker(CircuitBreakerConfig())
+    for i in range(5):
+        breaker.record(False, now=float(i))
+    breaker.refresh(now=40.0)
+    breaker.start_probe(now=40.0)
+    assert not breaker.allows(now=60.0)
+    assert breaker.allows(now=70.0)
+
+
+@given(outcomes=st.lists(st.booleans(), max_size=200))
+def test_the_breaker_never_opens_without_failures_and_p_success_is_a_probability(
+    outcomes: list[bool],
+) -> None:
+    breaker = CircuitBreaker(CircuitBreakerConfig())
+    for i, ok in enumerate(outcomes):
+        breaker.record(ok, now=float(i))
+        assert 0.0 <= breaker.p_success() <= 1.0
+    if all(outcomes):
+        assert state_of(breaker) is CircuitState.CLOSED
+
+
+@given(retries=st.integers(0, 10), attempt=st.integers(1, 10))
+def test_a_task_may_re_place_a_call_at_most_max_task_retries_times(
+    retries: int, attempt: int
+) -> None:
+    config = RetryBudgetConfig(max_task_retries=3)
+    allowed = task_retry_allowed(retries, attempt, config)
+    assert allowed == (attempt == 1 or retries < 3)
+
+
+def test_a_tenant_may_retry_a_fraction_of_its_calls_per_window() -> None:
+    budget = TenantRetryBudget(
+        RetryBudgetConfig(tenant_retry_fraction=0.2, tenant_min_retries=2, tenant_window_s=60.0)
+    )
+    for i in range(50):
+        budget.record(False, now=float(i) / 10)
+    for _ in range(10):  # 20 % of 50 calls
+        assert budget.allows_retry(now=5.0)
+        budget.record(True, now=5.0)
+    assert not budget.allows_retry(now=5.0)
+    assert budget.seconds_until_retry(now=5.0) == 60.0
+    # Once the window has passed, only the minimum is allowed until calls come back.
+    assert budget.allows_retry(now=70.0)
+    budget.record(True, now=70.0)
+    budget.record(True, now=70.0)
+    assert not budget.allows_retry(now=70.0)

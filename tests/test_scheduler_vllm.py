@@ -1,0 +1,142 @@
+"""The scheduler's telemetry against a real vLLM server: /metrics and KV-cache events.
+
+The decisive check: after vLLM reports, through its own KV events, the blocks it cached for a
+prompt, the scheduler expects exactly the cached tokens vLLM then reports in `usage` when the
+prompt comes again, although vLLM hashes blocks its own way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import httpx
+import pytest
+
+from scheduler.blocks import block_hashes
+from scheduler.core import Scheduler
+from scheduler.fleet import Fleet
+from scheduler.kv_events import KvEventSubscriber
+from scheduler.placement import Placement, PlacementRequest
+from scheduler.telemetry import MetricsScraper, fleet_endpoints
+from tests.fixtures_vllm import VllmServedModel
+
+pytestmark = pytest.mark.vllm
+
+
+def fleet_for(server: VllmServedModel) -> Fleet:
+    prices = {
+        "input_per_mtok_usd": "0.1",
+        "cached_input_per_mtok_usd": "0.01",
+        "output_per_mtok_usd": "0.3",
+    }
+    return Fleet.model_validate(
+        {
+            "models": [
+                {
+                    "name": server.model,
+                    "parameters_b": 0.01,
+                    "layers": 2,
+                    "kv_heads": 4,
+                    "head_dim": 32,
+                    "context_length": server.max_model_len,
+                }
+            ],
+            "pools": [
+                {
+                    "name": "cpu",
+                    "gpu": "L4",
+                    "replicas": 1,
+                    "endpoints": [server.base_url],
+                    "price_per_gpu_hour_usd": "0.5",
+                    "token_prices": prices,
+                    "warm_models": [server.model],
+                }
+            ],
+            "tenants": [{"name": "acme", "tier": 2}],
+        }
+    )
+
+
+async def test_the_scraper_reads_a_real_vllm_servers_cache_and_load(
+    vllm_server: VllmServedModel,
+) -> None:
+    fleet = fleet_for(vllm_server)
+    scheduler = Scheduler(fleet)
+    async with MetricsScraper(scheduler, fleet_endpoints(fleet), timeout_s=5.0) as scraper:
+        results = await scraper.scrape_once()
+    metrics = results["cpu/0"]
+    assert metrics is not None
+    assert metrics.block_size == vllm_server.block_size
+    assert metrics.num_gpu_blocks is not None and metrics.num_gpu_blocks > 0
+    assert metrics.models == (vllm_server.model,)
+    (status,) = scheduler.status()
+    assert status.up and status.warm_models == [vllm_server.model]
+    assert 0.0 <= status.kv_cache_usage <= 1.0
+
+
+async def test_vllm_kv_events_predict_the_cached_tokens_vllm_reports(
+    vllm_server: VllmServedModel,
+) -> None:
+    fleet = fleet_for(vllm_server)
+    scheduler = Scheduler(fleet)
+    subscriber = KvEventSubscriber(
+        scheduler,
+        "cpu/0",
+        vllm_server.kv_events_endpoint,
+        topic=vllm_server.kv_topic,
+        replay_endpoint=vllm_server.kv_replay_endpoint,
+    )
+    task = asyncio.create_task(subscriber.run())
+    try:
+        await subscriber.wait_ready()
+        async with httpx.AsyncClient(base_url=vllm_server.base_url, timeout=60.0) as client:
+            text = f"[{uuid.uuid4().hex}] " + " ".join(
+                f"step{i % 13} tool{i % 5}" for i in range(300)
+            )
+            tokenized = await client.post(
+                "/tokenize", json={"model": vllm_server.model, "prompt": text}
+            )
+            tokenized.raise_for_status()
+            tokens: list[int] = tokenized.json()["tokens"][:600]
+            assert len(tokens) == 600
+
+            async def complete() -> int:
+                response = await client.post(
+                    "/v1/completions",
+                    json={
+                        "model": vllm_server.model,
+                        "prompt": tokens,
+                        "max_tokens": 2,
+                        "ignore_eos": True,
+                    },
+                )
+                response.raise_for_status()
+                cached: int = response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                return cached
+
+            assert await complete() == 0
+            request = PlacementRequest(
+                model=vllm_server.model,
+                block_hashes=block_hashes(tokens, scheduler.block_size),
+                prompt_tokens=len(tokens),
+                max_output_tokens=2,
+                tenant="acme",
+                workflow_id="wf-vllm",
+            )
+            expected = 0
+            for _ in range(400):  # the engine publishes its events shortly after the step
+                status = scheduler.status()[0]
+                if status.precise and status.blocks_indexed >= 8:
+                    placement = scheduler.place(request)
+                    assert isinstance(placement, Placement)
+                    expected = placement.expected_cached_tokens
+                    break
+                await asyncio.sleep(0.02)
+            assert subscriber.events > 0 and subscriber.undecodable == 0
+            # 600 tokens: four whole blocks of 128; vLLM recomputes the last token.
+            assert expected == 512
+            assert await complete() == expected
+    finally:
+        subscriber.stop()
+        await asyncio.wait_for(task, timeout=5)

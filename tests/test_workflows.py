@@ -1,0 +1,338 @@
+"""The step API end to end: real Temporal dev server, simulated replicas, real GPU workers.
+
+Each test builds a small fleet of simulated vLLM replicas (in this process), one GPU worker per
+replica, the workflow worker with its scheduler, and a SQLite ledger; then runs agent workflows
+through it and checks what an operator and finance would see.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from temporalio.api.enums.v1 import EventType
+from temporalio.api.sdk.v1 import WorkflowMetadata
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
+from temporalio.exceptions import ApplicationError
+from temporalio.worker import Replayer
+
+from activities.context_store import DirectoryContextStore
+from ledger.records import TaskOutcome
+from ledger.store import AsyncLedger, open_async_ledger
+from scheduler.config import LatencyConfig, SchedulerConfig
+from scheduler.fleet import Fleet, Pool, Tenant, TokenPrices, task_queue_for
+from simulator import BUILTIN_MODELS
+from simulator.faults import FaultSpec
+from tests import agent_workflows as wf
+from workers.embedded import EmbeddedFleet
+from workflows import errors, search_attributes
+from workflows.agent import SPEND_QUERY, SpendBreakdown, TaskSpec
+
+MODEL = "llama-3.2-1b"
+
+
+@dataclass
+class PoolPlan:
+    """One pool of the test fleet: its GPU, size, prices and what is wrong with it."""
+
+    name: str
+    gpu: str = "H100"
+    replicas: int = 1
+    prices: tuple[str, str, str] = ("0.20", "0.02", "0.60")
+    faults: FaultSpec = field(default_factory=FaultSpec)
+    gpu_worker: bool = True
+    max_model_len: int = 4096
+
+
+@dataclass
+class Stack:
+    client: Client
+    fleet: Fleet
+    ledger: AsyncLedger
+    task_queue: str
+
+    async def start(self, run: Callable[..., Any], arg: Any) -> WorkflowHandle[Any, Any]:
+        return await self.client.start_workflow(
+            run, arg, id=f"task-{uuid.uuid4()}", task_queue=self.task_queue
+        )
+
+
+@asynccontextmanager
+async def stack(
+    client: Client, tmp_path: Path, pools: list[PoolPlan], scheduler: SchedulerConfig | None = None
+) -> AsyncIterator[Stack]:
+    fleet = Fleet(
+        models=[BUILTIN_MODELS[MODEL]],
+        pools=[
+            Pool(
+                name=plan.name,
+                gpu=plan.gpu,
+                replicas=plan.replicas,
+                price_per_gpu_hour_usd=Decimal("2.00"),
+                token_prices=TokenPrices(
+                    input_per_mtok_usd=Decimal(plan.prices[0]),
+                    cached_input_per_mtok_usd=Decimal(plan.prices[1]),
+                    output_per_mtok_usd=Decimal(plan.prices[2]),
+                ),
+                warm_models=[MODEL],
+                max_concurrency=16,
+            )
+            for plan in pools
+        ],
+        tenants=[Tenant(name="acme", tier=1, fairness_weight=3.0), Tenant(name="globex", tier=3)],
+    )
+    by_name = {p.name: p for p in pools}
+    replicas = [name for pool in fleet.pools for name in pool.replica_names()]
+    ledger = await open_async_ledger(f"sqlite:///{tmp_path}/ledger.db", migrate=True)
+    task_queue = f"agents-{uuid.uuid4()}"
+    try:
+        async with EmbeddedFleet(
+            client,
+            fleet,
+            ledger=ledger,
+            store=DirectoryContextStore(tmp_path / "context"),
+            scheduler_config=scheduler,
+            max_model_len=max(p.max_model_len for p in pools),
+            faults={r: by_name[r.split("/")[0]].faults for r in replicas},
+            without_gpu_worker=[r for r in replicas if not by_name[r.split("/")[0]].gpu_worker],
+        ) as embedded:
+            worker = await embedded.workflow_worker(
+                workflows=wf.ALL_WORKFLOWS, activities=wf.ALL_ACTIVITIES, task_queue=task_queue
+            )
+            async with worker:
+                yield Stack(client, fleet, ledger, task_queue)
+    finally:
+        await ledger.close()
+
+
+async def assert_replays(handle: WorkflowHandle[Any, Any]) -> None:
+    history = await handle.fetch_history()
+    replayer = Replayer(workflows=wf.ALL_WORKFLOWS, data_converter=handle._client.data_converter)
+    await replayer.replay_workflow(history)
+
+
+def _spec(**kwargs: Any) -> TaskSpec:
+    return TaskSpec(**{"tenant": "acme", "expected_steps": 5, **kwargs})
+
+
+async def _attempts(stack: Stack, handle: WorkflowHandle[Any, Any]) -> list[Any]:
+    description = await handle.describe()
+    return await stack.ledger.attempts_for(handle.id, description.run_id or "")
+
+
+async def test_five_step_task_runs_where_the_scheduler_placed_each_step(
+    temporal_client: Client, tmp_path: Path
+):
+    pools = [PoolPlan("fast", gpu="H200", replicas=2), PoolPlan("slow", gpu="L4")]
+    async with stack(temporal_client, tmp_path, pools) as s:
+        handle = await s.start(wf.MultiStepAgent.run, wf.StepsInput(spec=_spec(), model=MODEL))
+        out = await handle.result()
+        assert len(out.replicas) == 5
+
+        # Each inference activity went to the task queue of the replica that answered, with a
+        # summary that names the step and the placement's reason.
+        history = await handle.fetch_history()
+        scheduled = [
+            e
+            for e in history.events
+            if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+            and e.activity_task_scheduled_event_attributes.activity_type.name == "kvflow.infer"
+        ]
+        assert len(scheduled) == 5
+        for i, (event, replica) in enumerate(zip(scheduled, out.replicas, strict=True)):
+            pool, index = replica.split("/")
+            queue = event.activity_task_scheduled_event_attributes.task_queue.name
+            assert queue == task_queue_for(pool, int(index))
+            summary = temporal_client.data_converter.payload_converter.from_payload(
+                event.user_metadata.summary, str
+            )
+            assert f"step {i + 1}/5 'part-{i + 1}'" in summary and replica in summary
+
+        # What the UI shows: search attributes, current details, and the spend query.
+        breakdown = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
+        assert breakdown.outcome == "succeeded" and len(breakdown.steps) == 5
+        assert breakdown.spend_micros > 0 and breakdown.retries == 0
+        attrs = (await handle.describe()).typed_search_attributes
+        assert attrs.get(search_attributes.TENANT) == "acme"
+        assert attrs.get(search_attributes.OUTCOME) == "succeeded"
+        assert attrs.get(search_attributes.SPEND_MICROS) == breakdown.spend_micros
+        assert attrs.get(search_attributes.STEPS) == 5
+        metadata = await handle.query("__temporal_workflow_metadata", result_type=WorkflowMetadata)
+        assert "part-5" in metadata.current_details and out.replicas[4] in metadata.current_details
+
+        # The ledger: five billed attempts and one succeeded task whose spend is their sum.
+        attempts = await _attempts(s, handle)
+        assert len(attempts) == 5
+        assert sum(a.cost_micros for a in attempts) == breakdown.spend_micros
+        task = await s.ledger.task(handle.id, (await handle.describe()).run_id or "")
+        assert task is not None and task.outcome == TaskOutcome.SUCCEEDED
+        assert task.spend_micros == breakdown.spend_micros and task.attempts == 5
+        # Later steps share the conversation's prefix: the scheduler kept them where it was
+        # cached, and the replicas reported cached tokens.
+        assert len(set(out.replicas[1:])) == 1
+        assert sum(a.cached_tokens for a in attempts) > 0
+        await assert_replays(handle)
+
+
+async def test_replica_that_crashes_mid_stream_is_resumed_elsewhere_and_both_attempts_billed(
+    temporal_client: Client, tmp_path: Path
+):
+    # The cheap pool is the scheduler's first choice; its only replica dies mid-stream.
+    pools = [
+        PoolPlan(
+            "cheap", gpu="H200", prices=("0.05", "0.005", "0.15"), faults=FaultSpec(crash_after=20)
+        ),
+        PoolPlan("backup", gpu="H100", prices=("0.40", "0.04", "1.20")),
+    ]
+    async with stack(temporal_client, tmp_path, pools) as s:
+        task = wf.StepsInput(spec=_spec(expected_steps=1), model=MODEL, steps=1, max_tokens=60)
+        handle = await s.start(wf.MultiStepAgent.run, task)
+        out = await handle.result()
+        assert out.replicas == ["backup/0"]
+        breakdown = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
+        [step] = breakdown.steps
+        first, second = step.attempts
+        assert first.replica == "cheap/0" and first.outcome in {"StreamCut", "TimeoutHeartbeat"}
+        assert second.replica == "backup/0" and second.outcome == "ok"
+        # The continuation reused what the crashed replica had streamed.
+        assert second.reused_tokens > 0
+        assert second.completion_tokens == 60 - second.reused_tokens
+        assert breakdown.retries == 1
+        attempts = await _attempts(s, handle)
+        assert {a.replica for a in attempts} == {"cheap/0", "backup/0"}
+        assert all(a.cost_micros > 0 for a in attempts)
+        assert breakdown.spend_micros == sum(a.cost_micros for a in attempts)
+        await assert_replays(handle)
+
+
+async def test_queue_without_a_worker_times_out_to_start_and_is_replaced(
+    temporal_client: Client, tmp_path: Path
+):
+    pools = [
+        PoolPlan("orphan", gpu="H200", prices=("0.05", "0.005", "0.15"), gpu_worker=False),
+        PoolPlan("served", gpu="H100"),
+    ]
+    fast_timeouts = SchedulerConfig(
+        latency=LatencyConfig(schedule_to_start_margin_s=1.0, min_schedule_to_start_s=1.0)
+    )
+    async with stack(temporal_client, tmp_path, pools, fast_timeouts) as s:
+        task = wf.StepsInput(spec=_spec(expected_steps=1), model=MODEL, steps=1)
+        handle = await s.start(wf.MultiStepAgent.run, task)
+        out = await handle.result()
+        assert out.replicas == ["served/0"]
+        breakdown = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
+        first, second = breakdown.steps[0].attempts
+        assert (first.replica, first.outcome, first.cost_micros) == (
+            "orphan/0",
+            "ScheduleToStart",
+            0,
+        )
+        assert second.outcome == "ok"
+        await assert_replays(handle)
+
+
+async def test_deadline_too_tight_fails_fast_and_runs_the_compensation(
+    temporal_client: Client, tmp_path: Path
+):
+    wf.REFUNDS.clear()
+    wf.REVERSED.clear()
+    async with stack(temporal_client, tmp_path, [PoolPlan("only", gpu="L4")]) as s:
+        refund = wf.Refund(account="A-17", amount_cents=2_500)
+        task = wf.RefundInput(
+            spec=TaskSpec(tenant="globex", latency_budget_s=0.05, expected_steps=2),
+            model=MODEL,
+            refund=refund,
+            max_tokens=2_000,
+        )
+        handle = await s.start(wf.RefundThenReply.run, task)
+        with pytest.raises(WorkflowFailureError) as failed:
+            await handle.result()
+        cause = failed.value.cause
+        assert isinstance(cause, ApplicationError)
+        assert cause.type == errors.DEADLINE_EXCEEDED and cause.non_retryable
+        assert "step 2/2 'reply'" in cause.message
+        assert [refund] == wf.REFUNDS and [refund] == wf.REVERSED
+        run_id = (await handle.describe()).run_id or ""
+        row = await s.ledger.task(handle.id, run_id)
+        assert row is not None and row.outcome == TaskOutcome.COMPENSATED
+        breakdown = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
+        assert [st.kind for st in breakdown.steps] == ["tool", "infer", "compensation"]
+        assert breakdown.steps[2].outcome == "ok"
+        await assert_replays(handle)
+
+
+async def test_exhausted_retry_budget_fails_with_its_own_error_and_bills_every_attempt(
+    temporal_client: Client, tmp_path: Path
+):
+    # Every replica cuts its streams: each attempt is paid for, none finishes.
+    pools = [PoolPlan("flaky", gpu="H100", replicas=3, faults=FaultSpec(disconnect_after=8))]
+    async with stack(temporal_client, tmp_path, pools) as s:
+        task = wf.StepsInput(
+            spec=_spec(expected_steps=1, retry_budget=2), model=MODEL, steps=1, max_tokens=60
+        )
+        handle = await s.start(wf.MultiStepAgent.run, task)
+        with pytest.raises(WorkflowFailureError) as failed:
+            await handle.result()
+        cause = failed.value.cause
+        assert isinstance(cause, ApplicationError) and cause.type == errors.RETRY_BUDGET_EXHAUSTED
+        assert "2 re-placements are used up" in cause.message
+        attempts = await _attempts(s, handle)
+        assert len(attempts) == 3 and all(a.cost_micros > 0 for a in attempts)
+        assert len({a.replica for a in attempts}) == 3
+        run_id = (await handle.describe()).run_id or ""
+        row = await s.ledger.task(handle.id, run_id)
+        assert row is not None and row.outcome == TaskOutcome.FAILED
+        assert row.spend_micros == sum(a.cost_micros for a in attempts)
+        await assert_replays(handle)
+
+
+async def test_structured_output_comes_back_as_the_pydantic_model(
+    temporal_client: Client, tmp_path: Path
+):
+    async with stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
+        handle = await s.start(
+            wf.StructuredVerdict.run, wf.VerdictInput(spec=_spec(expected_steps=1), model=MODEL)
+        )
+        verdict = await handle.result()
+        assert isinstance(verdict, wf.Verdict)
+        await assert_replays(handle)
+
+
+async def test_long_conversation_keeps_history_small(temporal_client: Client, tmp_path: Path):
+    steps, tokens = 40, 500
+    pools = [PoolPlan("big", gpu="H200", max_model_len=32768)]
+    async with stack(temporal_client, tmp_path, pools) as s:
+        task = wf.StepsInput(
+            spec=_spec(expected_steps=steps), model=MODEL, steps=steps, max_tokens=tokens
+        )
+        handle = await s.start(wf.MultiStepAgent.run, task)
+        out = await handle.result()
+        history = await handle.fetch_history()
+    # Bytes of history each step added: from one inference call to the next.
+    per_step: list[int] = []
+    for event in history.events:
+        attributes = event.activity_task_scheduled_event_attributes
+        if attributes.activity_type.name == "kvflow.infer":
+            per_step.append(0)
+        if per_step:
+            per_step[-1] += event.ByteSize()
+    conversation = sum(out.answer_bytes)
+    total = sum(per_step)
+    # Sent inline, step i would carry the whole conversation before it.
+    inline = sum(sum(out.answer_bytes[:i]) for i in range(steps))
+    print(
+        f"\n{steps} steps, conversation {conversation:,} B; history {total:,} B "
+        f"(steps 1-10: {sum(per_step[:10]) // 10:,} B/step, 31-40: "
+        f"{sum(per_step[-10:]) // 10:,} B/step); inline it would be {inline:,} B"
+    )
+    assert len(per_step) == steps
+    # The cost of a step does not grow with the conversation...
+    assert sum(per_step[-10:]) < 1.5 * sum(per_step[:10])
+    # ...so history is a small fraction of what the conversation would weigh inline.
+    assert total < inline / 8

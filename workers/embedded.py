@@ -1,0 +1,146 @@
+"""The embedded fleet: simulated vLLM replicas, a GPU worker for each, and the control plane.
+
+It is what `kvflow demo` runs and what the end-to-end tests build on: every replica of a fleet
+whose pool says "simulated" gets a `SimServer` (a vLLM-compatible server on a free port, in
+this process) with the pool's GPU and warm models, and a `GpuWorker` polling its task queue;
+the control plane (scheduler, metrics scraping, ledger, context store) serves the workflow
+worker. Everything stops, in reverse order, when the `async with` block ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from contextlib import AsyncExitStack
+from types import TracebackType
+from typing import Any, Protocol
+
+from temporalio.client import Client
+from temporalio.worker import Worker
+
+from activities.context_store import DirectoryContextStore
+from activities.control_plane import TaskSink
+from activities.inference import AttemptSink, ReplicaBinding
+from scheduler.config import SchedulerConfig
+from scheduler.fleet import Fleet
+from simulator import EngineConfig, FaultSpec, ServerSettings, SimServer, resolve_models
+from workers.gpu_worker import GpuWorker
+from workers.workflow_worker import DEFAULT_WORKFLOW_QUEUE, ControlPlane, workflow_worker
+
+
+class EmbeddedLedger(AttemptSink, TaskSink, Protocol):
+    """A ledger both GPU workers and the control plane write to (`ledger.AsyncLedger` is one)."""
+
+
+class EmbeddedFleet:
+    """Simulators and GPU workers for a fleet's simulated pools, plus its control plane."""
+
+    def __init__(
+        self,
+        client: Client,
+        fleet: Fleet,
+        *,
+        ledger: EmbeddedLedger | None = None,
+        store: DirectoryContextStore | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+        time_scale: float = 20.0,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        faults: Mapping[str, FaultSpec] | None = None,
+        without_gpu_worker: Sequence[str] = (),
+        seed: int = 0,
+        scrape_interval_s: float = 0.5,
+    ) -> None:
+        self.client = client
+        self.fleet = fleet
+        self.ledger = ledger
+        self.store = store or DirectoryContextStore()
+        self.scheduler_config = scheduler_config
+        self.time_scale = time_scale
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.faults = dict(faults or {})
+        self.without_gpu_worker = set(without_gpu_worker)
+        self.seed = seed
+        self.scrape_interval_s = scrape_interval_s
+        self.sims: dict[str, SimServer] = {}
+        self.gpu_workers: dict[str, GpuWorker] = {}
+        self.control_plane: ControlPlane | None = None
+        self._exits = AsyncExitStack()
+
+    async def __aenter__(self) -> EmbeddedFleet:
+        try:
+            for pool in self.fleet.pools:
+                if not isinstance(pool.endpoints, str):
+                    continue  # real vLLM servers: the control plane scrapes them as they are
+                models = resolve_models(pool.warm_models, self.fleet.models)
+                for index, name in enumerate(pool.replica_names()):
+                    settings = ServerSettings(
+                        gpu=pool.gpu,
+                        models=models,
+                        engine=EngineConfig(
+                            block_size=self.block_size,
+                            max_model_len=self.max_model_len,
+                            tensor_parallel=pool.gpus_per_replica,
+                        ),
+                        time_scale=self.time_scale,
+                        seed=self.seed + len(self.sims),
+                        faults=self.faults.get(name, FaultSpec()),
+                        replica_name=name,
+                    )
+                    self.sims[name] = self._exits.enter_context(SimServer(settings))
+                    if name in self.without_gpu_worker:
+                        continue
+                    binding = ReplicaBinding(
+                        pool=pool, index=index, base_url=self.sims[name].base_url
+                    )
+                    self.gpu_workers[name] = await self._exits.enter_async_context(
+                        GpuWorker(
+                            self.client,
+                            binding,
+                            ledger=self.ledger,
+                            store=self.store,
+                            graceful_shutdown_s=1.0,
+                            heartbeat_interval_s=0.2,
+                        )
+                    )
+            self.control_plane = await self._exits.enter_async_context(
+                ControlPlane(
+                    self.fleet,
+                    endpoints={name: sim.base_url for name, sim in self.sims.items()},
+                    ledger=self.ledger,
+                    store=self.store,
+                    config=self.scheduler_config,
+                    scrape_interval_s=self.scrape_interval_s,
+                )
+            )
+        except BaseException:
+            await self._exits.aclose()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._exits.aclose()
+
+    async def workflow_worker(
+        self,
+        *,
+        workflows: Sequence[type],
+        activities: Sequence[Any] = (),
+        task_queue: str = DEFAULT_WORKFLOW_QUEUE,
+        **options: Any,
+    ) -> Worker:
+        """A workflow worker for `workflows` on this fleet's control plane (not yet started)."""
+        assert self.control_plane is not None, "enter the EmbeddedFleet first"
+        return await workflow_worker(
+            self.client,
+            self.control_plane,
+            workflows=workflows,
+            activities=activities,
+            task_queue=task_queue,
+            **options,
+        )

@@ -1,0 +1,102 @@
+"""The workflow worker: runs agent workflows and the control plane they call.
+
+The control plane is the scheduler (in memory, fed by background telemetry: each replica's
+`/metrics` scraped with httpx), the ledger (task rows) and the context store. Its activities
+(`place`, `observe`, `record_task`, `context_put`, `context_get`) run on the workflow worker's
+own task queue; `place` and `observe` as local activities.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+from temporalio.client import Client
+from temporalio.worker import Worker
+
+from activities.context_store import DirectoryContextStore
+from activities.control_plane import ControlPlaneActivities, TaskSink
+from scheduler.config import SchedulerConfig
+from scheduler.core import Scheduler
+from scheduler.fleet import Fleet
+from scheduler.telemetry import MetricsScraper, fleet_endpoints
+from workers.search_attributes import ensure_search_attributes
+
+log = logging.getLogger(__name__)
+
+DEFAULT_WORKFLOW_QUEUE = "kvflow.workflows"
+"""The task queue agent workflows run on unless told otherwise."""
+
+
+class ControlPlane:
+    """The scheduler with its telemetry, the ledger and the context store of one worker.
+
+    `endpoints` maps replica names (`pool/index`) to vLLM base URLs for the replicas whose pool
+    says "simulated" (the embedded stack knows them only once it started the simulators);
+    pools with real endpoints are taken from the fleet.
+    """
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        *,
+        endpoints: Mapping[str, str] | None = None,
+        ledger: TaskSink | None = None,
+        store: DirectoryContextStore | None = None,
+        config: SchedulerConfig | None = None,
+        scrape_interval_s: float = 1.0,
+    ) -> None:
+        self.scheduler = Scheduler(fleet, config)
+        self.endpoints = {**fleet_endpoints(fleet), **(endpoints or {})}
+        self.activities = ControlPlaneActivities(
+            self.scheduler, block_size=self.scheduler.block_size, ledger=ledger, store=store
+        )
+        self.scraper = MetricsScraper(self.scheduler, self.endpoints, interval_s=scrape_interval_s)
+        self._scraping: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> ControlPlane:
+        if self.endpoints:
+            # One scrape before the first placement, so it sees real load and cache sizes.
+            await self.scraper.scrape_once()
+            self._scraping = asyncio.create_task(self.scraper.run())
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.scraper.stop()
+        if self._scraping is not None:
+            await asyncio.gather(self._scraping, return_exceptions=True)
+        await self.scraper.aclose()
+
+
+async def workflow_worker(
+    client: Client,
+    control_plane: ControlPlane,
+    *,
+    workflows: Sequence[type],
+    activities: Sequence[Any] = (),
+    task_queue: str = DEFAULT_WORKFLOW_QUEUE,
+    **worker_options: Any,
+) -> Worker:
+    """A Temporal worker for `workflows` with the control plane's activities registered.
+
+    It first makes sure kvflow's search attributes exist (registering missing ones), because a
+    workflow that upserts an unknown attribute hangs instead of failing.
+    """
+    added = await ensure_search_attributes(client)
+    if added:
+        log.info("registered search attributes %s", ", ".join(added))
+    return Worker(
+        client,
+        task_queue=task_queue,
+        workflows=list(workflows),
+        activities=[*control_plane.activities.all(), *activities],
+        **worker_options,
+    )
