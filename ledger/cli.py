@@ -94,7 +94,7 @@ def _percent(value: object) -> str:
     return "–" if value is None else f"{float(str(value)) * 100:.1f}%"
 
 
-def _print_whole(console: Console, table: Table) -> None:
+def print_whole(console: Console, table: Table) -> None:
     """Print `table` at its natural width, even if wider than the terminal.
 
     Rich would cut figures short to fit; a wrapped line is better than a wrong-looking number.
@@ -193,7 +193,7 @@ def report_command(
 
     if output_format is ReportFormat.TABLE:
         if output is None:
-            _print_whole(out, report_table(report))
+            print_whole(out, report_table(report))
             for note in report_notes(report):
                 out.print(note, style="dim", highlight=False)
             return
@@ -223,7 +223,7 @@ def _render_table_text(report: Report) -> str:
     buffer = io.StringIO()
     # A file gets plain text (no colour codes) at a width that fits every column.
     console = Console(file=buffer, width=100)
-    _print_whole(console, report_table(report))
+    print_whole(console, report_table(report))
     for note in report_notes(report):
         console.print(note, highlight=False)
     return buffer.getvalue()

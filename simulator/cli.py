@@ -273,6 +273,10 @@ def serve(
     )
     try:
         server.run()
+    except KeyboardInterrupt:
+        # uvicorn re-raises the Ctrl-C it handled; stopping that way is a normal end.
+        _out.print("Simulated vLLM stopped.")
+        return
     except (OSError, SystemExit) as exc:
         _fail(f"cannot serve on {host}:{port}: {exc}", code=1)
     if not server.started:

@@ -87,27 +87,3 @@ def test_server_on_a_taken_port_says_so_and_names_the_flag(tmp_path: Path):
     assert done.returncode == 2
     assert f"port {port}" in done.stderr and "--port" in done.stderr
     assert "Traceback" not in done.stderr
-
-
-def test_demo_starts_the_embedded_stack_and_stops_it(tmp_path: Path):
-    port, ui_port = free_port(), free_port()
-    done = subprocess.run(
-        [
-            str(KVFLOW),
-            "demo",
-            "--fleet",
-            str(ROOT / "fleet.toml"),
-            "--port",
-            str(port),
-            "--ui-port",
-            str(ui_port),
-            "--state-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    assert "Embedded stack up" in done.stdout
-    assert port_is_free(port)

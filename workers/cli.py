@@ -183,7 +183,7 @@ def server(
 @app.command()
 def demo(
     fleet: Annotated[Path, typer.Option("--fleet", help="fleet file")] = Path("fleet.toml"),
-    tasks: Annotated[int, typer.Option("--tasks", min=1, max=10_000, help="tasks to run")] = 24,
+    tasks: Annotated[int, typer.Option("--tasks", min=1, max=10_000, help="tasks to run")] = 60,
     seed: Annotated[
         int, typer.Option("--seed", help="seed of the workload and the simulators")
     ] = 7,
@@ -195,9 +195,10 @@ def demo(
     state_dir: StateDirOption = DEFAULT_STATE_DIR,
 ) -> None:
     """Run agent tasks of three tenants on a simulated fleet, then show what they cost."""
-    from workers.demo import DemoOptions, connect_local, run_demo
+    from workers.demo import DemoOptions, connect_local, log_to_file, run_demo
 
     config = load_fleet_or_exit(fleet)
+    log_file = log_to_file(state_dir / "demo.log")
     temporal = EmbeddedTemporal(port=port, ui_port=ui_port, state_dir=state_dir)
     try:
         temporal.start()
@@ -206,7 +207,7 @@ def demo(
     out.print(
         f"Temporal dev server at {temporal.address}, UI {temporal.ui_url}; fleet {fleet}: "
         f"{len(config.pools)} pools, {sum(p.replicas for p in config.pools)} replicas, "
-        f"{len(config.tenants)} tenants; {tasks} tasks.",
+        f"{len(config.tenants)} tenants; {tasks} tasks. Logs: {log_file}",
         highlight=False,
     )
 

@@ -11,6 +11,7 @@ and the Temporal UI address with a query for the failed tasks.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 import urllib.parse
@@ -31,7 +32,7 @@ from temporalio.common import Priority
 from temporalio.contrib.pydantic import pydantic_data_converter
 
 from activities.context_store import DirectoryContextStore
-from ledger.cli import report_table
+from ledger.cli import print_whole, report_table
 from ledger.report import GroupField, ReportQuery, format_usd
 from ledger.store import AsyncLedger, open_async_ledger
 from scheduler.fleet import Fleet
@@ -50,11 +51,11 @@ SAMPLE_MODULES = (
 class DemoOptions:
     """What `kvflow demo` was asked to do."""
 
-    tasks: int = 24
+    tasks: int = 60
     seed: int = 7
-    rate_per_s: float = 6.0
+    rate_per_s: float = 10.0
     """Tasks started per second: faster than the fleet finishes them, so a backlog forms."""
-    time_scale: float = 10.0
+    time_scale: float = 4.0
     crash_replica: str | None = None
     """Replica that crashes mid-stream (default: the second replica of the first pool)."""
     slow_replica: str | None = None
@@ -80,6 +81,23 @@ class Tally:
     started: Counter[str] = field(default_factory=Counter)
     succeeded: Counter[str] = field(default_factory=Counter)
     failed: Counter[str] = field(default_factory=Counter)
+
+
+def log_to_file(path: Path) -> Path:
+    """Send all logging (workers, scheduler, simulators) to `path`, keeping the display clean.
+
+    Failed attempts are expected in the demo (faults are injected); their tracebacks belong in
+    a log an operator can open, not in the progress display.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    for existing in list(root.handlers):
+        root.removeHandler(existing)
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    return path
 
 
 def default_faults(fleet: Fleet, options: DemoOptions) -> dict[str, FaultSpec]:
@@ -185,8 +203,11 @@ async def run_demo(
                     live.update(_progress(embedded, tally, fleet))
                 live.update(_progress(embedded, tally, fleet))
             console.print(summarize(runs, started), highlight=False)
-            console.print(await finance_report(ledger))
-            console.print(await placement_summary(ledger))
+            failures = failed_tasks(runs)
+            if failures is not None:
+                print_whole(console, failures)
+            print_whole(console, await finance_report(ledger))
+            print_whole(console, await placement_summary(ledger))
             console.print(
                 f"Ledger: {ledger_path} (`kvflow report --db sqlite:///{ledger_path}`)",
                 highlight=False,
@@ -213,7 +234,9 @@ async def _await(run: TaskRun, tally: Tally) -> None:
         tally.succeeded[run.tenant] += 1
     except WorkflowFailureError as failure:
         run.outcome = "failed"
-        run.error = str(failure.cause)
+        cause = failure.cause
+        kind = getattr(cause, "type", None) or type(cause).__name__
+        run.error = f"{kind}: {getattr(cause, 'message', None) or cause}"
         tally.failed[run.tenant] += 1
 
 
@@ -274,6 +297,19 @@ async def placement_summary(ledger: AsyncLedger) -> Table:
             "-" if share is None else f"{share:.0%}",
             f"${format_usd(row.spend_micros)}",
         )
+    return table
+
+
+def failed_tasks(runs: Sequence[TaskRun]) -> Table | None:
+    """The tasks that did not succeed and why, as an operator would want to read it."""
+    failed = [r for r in runs if r.outcome == "failed"]
+    if not failed:
+        return None
+    table = Table(title="Tasks that did not succeed", title_justify="left")
+    for column in ("workflow id", "tenant", "sample", "error"):
+        table.add_column(column)
+    for run in failed:
+        table.add_row(run.handle.id, run.tenant, run.sample, (run.error or "")[:160])
     return table
 
 

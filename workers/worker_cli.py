@@ -3,16 +3,36 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import signal
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from activities.context_store import DEFAULT_CONTEXT_DIR, DirectoryContextStore
+from ledger.errors import LedgerError
+from ledger.store import open_async_ledger
 from workers.console import fail, load_fleet_or_exit, out
-from workers.gpu_worker import GpuWorker, GpuWorkerError, connect, resolve_replica
+from workers.gpu_worker import (
+    GpuWorker,
+    GpuWorkerError,
+    check_endpoint,
+    connect,
+    resolve_replica,
+)
+from workers.search_attributes import SearchAttributesMissing
+from workers.workflow_worker import DEFAULT_WORKFLOW_QUEUE, ControlPlane, workflow_worker
 
 worker_app = typer.Typer(help="Run kvflow's worker processes.", no_args_is_help=True)
+
+
+def _shutdown_on_signals(shutdown: Callable[[], Awaitable[None]]) -> None:
+    """Ctrl-C or SIGTERM starts a graceful shutdown instead of killing in-flight work."""
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, lambda: asyncio.ensure_future(shutdown()))
 
 
 @worker_app.command("gpu")
@@ -26,6 +46,12 @@ def gpu(
     graceful_shutdown_s: Annotated[
         float, typer.Option("--graceful-shutdown", help="seconds in-flight calls may finish")
     ] = 10.0,
+    ledger_url: Annotated[
+        str | None, typer.Option("--ledger", help="ledger URL (default: $KVFLOW_LEDGER_URL)")
+    ] = None,
+    context_dir: Annotated[
+        Path, typer.Option("--context-dir", help="the context store shared with the workflows")
+    ] = DEFAULT_CONTEXT_DIR,
 ) -> None:
     """Serve one vLLM replica's task queue until Ctrl-C / SIGTERM."""
     config = load_fleet_or_exit(fleet)
@@ -36,18 +62,106 @@ def gpu(
 
     async def serve() -> None:
         client = await connect(config)
-        worker = GpuWorker(client, binding, graceful_shutdown_s=graceful_shutdown_s)
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, lambda: asyncio.ensure_future(worker.shutdown()))
-        out.print(f"GPU worker for {binding.name} ({binding.base_url}) polls {worker.task_queue}")
-        await worker.run()
+        ledger = await open_async_ledger(ledger_url, migrate=True)
+        try:
+            worker = GpuWorker(
+                client,
+                binding,
+                ledger=ledger,
+                store=DirectoryContextStore(context_dir),
+                graceful_shutdown_s=graceful_shutdown_s,
+            )
+            _shutdown_on_signals(worker.shutdown)
+            await check_endpoint(binding, worker.http)
+            out.print(
+                f"GPU worker for {binding.name} ({binding.base_url}) polls {worker.task_queue}"
+            )
+            await worker.run()
+        finally:
+            await ledger.close()
 
     try:
         asyncio.run(serve())
-    except GpuWorkerError as exc:
+    except (GpuWorkerError, LedgerError) as exc:
         fail(str(exc), code=1)
     except RuntimeError as exc:
         # Client.connect raises RuntimeError when the Temporal server cannot be reached.
         fail(f"cannot reach Temporal at {config.temporal.address}: {exc}", code=1)
     out.print(f"GPU worker for {binding.name} stopped.")
+
+
+DEFAULT_MODULES = ["samples.research_assistant", "samples.support_triage", "samples.code_review"]
+
+
+@worker_app.command("workflow")
+def workflow_command(
+    fleet: Annotated[Path, typer.Option("--fleet", help="fleet file")] = Path("fleet.toml"),
+    module: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--module",
+            help="a module exporting WORKFLOW and ACTIVITIES (repeatable; default: the samples)",
+        ),
+    ] = None,
+    endpoint: Annotated[
+        list[str] | None,
+        typer.Option("--endpoint", help="REPLICA=URL for a simulated pool's replica (repeatable)"),
+    ] = None,
+    task_queue: Annotated[str, typer.Option("--task-queue")] = DEFAULT_WORKFLOW_QUEUE,
+    ledger_url: Annotated[
+        str | None, typer.Option("--ledger", help="ledger URL (default: $KVFLOW_LEDGER_URL)")
+    ] = None,
+    context_dir: Annotated[
+        Path, typer.Option("--context-dir", help="the context store shared with GPU workers")
+    ] = DEFAULT_CONTEXT_DIR,
+) -> None:
+    """Run agent workflows and the control plane (scheduler, ledger, context store)."""
+    config = load_fleet_or_exit(fleet)
+    endpoints: dict[str, str] = {}
+    for item in endpoint or []:
+        name, _, url = item.partition("=")
+        if not url.startswith(("http://", "https://")):
+            fail(f"--endpoint {item!r}: write REPLICA=URL, e.g. h100/0=http://10.0.0.5:8000")
+        endpoints[name] = url
+    try:
+        modules = [importlib.import_module(m) for m in module or DEFAULT_MODULES]
+        workflows = [m.WORKFLOW for m in modules]
+        activities = [a for m in modules for a in m.ACTIVITIES]
+    except (ImportError, AttributeError) as exc:
+        fail(f"--module: {exc}; a module must export WORKFLOW and ACTIVITIES")
+
+    async def serve() -> None:
+        client = await connect(config)
+        ledger = await open_async_ledger(ledger_url, migrate=True)
+        try:
+            async with ControlPlane(
+                config,
+                endpoints=endpoints,
+                ledger=ledger,
+                store=DirectoryContextStore(context_dir),
+            ) as control:
+                worker = await workflow_worker(
+                    client,
+                    control,
+                    workflows=workflows,
+                    activities=activities,
+                    task_queue=task_queue,
+                )
+                loop = asyncio.get_running_loop()
+                for signum in (signal.SIGINT, signal.SIGTERM):
+                    loop.add_signal_handler(
+                        signum, lambda: asyncio.ensure_future(worker.shutdown())
+                    )
+                names = ", ".join(w.__name__ for w in workflows)
+                out.print(f"workflow worker on {task_queue}: {names}", highlight=False)
+                await worker.run()
+        finally:
+            await ledger.close()
+
+    try:
+        asyncio.run(serve())
+    except (SearchAttributesMissing, LedgerError, ValueError) as exc:
+        fail(str(exc), code=1)
+    except RuntimeError as exc:
+        fail(f"cannot reach Temporal at {config.temporal.address}: {exc}", code=1)
+    out.print("workflow worker stopped.")

@@ -54,6 +54,10 @@ class ControlPlane:
         self.activities = ControlPlaneActivities(
             self.scheduler, block_size=self.scheduler.block_size, ledger=ledger, store=store
         )
+        for name in self.scheduler.replica_names():
+            if name not in self.endpoints:
+                # A simulated replica nobody said where to find cannot take calls.
+                self.scheduler.set_replica_up(name, False)
         self.scraper = MetricsScraper(self.scheduler, self.endpoints, interval_s=scrape_interval_s)
         self._scraping: asyncio.Task[None] | None = None
 

@@ -44,7 +44,7 @@ def _hunk(rng: random.Random, path: str) -> str:
 def example_input(rng: random.Random, tenant: str) -> ReviewTask:
     """A pull request of 4-6 files (a 4-9 KB diff) for `tenant`, the same for the same `rng`.
 
-    The deadline is tight on purpose: 2 seconds per step, so that when the fleet is busy the
+    The deadline is tight on purpose: 2.5 seconds per step, so that when the fleet is busy the
     scheduler must degrade steps to the fallback model (or fail the task fast).
     """
     modules = rng.sample(_MODULES, rng.randint(4, 6))
@@ -52,7 +52,7 @@ def example_input(rng: random.Random, tenant: str) -> ReviewTask:
     return ReviewTask(
         spec=TaskSpec(
             tenant=tenant,
-            latency_budget_s=2.0 * (len(files) + 1),
+            latency_budget_s=2.5 * (len(files) + 1),
             retry_budget=2,
             expected_steps=len(files) + 1,
         ),

@@ -57,7 +57,7 @@ def main() -> int:
     parser.add_argument("--tenant", default="initech")
     parser.add_argument("--seed", type=int, default=0, help="picks the example diff")
     parser.add_argument(
-        "--budget", type=float, help="the latency budget in seconds (default: 2 s per step)"
+        "--budget", type=float, help="the latency budget in seconds (default: 2.5 s per step)"
     )
     args = parser.parse_args()
     try:
