@@ -23,9 +23,23 @@ from workers.gpu_worker import (
     resolve_replica,
 )
 from workers.search_attributes import SearchAttributesMissing
+from workers.tracing import TRACES_ENV, TraceExport, TracingError, configure_tracing
 from workers.workflow_worker import DEFAULT_WORKFLOW_QUEUE, ControlPlane, workflow_worker
 
 worker_app = typer.Typer(help="Run kvflow's worker processes.", no_args_is_help=True)
+
+
+TracesOption = Annotated[
+    TraceExport | None,
+    typer.Option("--traces", help=f"span export (default: ${TRACES_ENV} or console)"),
+]
+
+
+def _tracing(traces: TraceExport | None, service: str) -> None:
+    try:
+        configure_tracing(traces, service=service)
+    except (TracingError, ValueError) as exc:
+        fail(f"tracing: {exc}; set {TRACES_ENV} to console, otlp or off")
 
 
 def _shutdown_on_signals(shutdown: Callable[[], Awaitable[None]]) -> None:
@@ -52,9 +66,11 @@ def gpu(
     context_dir: Annotated[
         Path, typer.Option("--context-dir", help="the context store shared with the workflows")
     ] = DEFAULT_CONTEXT_DIR,
+    traces: TracesOption = None,
 ) -> None:
     """Serve one vLLM replica's task queue until Ctrl-C / SIGTERM."""
     config = load_fleet_or_exit(fleet)
+    _tracing(traces, "kvflow-gpu-worker")
     try:
         binding = resolve_replica(config, replica, endpoint)
     except GpuWorkerError as exc:
@@ -114,9 +130,11 @@ def workflow_command(
     context_dir: Annotated[
         Path, typer.Option("--context-dir", help="the context store shared with GPU workers")
     ] = DEFAULT_CONTEXT_DIR,
+    traces: TracesOption = None,
 ) -> None:
     """Run agent workflows and the control plane (scheduler, ledger, context store)."""
     config = load_fleet_or_exit(fleet)
+    _tracing(traces, "kvflow-workflow-worker")
     endpoints: dict[str, str] = {}
     for item in endpoint or []:
         name, _, url = item.partition("=")
