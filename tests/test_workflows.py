@@ -26,11 +26,14 @@ from activities.context_store import DirectoryContextStore
 from ledger.records import TaskOutcome
 from ledger.store import AsyncLedger, open_async_ledger
 from scheduler.config import LatencyConfig, SchedulerConfig
+from scheduler.core import Scheduler
 from scheduler.fleet import Fleet, Pool, Tenant, TokenPrices, task_queue_for
+from scheduler.placement import Observation, Placement, PlacementRequest, Refusal, RefusalReason
 from simulator import BUILTIN_MODELS
 from simulator.faults import FaultSpec
 from tests import agent_workflows as wf
 from workers.embedded import EmbeddedFleet
+from workers.workflow_worker import ControlPlane
 from workflows import errors, search_attributes
 from workflows.agent import SPEND_QUERY, SpendBreakdown, TaskSpec
 
@@ -56,6 +59,7 @@ class Stack:
     fleet: Fleet
     ledger: AsyncLedger
     task_queue: str
+    control: ControlPlane
 
     async def start(self, run: Callable[..., Any], arg: Any) -> WorkflowHandle[Any, Any]:
         return await self.client.start_workflow(
@@ -106,7 +110,8 @@ async def stack(
                 workflows=wf.ALL_WORKFLOWS, activities=wf.ALL_ACTIVITIES, task_queue=task_queue
             )
             async with worker:
-                yield Stack(client, fleet, ledger, task_queue)
+                assert embedded.control_plane is not None
+                yield Stack(client, fleet, ledger, task_queue, embedded.control_plane)
     finally:
         await ledger.close()
 
@@ -336,3 +341,60 @@ async def test_long_conversation_keeps_history_small(temporal_client: Client, tm
     assert sum(per_step[-10:]) < 1.5 * sum(per_step[:10])
     # ...so history is a small fraction of what the conversation would weigh inline.
     assert total < inline / 8
+
+
+class SaturatedFor:
+    """The real scheduler, behind an admission gate that says "saturated" `times` times."""
+
+    def __init__(self, scheduler: Scheduler, times: int) -> None:
+        self.scheduler = scheduler
+        self.refusals_left = times
+
+    def place(self, request: PlacementRequest) -> Placement | Refusal:
+        if self.refusals_left > 0:
+            self.refusals_left -= 1
+            return Refusal(
+                reason=RefusalReason.SATURATED,
+                message="the fleet is saturated for tier 3",
+                model=request.model,
+                tenant=request.tenant,
+                retry_after_s=0.2,
+                retryable=True,
+            )
+        return self.scheduler.place(request)
+
+    def observe(self, observation: Observation) -> None:
+        self.scheduler.observe(observation)
+
+
+async def test_step_waits_for_admission_when_the_fleet_is_saturated(
+    temporal_client: Client, tmp_path: Path
+):
+    async with stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
+        s.control.activities.scheduler = SaturatedFor(s.control.scheduler, times=2)
+        task = wf.StepsInput(spec=_spec(tenant="globex", expected_steps=1), model=MODEL, steps=1)
+        handle = await s.start(wf.MultiStepAgent.run, task)
+        out = await handle.result()
+        assert out.replicas == ["only/0"]
+        breakdown = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
+        [step] = breakdown.steps
+        assert step.admission_waits == 2 and step.outcome == "ok" and breakdown.retries == 0
+        history = await handle.fetch_history()
+        timers = [e for e in history.events if e.event_type == EventType.EVENT_TYPE_TIMER_STARTED]
+        assert len(timers) == 2
+        await assert_replays(handle)
+
+
+async def test_admission_wait_that_would_pass_the_deadline_fails_fast(
+    temporal_client: Client, tmp_path: Path
+):
+    async with stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
+        s.control.activities.scheduler = SaturatedFor(s.control.scheduler, times=100)
+        # A gate that never opens within the budget: the step waits while it can, then fails.
+        task = wf.StepsInput(spec=_spec(expected_steps=1, latency_budget_s=2), model=MODEL, steps=1)
+        handle = await s.start(wf.MultiStepAgent.run, task)
+        with pytest.raises(WorkflowFailureError) as failed:
+            await handle.result()
+        cause = failed.value.cause
+        assert isinstance(cause, ApplicationError) and cause.type == errors.PLACEMENT_REFUSED
+        assert "saturated" in cause.message

@@ -79,7 +79,13 @@ with workflow.unsafe.imports_passed_through():
         Sampling,
     )
     from ledger.records import TaskOutcome, TaskRecord
-    from scheduler.placement import Observation, Placement, PlacementRequest, Refusal
+    from scheduler.placement import (
+        Observation,
+        Placement,
+        PlacementRequest,
+        Refusal,
+        RefusalReason,
+    )
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -89,6 +95,8 @@ cancellation reaches a running call within 0.8 x this (the SDK's heartbeat inter
 DEFAULT_CALL_TIMEOUT = timedelta(minutes=10)
 """The start-to-close limit of a call when the task has no latency budget."""
 LOCAL_TIMEOUT = timedelta(seconds=10)
+MAX_ADMISSION_WAITS = 60
+"""How many times one step waits for admission before it fails (without a deadline)."""
 KEEP_INLINE_MESSAGES = 2
 """The newest messages of a conversation sent inline; earlier ones travel as one reference."""
 SPEND_QUERY = "kvflow_spend"
@@ -105,6 +113,9 @@ class TaskSpec(BaseModel):
     retry_budget: int = Field(default=3, ge=0, description="re-placements the task may use")
     expected_steps: int = Field(default=1, ge=1, description="model calls the task will make")
     schema_repairs: int = Field(default=2, ge=0, description="re-asks for schema-invalid output")
+    budget_micros: int | None = Field(
+        default=None, ge=0, description="the most the task may spend, in micro-dollars"
+    )
 
 
 class AttemptSpend(BaseModel):
@@ -134,6 +145,8 @@ class StepSpend(BaseModel):
     """The placement's reason, for model calls."""
     outcome: str = "running"
     attempts: list[AttemptSpend] = Field(default_factory=list)
+    admission_waits: int = 0
+    """Times the scheduler said "not now" (fleet saturated for this tier) and the step waited."""
 
     @property
     def cost_micros(self) -> int:
@@ -315,8 +328,9 @@ class Agent:
                     f"the task's {self.spec.latency_budget_s:g} s latency budget is spent",
                 )
             placement = await self._place(
-                record, model, chat, prompt, max_tokens, remaining, exclude, attempt, checkpoint
+                record, model, chat, prompt, max_tokens, exclude, attempt, checkpoint
             )
+            remaining = self._remaining_s()
             record.reason = placement.reason
             record.model = placement.model
             request = InferenceRequest(
@@ -400,53 +414,67 @@ class Agent:
         chat: list[ChatMessage] | None,
         prompt: str | ContextRef | None,
         max_tokens: int,
-        remaining: float | None,
         exclude: list[str],
         attempt: int,
         checkpoint: Checkpoint | None,
     ) -> Placement:
+        """Ask the scheduler; wait out admission refusals (saturated fleet, circuits open)."""
         done = sum(1 for s in self.steps if s.kind == "infer" and s.outcome == "ok")
-        request = PlacementRequest(
-            model=model,
-            block_hashes=[],
-            prompt_tokens=0,
-            max_output_tokens=max_tokens - (checkpoint.completion_tokens if checkpoint else 0),
-            tenant=self.spec.tenant,
-            deadline_s_remaining=remaining,
-            steps_remaining=max(1, self.spec.expected_steps - done),
-            previous_replica=self._last_replica,
-            spent_micros=self.spend_micros,
-            exclude=exclude,
-            workflow_id=workflow.info().workflow_id,
-            attempt=attempt,
-            task_retries=self.retries,
-        )
-        answer: PlaceAnswer = await workflow.execute_local_activity(
-            PLACE_ACTIVITY,
-            PlaceInput(
-                request=request,
-                messages=chat,
-                prompt=prompt,
-                checkpoint_text=checkpoint.text if checkpoint else "",
-            ),
-            result_type=PlaceAnswer,
-            start_to_close_timeout=LOCAL_TIMEOUT,
-        )
-        if answer.placement is not None:
-            return answer.placement
-        assert answer.refusal is not None
-        refusal: Refusal = answer.refusal
-        record.outcome = f"refused: {refusal.reason.value}"
-        error_type = (
-            errors.DEADLINE_EXCEEDED
-            if refusal.reason.value == "deadline"
-            else errors.RETRY_BUDGET_EXHAUSTED
-            if refusal.reason.value == "retry_budget_exhausted"
-            else errors.PLACEMENT_REFUSED
-        )
-        raise self._error(
-            error_type, record, refusal.message, refusal=refusal.model_dump(mode="json")
-        )
+        while True:
+            remaining = self._remaining_s()
+            request = PlacementRequest(
+                model=model,
+                block_hashes=[],
+                prompt_tokens=0,
+                max_output_tokens=max_tokens - (checkpoint.completion_tokens if checkpoint else 0),
+                tenant=self.spec.tenant,
+                deadline_s_remaining=remaining,
+                steps_remaining=max(1, self.spec.expected_steps - done),
+                previous_replica=self._last_replica,
+                spent_micros=self.spend_micros,
+                budget_micros=self.spec.budget_micros,
+                exclude=exclude,
+                workflow_id=workflow.info().workflow_id,
+                attempt=attempt,
+                task_retries=self.retries,
+            )
+            answer: PlaceAnswer = await workflow.execute_local_activity(
+                PLACE_ACTIVITY,
+                PlaceInput(
+                    request=request,
+                    messages=chat,
+                    prompt=prompt,
+                    checkpoint_text=checkpoint.text if checkpoint else "",
+                ),
+                result_type=PlaceAnswer,
+                start_to_close_timeout=LOCAL_TIMEOUT,
+            )
+            if answer.placement is not None:
+                return answer.placement
+            assert answer.refusal is not None
+            refusal: Refusal = answer.refusal
+            wait = refusal.retry_after_s
+            if (
+                refusal.retryable
+                and wait is not None
+                and record.admission_waits < MAX_ADMISSION_WAITS
+                and (remaining is None or wait < remaining)
+            ):
+                # Admission: under saturation low tiers wait before high tiers do. A durable
+                # timer, so a worker restart does not lose the place in line.
+                record.admission_waits += 1
+                record.outcome = f"waiting: {refusal.reason.value}"
+                self._publish()
+                await workflow.sleep(wait)
+                continue
+            record.outcome = f"refused: {refusal.reason.value}"
+            error_type = {
+                RefusalReason.DEADLINE: errors.DEADLINE_EXCEEDED,
+                RefusalReason.RETRY_BUDGET_EXHAUSTED: errors.RETRY_BUDGET_EXHAUSTED,
+            }.get(refusal.reason, errors.PLACEMENT_REFUSED)
+            raise self._error(
+                error_type, record, refusal.message, refusal=refusal.model_dump(mode="json")
+            )
 
     async def _observe(
         self,
