@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 from types import TracebackType
 from typing import Any, TypeVar, cast, overload
@@ -165,6 +166,24 @@ class SpendBreakdown(BaseModel):
     attempts: int
 
 
+@dataclass
+class _Call:
+    """One model call while it is placed, dispatched and re-placed."""
+
+    record: StepSpend
+    model: str
+    chat: list[ChatMessage] | None
+    prompt: str | ContextRef | None
+    max_tokens: int
+    schema: dict[str, Any] | None
+    sampling: Sampling
+    exclude: list[str] = field(default_factory=list)
+    """Replicas that failed this call."""
+    checkpoint: Checkpoint | None = None
+    """Partial output to continue from."""
+    attempt: int = 1
+
+
 class _Failure(BaseModel):
     """A failed attempt, reduced to what the step API decides on."""
 
@@ -275,9 +294,10 @@ class Agent:
         schema = output.model_json_schema() if output is not None else None
         repairs_left = self.spec.schema_repairs
         while True:
-            result = await self._call(
-                record, model, chat, text_prompt, max_tokens, schema, sampling
+            call = _Call(
+                record, model, chat, text_prompt, max_tokens, schema, sampling or Sampling()
             )
+            result = await self._call(call)
             if output is None:
                 return self._step_done(record, result)
             try:
@@ -306,19 +326,8 @@ class Agent:
             self._step_done(record, result)
             return parsed
 
-    async def _call(
-        self,
-        record: StepSpend,
-        model: str,
-        chat: list[ChatMessage] | None,
-        prompt: str | ContextRef | None,
-        max_tokens: int,
-        schema: dict[str, Any] | None,
-        sampling: Sampling | None,
-    ) -> InferenceResult:
-        exclude: list[str] = []
-        checkpoint: Checkpoint | None = None
-        attempt = 1
+    async def _call(self, call: _Call) -> InferenceResult:
+        record = call.record
         while True:
             remaining = self._remaining_s()
             if remaining is not None and remaining <= 0:
@@ -327,23 +336,21 @@ class Agent:
                     record,
                     f"the task's {self.spec.latency_budget_s:g} s latency budget is spent",
                 )
-            placement = await self._place(
-                record, model, chat, prompt, max_tokens, exclude, attempt, checkpoint
-            )
+            placement = await self._place(call)
             remaining = self._remaining_s()
             record.reason = placement.reason
             record.model = placement.model
             request = InferenceRequest(
                 model=placement.model,
-                **(await self._compact(chat)),
-                prompt=prompt,
-                max_tokens=max_tokens,
-                sampling=sampling or Sampling(),
-                json_schema=schema,
+                **(await self._compact(call.chat)),
+                prompt=call.prompt,
+                max_tokens=call.max_tokens,
+                sampling=call.sampling,
+                json_schema=call.schema,
                 tenant=self.spec.tenant,
                 step=record.name,
                 deadline=self._deadline,
-                checkpoint=checkpoint,
+                checkpoint=call.checkpoint,
             )
             try:
                 result: InferenceResult = await workflow.execute_activity(
@@ -386,10 +393,10 @@ class Agent:
                         last_error=failure.error_type,
                     ) from None
                 self.retries += 1
-                attempt += 1
-                exclude.append(placement.replica)
-                if failure.checkpoint is not None and schema is None:
-                    checkpoint = failure.checkpoint
+                call.attempt += 1
+                call.exclude.append(placement.replica)
+                if failure.checkpoint is not None and call.schema is None:
+                    call.checkpoint = failure.checkpoint
                 continue
             record.attempts.append(
                 AttemptSpend(
@@ -407,43 +414,35 @@ class Agent:
             self._last_replica = result.replica
             return result
 
-    async def _place(
-        self,
-        record: StepSpend,
-        model: str,
-        chat: list[ChatMessage] | None,
-        prompt: str | ContextRef | None,
-        max_tokens: int,
-        exclude: list[str],
-        attempt: int,
-        checkpoint: Checkpoint | None,
-    ) -> Placement:
+    async def _place(self, call: _Call) -> Placement:
         """Ask the scheduler; wait out admission refusals (saturated fleet, circuits open)."""
+        record, checkpoint = call.record, call.checkpoint
         done = sum(1 for s in self.steps if s.kind == "infer" and s.outcome == "ok")
         while True:
             remaining = self._remaining_s()
             request = PlacementRequest(
-                model=model,
+                model=call.model,
                 block_hashes=[],
                 prompt_tokens=0,
-                max_output_tokens=max_tokens - (checkpoint.completion_tokens if checkpoint else 0),
+                max_output_tokens=call.max_tokens
+                - (checkpoint.completion_tokens if checkpoint else 0),
                 tenant=self.spec.tenant,
                 deadline_s_remaining=remaining,
                 steps_remaining=max(1, self.spec.expected_steps - done),
                 previous_replica=self._last_replica,
                 spent_micros=self.spend_micros,
                 budget_micros=self.spec.budget_micros,
-                exclude=exclude,
+                exclude=call.exclude,
                 workflow_id=workflow.info().workflow_id,
-                attempt=attempt,
+                attempt=call.attempt,
                 task_retries=self.retries,
             )
             answer: PlaceAnswer = await workflow.execute_local_activity(
                 PLACE_ACTIVITY,
                 PlaceInput(
                     request=request,
-                    messages=chat,
-                    prompt=prompt,
+                    messages=call.chat,
+                    prompt=call.prompt,
                     checkpoint_text=checkpoint.text if checkpoint else "",
                 ),
                 result_type=PlaceAnswer,
