@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
+from scheduler.fleet import ModelSpec
+from simulator import SimServer, resolve_models
+from tests.fixtures_vllm import skip_or_fail
+from workers.config import load_fleet
 from workers.devserver import free_port, port_is_free
+from workers.vllm_server import vllm_install
 
 KVFLOW = Path(sys.executable).parent / "kvflow"
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,3 +68,135 @@ def test_demo_runs_tasks_and_ends_with_the_finance_report(tmp_path: Path):
     rows = json.loads(report.stdout)["rows"]
     assert sum(row["tasks"] for row in rows) == 9
     assert port_is_free(port) and port_is_free(ui_port)
+
+
+def run_demo(tmp_path: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """`kvflow demo ARGS` on free ports, its state in `tmp_path`."""
+    return subprocess.run(
+        [
+            str(KVFLOW),
+            "demo",
+            *args,
+            "--port",
+            str(free_port()),
+            "--ui-port",
+            str(free_port()),
+            "--state-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+
+
+def tasks_per_pool(state_dir: Path) -> dict[str, int]:
+    """Tasks per pool in the ledger the demo left in `state_dir` (`kvflow report`)."""
+    [ledger] = state_dir.glob("demo-*.db")
+    report = subprocess.run(
+        [
+            str(KVFLOW),
+            "report",
+            "--db",
+            f"sqlite:///{ledger}",
+            "--group-by",
+            "pool",
+            "--format",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert report.returncode == 0, report.stderr
+    return {row["pool"]: row["tasks"] for row in json.loads(report.stdout)["rows"]}
+
+
+def fleet_models() -> list[ModelSpec]:
+    """The models of the example fleet.toml (what the demo's samples ask for)."""
+    fleet = load_fleet(ROOT / "fleet.toml")
+    return resolve_models([m.name for m in fleet.models], fleet.models)
+
+
+def test_demo_on_running_servers_places_every_call_on_the_vllm_pool(
+    tmp_path: Path, sim_server_factory: Callable[..., SimServer]
+):
+    # Two vLLM-compatible servers that already run, serving the fleet's models.
+    servers = [
+        sim_server_factory(models=fleet_models(), engine={"max_model_len": None}, seed=i)
+        for i in range(2)
+    ]
+    urls = ",".join(server.base_url for server in servers)
+    done = run_demo(tmp_path, "--endpoints", urls, "--tasks", "6", "--seed", "5")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "Traceback" not in out + done.stderr
+    assert "Faults: none" in out
+    assert "Where the model calls ran" in out
+    # One pool, one replica per server, and every task's calls ran there.
+    assert "vllm/0" in out and "vllm/1" in out and "h200/0" not in out
+    assert tasks_per_pool(tmp_path) == {"vllm": 6}
+
+
+def test_demo_on_an_endpoint_that_does_not_answer_names_it_and_exits_2(tmp_path: Path):
+    url = f"http://127.0.0.1:{free_port()}"
+    done = run_demo(tmp_path, "--endpoints", url, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"{url} does not answer" in done.stderr
+    assert "--served-model-name llama-3.1-8b" in done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+
+
+def test_demo_on_a_server_without_the_samples_model_says_how_to_serve_it(
+    tmp_path: Path, sim_server_factory: Callable[..., SimServer]
+):
+    server = sim_server_factory()  # serves llama-3.2-1b only
+    done = run_demo(tmp_path, "--endpoints", server.base_url + "/v1", timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    message = " ".join(done.stderr.split())
+    assert f"{server.base_url} serves llama-3.2-1b, not llama-3.1-8b" in message
+    assert "--served-model-name llama-3.1-8b llama-3.2-1b" in message
+    assert "Traceback" not in done.stdout + done.stderr
+
+
+def test_demo_refuses_engine_vllm_without_a_model_or_with_endpoints(tmp_path: Path):
+    no_model = run_demo(tmp_path, "--engine", "vllm", timeout=60)
+    assert no_model.returncode == 2
+    assert "--engine vllm needs --model DIR" in no_model.stderr
+    both = run_demo(
+        tmp_path, "--engine", "vllm", "--model", str(tmp_path), "--endpoints", "http://x:1"
+    )
+    assert both.returncode == 2
+    assert "give one of them" in both.stderr
+    assert "Traceback" not in no_model.stderr + both.stderr
+
+
+@pytest.mark.vllm
+def test_demo_with_engine_vllm_runs_tasks_on_a_real_vllm_server_and_stops_it(tmp_path: Path):
+    install = vllm_install()
+    missing = install.missing()
+    if missing is not None:
+        skip_or_fail(missing)
+    done = run_demo(
+        tmp_path,
+        "--engine",
+        "vllm",
+        "--model",
+        str(install.model_dir),
+        "--replicas",
+        "1",
+        "--tasks",
+        "4",
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "Traceback" not in out + done.stderr
+    assert "serving llama-3.1-8b, llama-3.2-1b" in out
+    assert "Faults: none" in out
+    assert tasks_per_pool(tmp_path) == {"vllm": 4}
+    # The server it started is gone: its port is free again.
+    ready = re.search(r"vLLM servers ready at http://127\.0\.0\.1:(\d+)", out)
+    assert ready is not None, out[:2000]
+    assert port_is_free(int(ready.group(1)))

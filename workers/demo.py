@@ -6,24 +6,31 @@ a mix of agent tasks for the fleet's tenants at a rate that saturates the fleet 
 with faults injected: one replica crashes mid-stream, one runs slow. A live display shows tasks
 per tenant, fleet load and cache hits; the end shows the finance report, where the calls went,
 and the Temporal UI address with a query for the failed tasks.
+
+On real vLLM servers (`--endpoints`, or `--engine vllm` which starts them) the fleet's pools
+give way to one pool, `vllm`, with a replica per server; its GPU generation and prices are the
+fleet's first pool's. Real servers have no fault injection, so none is done there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib
 import logging
 import random
 import time
 import urllib.parse
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
+import httpx
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -35,9 +42,10 @@ from activities.context_store import DirectoryContextStore
 from ledger.cli import print_whole, report_table
 from ledger.report import GroupField, ReportQuery, format_usd
 from ledger.store import AsyncLedger, open_async_ledger
-from scheduler.fleet import Fleet
+from scheduler.fleet import Fleet, Pool
 from simulator import FaultSpec
 from workers.embedded import EmbeddedFleet
+from workers.vllm_server import Engine, VllmInstall, VllmServer, stop_servers
 from workers.workflow_worker import DEFAULT_WORKFLOW_QUEUE
 
 SAMPLE_MODULES = (
@@ -45,6 +53,17 @@ SAMPLE_MODULES = (
     "samples.support_triage",
     "samples.code_review",
 )
+VLLM_POOL = "vllm"
+"""The one pool the demo's fleet has when it runs on real vLLM servers."""
+VLLM_MAX_MODEL_LEN = 16_384
+"""Context of the vLLM servers `--engine vllm` starts: the code-review sample's prompts reach
+about 8k tokens with a small vocabulary (the tiny test model's), and its steps add to them."""
+
+FleetT = TypeVar("FleetT", bound=Fleet)
+
+
+class EndpointError(Exception):
+    """A vLLM endpoint the demo was given does not answer, or does not serve the samples."""
 
 
 @dataclass
@@ -101,9 +120,12 @@ def log_to_file(path: Path) -> Path:
 
 
 def default_faults(fleet: Fleet, options: DemoOptions) -> dict[str, FaultSpec]:
-    """A crash mid-stream on one replica and a slow engine on another."""
-    names = [n for pool in fleet.pools for n in pool.replica_names()]
-    first_pool = fleet.pools[0].replica_names()
+    """A crash mid-stream on one replica and a slow engine on another (simulated ones only)."""
+    simulated = [pool for pool in fleet.pools if isinstance(pool.endpoints, str)]
+    if not simulated:
+        return {}
+    names = [n for pool in simulated for n in pool.replica_names()]
+    first_pool = simulated[0].replica_names()
     crash = options.crash_replica or (first_pool[1] if len(first_pool) > 1 else None)
     slow = options.slow_replica or (names[-1] if len(names) > 2 else None)
     faults: dict[str, FaultSpec] = {}
@@ -116,9 +138,149 @@ def default_faults(fleet: Fleet, options: DemoOptions) -> dict[str, FaultSpec]:
 
 def load_samples() -> list[ModuleType]:
     """The sample packages the workload mixes (each exports WORKFLOW, ACTIVITIES, example_input)."""
-    import importlib
-
     return [importlib.import_module(name) for name in SAMPLE_MODULES]
+
+
+def sample_models(samples: Sequence[ModuleType] | None = None) -> list[str]:
+    """The models the samples' workflows ask for (each workflow module's `MODEL`), in order."""
+    models: list[str] = []
+    for sample in samples if samples is not None else load_samples():
+        model = getattr(importlib.import_module(sample.WORKFLOW.__module__), "MODEL", None)
+        if isinstance(model, str) and model not in models:
+            models.append(model)
+    return models
+
+
+def parse_endpoints(text: str) -> list[str]:
+    """Base URLs from `URL[,URL...]`, without trailing `/` or `/v1`; `EndpointError` if bad."""
+    urls: list[str] = []
+    for part in text.split(","):
+        url = part.strip().rstrip("/")
+        if not url:
+            continue
+        # `/v1` is the OpenAI path prefix, which people often paste with the server address.
+        url = url.removesuffix("/v1")
+        parsed = urllib.parse.urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise EndpointError(
+                f"--endpoints: {part.strip()!r} is not a URL; give each vLLM server's base "
+                "URL, e.g. http://127.0.0.1:8000"
+            )
+        if url in urls:
+            raise EndpointError(f"--endpoints: {url} is listed twice; one URL per server")
+        urls.append(url)
+    if not urls:
+        raise EndpointError("--endpoints is empty; e.g. --endpoints http://127.0.0.1:8000")
+    return urls
+
+
+def check_endpoints(
+    urls: Sequence[str],
+    required: Sequence[str],
+    *,
+    names_to_serve: Sequence[str] = (),
+    timeout_s: float = 5.0,
+) -> dict[str, list[str]]:
+    """The models each vLLM server serves (`GET /v1/models`), checked against `required`.
+
+    Raises `EndpointError` naming the URL, what it serves and how to fix it when a server does
+    not answer or does not serve every model in `required`; the fix suggests serving
+    `names_to_serve` (e.g. all the fleet's models; default `required`).
+    """
+    served: dict[str, list[str]] = {}
+    fix_names = " ".join(names_to_serve or required)
+    with httpx.Client(timeout=timeout_s) as http:
+        for url in urls:
+            try:
+                response = http.get(f"{url}/v1/models")
+            except httpx.HTTPError as exc:
+                raise EndpointError(
+                    f"{url} does not answer ({type(exc).__name__}): start a vLLM server there "
+                    f"(`python -m vllm.entrypoints.openai.api_server --model DIR "
+                    f"--served-model-name {fix_names}`), or fix --endpoints"
+                ) from None
+            try:
+                cards = response.json()["data"] if response.status_code == 200 else None
+                models = [str(card["id"]) for card in cards] if isinstance(cards, list) else None
+            except (ValueError, KeyError, TypeError):
+                models = None
+            if models is None:
+                raise EndpointError(
+                    f"{url}/v1/models answered {response.status_code} without a model list: "
+                    "is it a vLLM (OpenAI-compatible) server? Give its base URL, without /v1"
+                )
+            missing = [m for m in required if m not in models]
+            if missing:
+                raise EndpointError(
+                    f"{url} serves {', '.join(models) or 'no model'}, not "
+                    f"{', '.join(missing)} that the demo's samples ask for: start vLLM with "
+                    f"`--served-model-name {fix_names}` (one model may be served under "
+                    "several names)"
+                )
+            served[url] = models
+    return served
+
+
+def fleet_on_endpoints(fleet: FleetT, served: Mapping[str, Sequence[str]]) -> FleetT:
+    """`fleet` with its pools replaced by one pool `vllm`: a replica per URL of `served`.
+
+    The pool takes the GPU generation, GPUs per replica, prices and concurrency of the
+    fleet's first pool; its warm models are the fleet's models that every server serves.
+    """
+    first = fleet.pools[0]
+    warm = [m.name for m in fleet.models if all(m.name in names for names in served.values())]
+    if not warm:
+        raise EndpointError(
+            "the vLLM servers serve none of the fleet's models ("
+            + ", ".join(m.name for m in fleet.models)
+            + "); start them with --served-model-name naming those"
+        )
+    pool = Pool(
+        name=VLLM_POOL,
+        gpu=first.gpu,
+        replicas=len(served),
+        gpus_per_replica=first.gpus_per_replica,
+        endpoints=list(served),
+        price_per_gpu_hour_usd=first.price_per_gpu_hour_usd,
+        token_prices=first.token_prices,
+        warm_models=warm,
+        max_concurrency=first.max_concurrency,
+    )
+    data = fleet.model_dump()
+    data["pools"] = [pool.model_dump()]
+    return type(fleet).model_validate(data)
+
+
+@contextlib.contextmanager
+def local_vllm_servers(
+    install: VllmInstall,
+    model_dir: Path,
+    *,
+    served_model_names: Sequence[str],
+    replicas: int,
+    log_dir: Path,
+    max_model_len: int = VLLM_MAX_MODEL_LEN,
+) -> Iterator[list[VllmServer]]:
+    """Start `replicas` vLLM servers on `model_dir` (all at once), stop them all on exit.
+
+    The servers are started but not waited for: call `wait_ready()` on each (they load in
+    parallel meanwhile). Each logs to `log_dir/vllm-<i>.log`.
+    """
+    servers: list[VllmServer] = []
+    try:
+        for index in range(replicas):
+            server = VllmServer(
+                install,
+                model_dir=model_dir,
+                served_model_names=served_model_names,
+                max_model_len=max_model_len,
+                log_path=log_dir / f"vllm-{index}.log",
+            )
+            servers.append(server)
+            server.start()
+        yield servers
+    finally:
+        stop_servers(servers)
 
 
 async def run_demo(
@@ -142,7 +304,13 @@ async def run_demo(
     ledger_path = state_dir / f"demo-{run_id}.db"
     ledger = await open_async_ledger(f"sqlite:///{ledger_path}", migrate=True)
     faults = default_faults(fleet, options)
-    if faults:
+    if not any(isinstance(pool.endpoints, str) for pool in fleet.pools):
+        console.print(
+            "Faults: none; the replicas are real vLLM servers, which have no fault injection "
+            "(that is the simulator's)",
+            highlight=False,
+        )
+    elif faults:
         console.print(
             "Faults: "
             + "; ".join(
@@ -341,9 +509,16 @@ def summarize(runs: Sequence[TaskRun], started: float) -> str:
 
 __all__ = [
     "DemoOptions",
+    "EndpointError",
+    "Engine",
+    "check_endpoints",
     "failed_tasks_url",
     "finance_report",
+    "fleet_on_endpoints",
     "format_usd",
+    "local_vllm_servers",
+    "parse_endpoints",
     "placement_summary",
     "run_demo",
+    "sample_models",
 ]

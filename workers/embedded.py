@@ -3,8 +3,10 @@
 It is what `kvflow demo` runs and what the end-to-end tests build on: every replica of a fleet
 whose pool says "simulated" gets a `SimServer` (a vLLM-compatible server on a free port, in
 this process) with the pool's GPU and warm models, and a `GpuWorker` polling its task queue;
-the control plane (scheduler, metrics scraping, ledger, context store) serves the workflow
-worker. Everything stops, in reverse order, when the `async with` block ends.
+every replica of a pool that lists real vLLM endpoints gets a `GpuWorker` in front of its
+server, used as it is. The control plane (scheduler, metrics scraping, ledger, context store)
+serves the workflow worker. Everything stops, in reverse order, when the `async with` block
+ends.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class EmbeddedLedger(AttemptSink, TaskSink, Protocol):
 
 
 class EmbeddedFleet:
-    """Simulators and GPU workers for a fleet's simulated pools, plus its control plane."""
+    """Simulators for a fleet's simulated pools, a GPU worker per replica, the control plane."""
 
     def __init__(
         self,
@@ -71,7 +73,18 @@ class EmbeddedFleet:
         try:
             for pool in self.fleet.pools:
                 if not isinstance(pool.endpoints, str):
-                    continue  # real vLLM servers: the control plane scrapes them as they are
+                    # Real vLLM servers: used as they are (no simulator, no injected faults);
+                    # the control plane scrapes them and a GPU worker calls each.
+                    for index, (name, url) in enumerate(
+                        zip(pool.replica_names(), pool.endpoints, strict=True)
+                    ):
+                        if name not in self.without_gpu_worker:
+                            await self._start_gpu_worker(
+                                ReplicaBinding(
+                                    pool=pool, index=index, base_url=str(url).rstrip("/")
+                                )
+                            )
+                    continue
                 models = resolve_models(pool.warm_models, self.fleet.models)
                 for index, name in enumerate(pool.replica_names()):
                     settings = ServerSettings(
@@ -90,18 +103,8 @@ class EmbeddedFleet:
                     self.sims[name] = self._exits.enter_context(SimServer(settings))
                     if name in self.without_gpu_worker:
                         continue
-                    binding = ReplicaBinding(
-                        pool=pool, index=index, base_url=self.sims[name].base_url
-                    )
-                    self.gpu_workers[name] = await self._exits.enter_async_context(
-                        GpuWorker(
-                            self.client,
-                            binding,
-                            ledger=self.ledger,
-                            store=self.store,
-                            graceful_shutdown_s=1.0,
-                            heartbeat_interval_s=0.2,
-                        )
+                    await self._start_gpu_worker(
+                        ReplicaBinding(pool=pool, index=index, base_url=self.sims[name].base_url)
                     )
             self.control_plane = await self._exits.enter_async_context(
                 ControlPlane(
@@ -125,6 +128,18 @@ class EmbeddedFleet:
         tb: TracebackType | None,
     ) -> None:
         await self._exits.aclose()
+
+    async def _start_gpu_worker(self, binding: ReplicaBinding) -> None:
+        self.gpu_workers[binding.name] = await self._exits.enter_async_context(
+            GpuWorker(
+                self.client,
+                binding,
+                ledger=self.ledger,
+                store=self.store,
+                graceful_shutdown_s=1.0,
+                heartbeat_interval_s=0.2,
+            )
+        )
 
     async def workflow_worker(
         self,
