@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from types import TracebackType
 
 import httpx
@@ -132,6 +133,7 @@ class MetricsScraper:
         self._owns_client = client is None
         self._client = client or httpx.AsyncClient(timeout=timeout_s)
         self._failures = dict.fromkeys(self.endpoints, 0)
+        self._served: dict[str, set[str]] = {}
         self._stop = asyncio.Event()
 
     async def scrape_replica(self, replica: str) -> ReplicaMetrics | None:
@@ -156,8 +158,28 @@ class MetricsScraper:
                 self.scheduler.set_replica_up(replica, False)
             return None
         self._failures[replica] = 0
+        served = await self._served_models(replica)
+        if served - set(metrics.models):
+            metrics = replace(metrics, models=tuple(sorted(served | set(metrics.models))))
         self.scheduler.update_metrics(replica, metrics)
         return metrics
+
+    async def _served_models(self, replica: str) -> set[str]:
+        """Every name the server answers to, from `/v1/models` (asked once per replica).
+
+        vLLM labels its metrics with the first `--served-model-name` only, so a server that
+        answers to several names would look as if it served one.
+        """
+        if replica not in self._served:
+            try:
+                response = await self._client.get(f"{self.endpoints[replica]}/v1/models")
+                response.raise_for_status()
+                self._served[replica] = {str(m["id"]) for m in response.json()["data"]}
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+                # Not asked again: the metrics' own labels are then all there is to go on.
+                logger.debug("could not list the models of %s: %s", replica, exc)
+                self._served[replica] = set()
+        return self._served[replica]
 
     async def scrape_once(self) -> dict[str, ReplicaMetrics | None]:
         """Scrape every replica concurrently; replica → metrics, or None for a failure."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -67,15 +68,21 @@ class MetricsServer(ThreadingHTTPServer):
     text = VLLM_METRICS
     status = 200
     scrapes = 0
+    models: list[str] | None = None
+    """When set, `/v1/models` lists these names (as vLLM does); otherwise it answers 404."""
 
 
 class Handler(BaseHTTPRequestHandler):
     server: MetricsServer
 
     def do_GET(self) -> None:
-        self.server.scrapes += 1
-        body = self.server.text.encode() if self.path == "/metrics" else b"not found"
-        status = self.server.status if self.path == "/metrics" else 404
+        if self.path == "/v1/models" and self.server.models:
+            body = json.dumps({"data": [{"id": m} for m in self.server.models]}).encode()
+            status = 200
+        else:
+            self.server.scrapes += self.path == "/metrics"
+            body = self.server.text.encode() if self.path == "/metrics" else b"not found"
+            status = self.server.status if self.path == "/metrics" else 404
         self.send_response(status)
         self.send_header("Content-Type", "text/plain; version=0.0.4")
         self.send_header("Content-Length", str(len(body)))
@@ -243,3 +250,33 @@ def test_endpoints_must_name_replicas_of_the_fleet() -> None:
     scheduler = Scheduler(fleet_with(["http://127.0.0.1:1"]))
     with pytest.raises(ValueError, match="unknown replicas"):
         MetricsScraper(scheduler, {"gpu/9": "http://127.0.0.1:1"})
+
+
+async def test_every_served_name_counts_as_warm_not_only_the_metrics_label(
+    vllm_like: MetricsServer,
+) -> None:
+    # vLLM started with --served-model-name A B labels its metrics with A only.
+    vllm_like.models = [MODEL, "tiny-alias"]
+    fleet = Fleet.model_validate(
+        {
+            **fleet_with([url_of(vllm_like)]).model_dump(mode="json"),
+            "models": [
+                *fleet_with([url_of(vllm_like)]).model_dump(mode="json")["models"],
+                {
+                    "name": "tiny-alias",
+                    "parameters_b": 0.01,
+                    "layers": 2,
+                    "kv_heads": 4,
+                    "head_dim": 32,
+                    "context_length": 1024,
+                },
+            ],
+        }
+    )
+    scheduler = Scheduler(fleet)
+    async with MetricsScraper(scheduler, fleet_endpoints(fleet)) as scraper:
+        await scraper.scrape_once()
+        await scraper.scrape_once()
+    (status,) = scheduler.status()
+    assert set(status.warm_models) == {MODEL, "tiny-alias"}
+    assert vllm_like.scrapes == 2
