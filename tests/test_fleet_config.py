@@ -59,7 +59,7 @@ BROKEN: dict[str, tuple[str, str, str]] = {
         "unknown model 'tiny'",
     ),
     "misspelled_key": (
-        "max_concurrency = 16 => max_concurency = 16",
+        "max_concurrency = 6 => max_concurency = 6",
         "pools[2].max_concurency",
         "unknown key",
     ),

@@ -299,6 +299,8 @@ def demo(
             console=out,
             ui_url=temporal.ui_url,
             keep_running=keep_running,
+            # Simulators in processes of their own (their file is the fleet's own file).
+            fleet_file=fleet if engine is Engine.SIM and not urls else None,
         )
 
     with contextlib.ExitStack() as stack:

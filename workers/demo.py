@@ -19,6 +19,7 @@ import contextlib
 import importlib
 import logging
 import random
+import statistics
 import time
 import urllib.parse
 import uuid
@@ -36,7 +37,16 @@ from rich.live import Live
 from rich.table import Table
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 from temporalio.common import Priority
+from temporalio.contrib.opentelemetry import TracingInterceptor
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.runtime import (
+    LogForwardingConfig,
+    LoggingConfig,
+    Runtime,
+    TelemetryConfig,
+    TelemetryFilter,
+)
+from temporalio.service import RPCError
 
 from activities.context_store import DirectoryContextStore
 from ledger.cli import print_whole, report_table
@@ -47,6 +57,7 @@ from simulator import FaultSpec
 from workers.embedded import EmbeddedFleet
 from workers.vllm_server import Engine, VllmInstall, VllmServer, stop_servers
 from workers.workflow_worker import DEFAULT_WORKFLOW_QUEUE
+from workflows.agent import SPEND_QUERY, SpendBreakdown
 
 SAMPLE_MODULES = (
     "samples.research_assistant",
@@ -100,6 +111,10 @@ class Tally:
     started: Counter[str] = field(default_factory=Counter)
     succeeded: Counter[str] = field(default_factory=Counter)
     failed: Counter[str] = field(default_factory=Counter)
+    admission_waits: Counter[str] = field(default_factory=Counter)
+    """Times a tenant's steps were told "fleet saturated, wait" (low tiers wait first)."""
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+    """Wall-clock seconds of each finished task, per tenant."""
 
 
 def log_to_file(path: Path) -> Path:
@@ -292,8 +307,12 @@ async def run_demo(
     console: Console,
     ui_url: str | None = None,
     keep_running: bool = False,
+    fleet_file: Path | None = None,
 ) -> list[TaskRun]:
     """Run the workload on an embedded fleet, print the reports, and return the tasks.
+
+    With `fleet_file`, each simulated replica runs in a process of its own (`kvflow sim serve
+    --fleet FILE --replica NAME`), as a real deployment's vLLM servers would.
 
     With `keep_running`, the fleet and its workers stay up after the reports until the task
     running this coroutine is cancelled (Ctrl-C), so the Temporal UI can be explored.
@@ -330,6 +349,7 @@ async def run_demo(
         time_scale=options.time_scale,
         faults=faults,
         seed=options.seed,
+        fleet_file=fleet_file,
     ) as embedded:
         worker = await embedded.workflow_worker(
             workflows=[s.WORKFLOW for s in samples],
@@ -396,6 +416,7 @@ async def run_demo(
 
 
 async def _await(run: TaskRun, tally: Tally) -> None:
+    started = time.monotonic()
     try:
         await run.handle.result()
         run.outcome = "succeeded"
@@ -406,11 +427,26 @@ async def _await(run: TaskRun, tally: Tally) -> None:
         kind = getattr(cause, "type", None) or type(cause).__name__
         run.error = f"{kind}: {getattr(cause, 'message', None) or cause}"
         tally.failed[run.tenant] += 1
+    tally.seconds.setdefault(run.tenant, []).append(time.monotonic() - started)
+    try:
+        breakdown = await run.handle.query(SPEND_QUERY, result_type=SpendBreakdown)
+    except RPCError:
+        return  # the query is for the display only
+    tally.admission_waits[run.tenant] += sum(s.admission_waits for s in breakdown.steps)
 
 
 def _progress(embedded: EmbeddedFleet, tally: Tally, fleet: Fleet) -> Group:
     tasks = Table(title="Tasks", title_justify="left")
-    for column in ("tenant", "tier", "started", "succeeded", "failed", "running"):
+    for column in (
+        "tenant",
+        "tier",
+        "started",
+        "succeeded",
+        "failed",
+        "running",
+        "admission waits",
+        "median s",
+    ):
         tasks.add_column(column)
     for tenant in fleet.tenants:
         name = tenant.name
@@ -422,6 +458,8 @@ def _progress(embedded: EmbeddedFleet, tally: Tally, fleet: Fleet) -> Group:
             str(tally.succeeded[name]),
             str(tally.failed[name]),
             str(running),
+            str(tally.admission_waits[name]),
+            f"{statistics.median(tally.seconds[name]):.1f}" if tally.seconds.get(name) else "-",
         )
     load = Table(title="Fleet", title_justify="left")
     for column in (
@@ -494,8 +532,26 @@ async def finance_report(ledger: AsyncLedger) -> Table:
 
 
 async def connect_local(address: str) -> Client:
-    """A client of the embedded server with kvflow's data converter."""
-    return await Client.connect(address, data_converter=pydantic_data_converter)
+    """A client of the embedded server with kvflow's data converter and tracing.
+
+    The SDK core's own log lines (e.g. "workflow task took more than 5 s" when the machine is
+    busy) are forwarded to Python logging, so they land in the demo's log file rather than
+    over the progress display.
+    """
+    runtime = Runtime(
+        telemetry=TelemetryConfig(
+            logging=LoggingConfig(
+                filter=TelemetryFilter(core_level="WARN", other_level="ERROR"),
+                forwarding=LogForwardingConfig(logger=logging.getLogger("temporalio.core")),
+            )
+        )
+    )
+    return await Client.connect(
+        address,
+        data_converter=pydantic_data_converter,
+        interceptors=[TracingInterceptor()],
+        runtime=runtime,
+    )
 
 
 def summarize(runs: Sequence[TaskRun], started: float) -> str:

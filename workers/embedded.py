@@ -11,8 +11,10 @@ ends.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -23,8 +25,15 @@ from activities.context_store import DirectoryContextStore
 from activities.control_plane import TaskSink
 from activities.inference import AttemptSink, ReplicaBinding
 from scheduler.config import SchedulerConfig
-from scheduler.fleet import Fleet
-from simulator import EngineConfig, FaultSpec, ServerSettings, SimServer, resolve_models
+from scheduler.fleet import Fleet, Pool
+from simulator import (
+    EngineConfig,
+    FaultSpec,
+    ServerSettings,
+    SimProcess,
+    SimServer,
+    resolve_models,
+)
 from workers.gpu_worker import GpuWorker
 from workers.workflow_worker import DEFAULT_WORKFLOW_QUEUE, ControlPlane, workflow_worker
 
@@ -51,6 +60,7 @@ class EmbeddedFleet:
         without_gpu_worker: Sequence[str] = (),
         seed: int = 0,
         scrape_interval_s: float = 0.5,
+        fleet_file: Path | None = None,
     ) -> None:
         self.client = client
         self.fleet = fleet
@@ -64,7 +74,8 @@ class EmbeddedFleet:
         self.without_gpu_worker = set(without_gpu_worker)
         self.seed = seed
         self.scrape_interval_s = scrape_interval_s
-        self.sims: dict[str, SimServer] = {}
+        self.fleet_file = fleet_file
+        self.sims: dict[str, SimServer | SimProcess] = {}
         self.gpu_workers: dict[str, GpuWorker] = {}
         self.control_plane: ControlPlane | None = None
         self._exits = AsyncExitStack()
@@ -84,6 +95,9 @@ class EmbeddedFleet:
                                     pool=pool, index=index, base_url=str(url).rstrip("/")
                                 )
                             )
+                    continue
+                if self.fleet_file is not None:
+                    await self._start_sim_processes(pool)
                     continue
                 models = resolve_models(pool.warm_models, self.fleet.models)
                 for index, name in enumerate(pool.replica_names()):
@@ -129,6 +143,42 @@ class EmbeddedFleet:
     ) -> None:
         await self._exits.aclose()
 
+    async def _start_sim_processes(self, pool: Pool) -> None:
+        """One `kvflow sim serve --fleet FILE --replica NAME` process per replica of `pool`.
+
+        A process of its own per simulator keeps their engine loops off this process's
+        interpreter, where the workers and the scheduler run; a crash fault then really ends
+        a process, as a crashed vLLM server would.
+        """
+        assert self.fleet_file is not None
+        processes: dict[str, SimProcess] = {}
+        for name in pool.replica_names():
+            args = [
+                "--fleet",
+                str(self.fleet_file),
+                "--replica",
+                name,
+                "--time-scale",
+                str(self.time_scale),
+                "--block-size",
+                str(self.block_size),
+                "--seed",
+                str(self.seed + len(self.sims) + len(processes)),
+            ]
+            if self.max_model_len is not None:
+                args += ["--max-model-len", str(self.max_model_len)]
+            args += _fault_flags(self.faults.get(name, FaultSpec()))
+            processes[name] = SimProcess(args)
+            self._exits.callback(processes[name].stop)
+        # Python start-up dominates; start them side by side.
+        await asyncio.gather(*(asyncio.to_thread(p.start) for p in processes.values()))
+        self.sims.update(processes)
+        for index, name in enumerate(pool.replica_names()):
+            if name not in self.without_gpu_worker:
+                await self._start_gpu_worker(
+                    ReplicaBinding(pool=pool, index=index, base_url=processes[name].base_url)
+                )
+
     async def _start_gpu_worker(self, binding: ReplicaBinding) -> None:
         self.gpu_workers[binding.name] = await self._exits.enter_async_context(
             GpuWorker(
@@ -159,3 +209,13 @@ class EmbeddedFleet:
             task_queue=task_queue,
             **options,
         )
+
+
+def _fault_flags(faults: FaultSpec) -> list[str]:
+    """`kvflow sim serve --fault-...` flags for the fields of `faults` that are set."""
+    flags: list[str] = []
+    for field_name, value in faults.model_dump(exclude_defaults=True).items():
+        if field_name == "error":
+            continue  # per request only; a server-wide rate is `error_rate`
+        flags += [f"--fault-{field_name.replace('_', '-')}", str(value)]
+    return flags
