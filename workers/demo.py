@@ -390,6 +390,8 @@ async def run_demo(
                     _, pending = await asyncio.wait(pending, timeout=0.25)
                     live.update(_progress(embedded, tally, fleet))
                 live.update(_progress(embedded, tally, fleet))
+            # The live display's last frame does not end its line when output is not a terminal.
+            console.print()
             console.print(summarize(runs, started), highlight=False)
             failures = failed_tasks(runs)
             if failures is not None:
