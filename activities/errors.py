@@ -11,6 +11,7 @@ retries. HTTP statuses and transport errors are mapped here and nowhere else.
     │   ├── ReplicaTimeout               no answer (or no token) in time
     │   ├── ReplicaOverloaded            429
     │   ├── ReplicaServerError           5xx
+    │   ├── ReplicaShuttingDown          its GPU worker stopped mid-call and handed it back
     │   └── StreamCut                    the stream ended before the answer did
     └── PermanentInferenceError          the request itself is wrong; retrying cannot help
         ├── ContextLengthExceeded        prompt + max_tokens over the model's context
@@ -85,6 +86,10 @@ class ReplicaServerError(RetryableInferenceError):
     """The replica answered 5xx."""
 
 
+class ReplicaShuttingDown(RetryableInferenceError):
+    """The GPU worker shut down mid-call; details carry the partial output."""
+
+
 class StreamCut(RetryableInferenceError):
     """The stream ended before a finish reason; details carry the partial output."""
 
@@ -116,9 +121,10 @@ RETRYABLE_TYPES: frozenset[str] = frozenset(
         ReplicaTimeout,
         ReplicaOverloaded,
         ReplicaServerError,
+        ReplicaShuttingDown,
         StreamCut,
     )
-)
+) | {"WorkerShutdown"}  # the SDK's type for a call that a stopping worker did not finish
 """`ApplicationError.type` values that the step API re-places on another replica."""
 
 

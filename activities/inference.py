@@ -30,6 +30,7 @@ from temporalio import activity
 from activities.context_store import DirectoryContextStore
 from activities.errors import (
     InferenceError,
+    ReplicaShuttingDown,
     StreamCut,
     from_status,
     from_transport,
@@ -246,8 +247,18 @@ class InferenceActivities:
                 await self._stream(request, checkpoint, progress)
                 outcome = AttemptOutcome.OK
             except asyncio.CancelledError:
-                outcome = AttemptOutcome.CANCELLED
-                raise
+                if not activity.is_worker_shutdown():
+                    outcome = AttemptOutcome.CANCELLED
+                    raise
+                # The GPU worker is going away: hand the call back with what it produced, so
+                # the workflow re-places it and continues instead of decoding it again.
+                handed_back = ReplicaShuttingDown(
+                    "the GPU worker shut down before the call finished",
+                    replica=self.replica.name,
+                    details={**progress.checkpoint(), **self._billing(progress)},
+                )
+                error_type = handed_back.error_type
+                raise handed_back.to_application_error() from None
             except InferenceError as exc:
                 error_type = exc.error_type
                 span.record_exception(exc)

@@ -7,6 +7,7 @@ through it and checks what an operator and finance would see.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -33,6 +34,7 @@ from simulator import BUILTIN_MODELS
 from simulator.faults import FaultSpec
 from tests import agent_workflows as wf
 from workers.embedded import EmbeddedFleet
+from workers.gpu_worker import GpuWorker
 from workers.workflow_worker import ControlPlane
 from workflows import errors, search_attributes
 from workflows.agent import SPEND_QUERY, SpendBreakdown, TaskSpec
@@ -60,6 +62,7 @@ class Stack:
     ledger: AsyncLedger
     task_queue: str
     control: ControlPlane
+    gpu_workers: dict[str, GpuWorker]
 
     async def start(self, run: Callable[..., Any], arg: Any) -> WorkflowHandle[Any, Any]:
         return await self.client.start_workflow(
@@ -111,7 +114,14 @@ async def stack(
             )
             async with worker:
                 assert embedded.control_plane is not None
-                yield Stack(client, fleet, ledger, task_queue, embedded.control_plane)
+                yield Stack(
+                    client,
+                    fleet,
+                    ledger,
+                    task_queue,
+                    embedded.control_plane,
+                    embedded.gpu_workers,
+                )
     finally:
         await ledger.close()
 
@@ -398,3 +408,31 @@ async def test_admission_wait_that_would_pass_the_deadline_fails_fast(
         cause = failed.value.cause
         assert isinstance(cause, ApplicationError) and cause.type == errors.PLACEMENT_REFUSED
         assert "saturated" in cause.message
+
+
+async def test_gpu_worker_that_shuts_down_mid_call_hands_it_back_and_it_is_replaced(
+    temporal_client: Client, tmp_path: Path
+):
+    pools = [
+        PoolPlan("leaving", gpu="L4", prices=("0.05", "0.005", "0.15")),
+        PoolPlan("staying", gpu="H100", prices=("0.40", "0.04", "1.20")),
+    ]
+    async with stack(temporal_client, tmp_path, pools) as s:
+        task = wf.StepsInput(spec=_spec(expected_steps=1), model=MODEL, steps=1, max_tokens=3000)
+        handle = await s.start(wf.MultiStepAgent.run, task)
+        # Wait until the call runs on the cheap replica, then shut its GPU worker down.
+        for _ in range(200):
+            pending = (await handle.describe()).raw_description.pending_activities
+            if pending and pending[0].HasField("heartbeat_details"):
+                break
+            await asyncio.sleep(0.05)
+        await s.gpu_workers["leaving/0"].shutdown()
+        out = await handle.result()
+        assert out.replicas == ["staying/0"]
+        breakdown = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
+        first, second = breakdown.steps[0].attempts
+        assert first.replica == "leaving/0" and first.outcome == "ReplicaShuttingDown"
+        assert second.replica == "staying/0" and second.outcome == "ok"
+        # The handed-back call continued from what the leaving replica had produced.
+        assert second.reused_tokens > 0
+        assert second.completion_tokens == 3000 - second.reused_tokens
