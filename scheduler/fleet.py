@@ -116,6 +116,14 @@ class Pool(_Strict):
     token_prices: TokenPrices
     warm_models: list[str] = Field(min_length=1)
     max_concurrency: int = Field(default=32, ge=1, le=4096, description="calls per GPU worker")
+    kv_events: list[str] | None = Field(
+        default=None,
+        description=(
+            "one ZMQ endpoint of vLLM's KV-cache events per replica (its --kv-events-config "
+            "endpoint, e.g. ipc:///run/vllm/kv.sock); makes the prefix index precise"
+        ),
+    )
+    kv_events_topic: str = Field(default="", description="the topic vLLM publishes on")
 
     @model_validator(mode="after")
     def _one_endpoint_per_replica(self) -> Self:
@@ -123,6 +131,16 @@ class Pool(_Strict):
             raise ValueError(
                 f"endpoints lists {len(self.endpoints)} URL(s) but replicas is {self.replicas}; "
                 'give one URL per replica, or "simulated"'
+            )
+        if self.kv_events is not None and len(self.kv_events) != self.replicas:
+            raise ValueError(
+                f"kv_events lists {len(self.kv_events)} endpoint(s) but replicas is "
+                f"{self.replicas}; give one per replica"
+            )
+        if self.kv_events is not None and len(self.warm_models) != 1:
+            raise ValueError(
+                "kv_events needs exactly one warm model per pool: vLLM's events do not say "
+                "which model a block belongs to"
             )
         return self
 

@@ -69,6 +69,11 @@ BROKEN: dict[str, tuple[str, str, str]] = {
         "pools[2].token_prices",
         "missing",
     ),
+    "kv_events_count": (
+        'warm_models = ["llama-3.2-1b"] => warm_models = ["llama-3.2-1b"]\nkv_events = ["ipc:///k"]',
+        "pools[2]",
+        "kv_events lists 1 endpoint(s) but replicas is 2",
+    ),
     "zero_replicas": (
         "replicas = 2 => replicas = 0",
         "pools[0].replicas",

@@ -8,6 +8,7 @@ through it and checks what an operator and finance would see.
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -30,7 +31,7 @@ from scheduler.config import LatencyConfig, SchedulerConfig
 from scheduler.core import Scheduler
 from scheduler.fleet import Fleet, Pool, Tenant, TokenPrices, task_queue_for
 from scheduler.placement import Observation, Placement, PlacementRequest, Refusal, RefusalReason
-from simulator import BUILTIN_MODELS
+from simulator import BUILTIN_MODELS, EngineConfig, ServerSettings, SimServer
 from simulator.faults import FaultSpec
 from tests import agent_workflows as wf
 from workers.embedded import EmbeddedFleet
@@ -436,3 +437,68 @@ async def test_gpu_worker_that_shuts_down_mid_call_hands_it_back_and_it_is_repla
         # The handed-back call continued from what the leaving replica had produced.
         assert second.reused_tokens > 0
         assert second.completion_tokens == 3000 - second.reused_tokens
+
+
+async def test_kv_events_from_the_engines_make_the_prefix_index_precise(
+    temporal_client: Client, tmp_path: Path
+):
+    # Two replicas that publish vLLM's KV-cache events, listed in the fleet as a real
+    # deployment would list its vLLM servers.
+    sockets = Path(tempfile.mkdtemp(prefix="kvflow-kv-"))  # ipc paths must stay short
+    events = [f"ipc://{sockets}/{i}.sock" for i in range(2)]
+    sims = [
+        SimServer(
+            ServerSettings(
+                gpu="H100",
+                models=[BUILTIN_MODELS[MODEL]],
+                time_scale=20.0,
+                seed=i,
+                engine=EngineConfig(block_size=16, max_model_len=4096),
+                kv_events_endpoint=events[i],
+                replica_name=f"evented/{i}",
+            )
+        ).start()
+        for i in range(2)
+    ]
+    try:
+        fleet = Fleet(
+            models=[BUILTIN_MODELS[MODEL]],
+            pools=[
+                Pool(
+                    name="evented",
+                    gpu="H100",
+                    replicas=2,
+                    endpoints=[sim.base_url for sim in sims],
+                    kv_events=events,
+                    price_per_gpu_hour_usd=Decimal("2"),
+                    token_prices=TokenPrices(
+                        input_per_mtok_usd=Decimal("0.2"),
+                        cached_input_per_mtok_usd=Decimal("0.02"),
+                        output_per_mtok_usd=Decimal("0.6"),
+                    ),
+                    warm_models=[MODEL],
+                )
+            ],
+            tenants=[Tenant(name="acme", tier=1)],
+        )
+        ledger = await open_async_ledger(f"sqlite:///{tmp_path}/ledger.db", migrate=True)
+        queue = f"evented-{uuid.uuid4()}"
+        async with EmbeddedFleet(
+            temporal_client, fleet, ledger=ledger, store=DirectoryContextStore(tmp_path / "c")
+        ) as embedded:
+            worker = await embedded.workflow_worker(workflows=wf.ALL_WORKFLOWS, task_queue=queue)
+            async with worker:
+                task = wf.StepsInput(spec=_spec(expected_steps=3), model=MODEL, steps=3)
+                out = await temporal_client.execute_workflow(
+                    wf.MultiStepAgent.run, task, id=f"evented-{uuid.uuid4()}", task_queue=queue
+                )
+            assert embedded.control_plane is not None
+            status = {s.replica: s for s in embedded.control_plane.scheduler.status()}
+            used = status[out.replicas[-1]]
+            # The engine's own account of what it cached reached the index.
+            assert used.precise and used.blocks_indexed > 0
+            assert sum(sub.events for sub in embedded.control_plane.kv_subscribers) > 0
+        await ledger.close()
+    finally:
+        for sim in sims:
+            sim.stop()

@@ -22,6 +22,7 @@ from activities.control_plane import ControlPlaneActivities, TaskSink
 from scheduler.config import SchedulerConfig
 from scheduler.core import Scheduler
 from scheduler.fleet import Fleet
+from scheduler.kv_events import KvEventSubscriber
 from scheduler.telemetry import MetricsScraper, fleet_endpoints
 from workers.search_attributes import ensure_search_attributes
 
@@ -60,8 +61,25 @@ class ControlPlane:
                 self.scheduler.set_replica_up(name, False)
         self.scraper = MetricsScraper(self.scheduler, self.endpoints, interval_s=scrape_interval_s)
         self._scraping: asyncio.Task[None] | None = None
+        self.kv_subscribers = [
+            KvEventSubscriber(
+                self.scheduler,
+                name,
+                endpoint,
+                topic=pool.kv_events_topic,
+                model=pool.warm_models[0],
+            )
+            for pool in fleet.pools
+            if pool.kv_events is not None
+            for name, endpoint in zip(pool.replica_names(), pool.kv_events, strict=True)
+        ]
+        self._subscribing: list[asyncio.Task[None]] = []
 
     async def __aenter__(self) -> ControlPlane:
+        # Precise prefix index: the engines' KV-cache events, where the fleet lists them.
+        for subscriber in self.kv_subscribers:
+            self._subscribing.append(asyncio.create_task(subscriber.run()))
+            await subscriber.wait_ready()
         if self.endpoints:
             # One scrape before the first placement, so it sees real load and cache sizes.
             await self.scraper.scrape_once()
@@ -75,6 +93,9 @@ class ControlPlane:
         tb: TracebackType | None,
     ) -> None:
         self.scraper.stop()
+        for subscriber in self.kv_subscribers:
+            subscriber.stop()
+        await asyncio.gather(*self._subscribing, return_exceptions=True)
         if self._scraping is not None:
             await asyncio.gather(self._scraping, return_exceptions=True)
         await self.scraper.aclose()
