@@ -20,7 +20,12 @@ from typing import Any
 import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.sdk.v1 import WorkflowMetadata
-from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowFailureError,
+    WorkflowHandle,
+)
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Replayer
 
@@ -502,3 +507,35 @@ async def test_kv_events_from_the_engines_make_the_prefix_index_precise(
     finally:
         for sim in sims:
             sim.stop()
+
+
+async def test_cancelled_task_runs_its_compensations_and_is_recorded_as_cancelled(
+    temporal_client: Client, tmp_path: Path
+):
+    wf.REFUNDS.clear()
+    wf.REVERSED.clear()
+    async with stack(temporal_client, tmp_path, [PoolPlan("only", gpu="L4")]) as s:
+        refund = wf.Refund(account="C-3", amount_cents=900)
+        task = wf.RefundInput(
+            spec=TaskSpec(tenant="acme", expected_steps=2),
+            model=MODEL,
+            refund=refund,
+            max_tokens=3000,
+        )
+        handle = await s.start(wf.RefundThenReply.run, task)
+        # Cancel while the reply is being written (after the refund went out).
+        for _ in range(200):
+            pending = (await handle.describe()).raw_description.pending_activities
+            if pending and pending[0].activity_type.name == "kvflow.infer":
+                break
+            await asyncio.sleep(0.05)
+        await handle.cancel()
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()
+        assert [refund] == wf.REVERSED
+        description = await handle.describe()
+        assert description.status == WorkflowExecutionStatus.CANCELED
+        row = await s.ledger.task(handle.id, description.run_id or "")
+        assert row is not None and row.outcome == TaskOutcome.CANCELLED
+        attrs = (await handle.describe()).typed_search_attributes
+        assert attrs.get(search_attributes.OUTCOME) == "cancelled"

@@ -231,7 +231,7 @@ class Agent:
         if exc is None:
             await self._close(TaskOutcome.SUCCEEDED)
             return
-        cancelled = isinstance(exc, asyncio.CancelledError | CancelledError)
+        cancelled = _is_cancellation(exc)
         compensated = await self.compensate()
         if cancelled:
             outcome = TaskOutcome.CANCELLED
@@ -240,6 +240,10 @@ class Agent:
         else:
             outcome = TaskOutcome.FAILED
         await self._close(outcome)
+        if cancelled and not isinstance(exc, asyncio.CancelledError):
+            # End the workflow as cancelled, not failed: the cancellation reached us wrapped
+            # in the activity's error.
+            raise asyncio.CancelledError from exc
 
     # ---- model calls -------------------------------------------------------------------------
 
@@ -373,6 +377,10 @@ class Agent:
                 failure = _failure_of(err, placement)
                 failure.attempt.model = placement.model
                 record.attempts.append(failure.attempt)
+                if _is_cancellation(err):
+                    # The task was cancelled: not a failure to classify or re-place.
+                    record.outcome = "cancelled"
+                    raise
                 await self._observe(placement, failure)
                 self._publish()
                 if not failure.retryable:
@@ -552,8 +560,10 @@ class Agent:
                 summary=f"tool {name}",
             )
         except ActivityError as err:
-            record.outcome = "failed"
+            record.outcome = "cancelled" if _is_cancellation(err) else "failed"
             self._publish()
+            if _is_cancellation(err):
+                raise
             cause = err.cause
             message = cause.message if isinstance(cause, ApplicationError) else str(cause)
             raise self._error(errors.TOOL_FAILED, record, message) from None
@@ -753,6 +763,16 @@ class Agent:
             retry_policy=RetryPolicy(maximum_attempts=10),
             summary=f"ledger: task {outcome.value}",
         )
+
+
+def _is_cancellation(exc: BaseException) -> bool:
+    """Whether `exc` is, or was caused by, the cancellation of the task."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, asyncio.CancelledError | CancelledError):
+            return True
+        seen = seen.cause if isinstance(seen, ActivityError) else seen.__cause__
+    return False
 
 
 def _usd(micros: int) -> str:
