@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
@@ -38,3 +38,10 @@ def load_fleet_or_exit(path: Path) -> FleetConfig:
             err.print(f"[red]✗[/] {problem}", highlight=False, soft_wrap=True)
         count = len(exc.problems)
         fail(f"{path}: {count} problem{'s' if count != 1 else ''}; fix them and run again")
+
+
+PortOption = Annotated[int, typer.Option("--port", help="gRPC port of the Temporal frontend")]
+UiPortOption = Annotated[int, typer.Option("--ui-port", help="port of the Temporal Web UI")]
+StateDirOption = Annotated[
+    Path, typer.Option("--state-dir", help="folder for the SQLite file and logs")
+]
