@@ -15,13 +15,14 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any, Protocol
 
-from pydantic import BaseModel, Field
+from pydantic import AwareDatetime, BaseModel, Field
 from temporalio import activity
 
 from activities.context_store import DirectoryContextStore
 from activities.inference import ChatMessage
-from ledger.records import TaskRecord
+from ledger.records import AttemptOutcome, AttemptRecord, TaskRecord
 from scheduler.blocks import block_hashes
+from scheduler.fleet import Fleet
 from scheduler.placement import Observation, Placement, PlacementRequest, Refusal
 from simulator.tokenizer import Tokenizer, apply_chat_template
 from workflows.context import ContextRef
@@ -33,6 +34,7 @@ OBSERVE_ACTIVITY = "kvflow.observe"
 RECORD_TASK_ACTIVITY = "kvflow.record_task"
 CONTEXT_PUT_ACTIVITY = "kvflow.context_put"
 CONTEXT_GET_ACTIVITY = "kvflow.context_get"
+RECORD_LOST_ATTEMPT_ACTIVITY = "kvflow.record_lost_attempt"
 
 
 class PlacementPolicy(Protocol):
@@ -48,11 +50,36 @@ class PlacementPolicy(Protocol):
 
 
 class TaskSink(Protocol):
-    """Stores task rows (`ledger.AsyncLedger` is one)."""
+    """Stores task rows, and attempt rows a dead GPU worker could not (`AsyncLedger` does)."""
 
     async def record_task(self, record: TaskRecord) -> bool:
         """Store the task's row; idempotent on (workflow id, run id)."""
         ...
+
+    async def record_attempt(self, record: AttemptRecord) -> bool:
+        """Store an attempt's row; idempotent on (workflow, run, activity, attempt)."""
+        ...
+
+
+class LostAttempt(BaseModel):
+    """An attempt whose GPU worker died (heartbeat timeout), as the workflow saw it last."""
+
+    workflow_id: str
+    run_id: str
+    activity_id: str
+    attempt: int
+    workflow_type: str
+    step: str
+    tenant: str
+    model: str
+    replica: str
+    started_at: AwareDatetime
+    ended_at: AwareDatetime
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    cost_micros: int = 0
+    error_type: str
 
 
 class PlaceInput(BaseModel):
@@ -94,11 +121,13 @@ class ControlPlaneActivities:
         self,
         scheduler: PlacementPolicy,
         *,
+        fleet: Fleet,
         block_size: int,
         ledger: TaskSink | None = None,
         store: DirectoryContextStore | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.fleet = fleet
         self.block_size = block_size
         self.ledger = ledger
         self.store = store or DirectoryContextStore()
@@ -153,6 +182,40 @@ class ControlPlaneActivities:
             return False
         return await self.ledger.record_task(record)
 
+    @activity.defn(name=RECORD_LOST_ATTEMPT_ACTIVITY)
+    async def record_lost_attempt(self, lost: LostAttempt) -> bool:
+        """Write the ledger row of an attempt whose GPU worker died before writing it.
+
+        Billed from its last heartbeat, at the prices of the replica's pool. If the worker did
+        write the row after all, the idempotent write changes nothing.
+        """
+        if self.ledger is None:
+            return False
+        pool = self.fleet.pool(lost.replica.split("/")[0])
+        record = AttemptRecord(
+            workflow_id=lost.workflow_id,
+            run_id=lost.run_id,
+            activity_id=lost.activity_id,
+            attempt=lost.attempt,
+            step=lost.step,
+            tenant=lost.tenant,
+            workflow_type=lost.workflow_type,
+            model=lost.model,
+            pool=pool.name,
+            replica=lost.replica,
+            gpu=pool.gpu.value,
+            started_at=lost.started_at,
+            ended_at=max(lost.ended_at, lost.started_at),
+            outcome=AttemptOutcome.FAILED,
+            prompt_tokens=lost.prompt_tokens,
+            cached_tokens=min(lost.cached_tokens, lost.prompt_tokens),
+            completion_tokens=lost.completion_tokens,
+            prices=pool.token_prices,
+            cost_micros=lost.cost_micros,
+            error_type=lost.error_type,
+        )
+        return await self.ledger.record_attempt(record)
+
     @activity.defn(name=CONTEXT_PUT_ACTIVITY)
     async def context_put(self, text: str) -> ContextRef:
         """Store content; as a local activity its input (the text) stays out of history."""
@@ -165,4 +228,11 @@ class ControlPlaneActivities:
 
     def all(self) -> list[Callable[..., Any]]:
         """Every activity of the control plane, to register on the workflow worker."""
-        return [self.place, self.observe, self.record_task, self.context_put, self.context_get]
+        return [
+            self.place,
+            self.observe,
+            self.record_task,
+            self.record_lost_attempt,
+            self.context_put,
+            self.context_get,
+        ]

@@ -8,6 +8,11 @@ through it and checks what an operator and finance would see.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -27,6 +32,7 @@ from temporalio.client import (
     WorkflowHandle,
 )
 from temporalio.exceptions import ApplicationError
+from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer
 
 from activities.context_store import DirectoryContextStore
@@ -39,6 +45,7 @@ from scheduler.placement import Observation, Placement, PlacementRequest, Refusa
 from simulator import BUILTIN_MODELS, EngineConfig, ServerSettings, SimServer
 from simulator.faults import FaultSpec
 from tests import agent_workflows as wf
+from workers.config import load_fleet
 from workers.embedded import EmbeddedFleet
 from workers.gpu_worker import GpuWorker
 from workers.workflow_worker import ControlPlane
@@ -539,3 +546,136 @@ async def test_cancelled_task_runs_its_compensations_and_is_recorded_as_cancelle
         assert row is not None and row.outcome == TaskOutcome.CANCELLED
         attrs = (await handle.describe()).typed_search_attributes
         assert attrs.get(search_attributes.OUTCOME) == "cancelled"
+
+
+async def test_gpu_worker_process_killed_mid_call_is_billed_and_the_call_resumes_elsewhere(
+    temporal_env: WorkflowEnvironment, tmp_path: Path
+):
+    client = temporal_env.client
+    sims = [
+        SimServer(
+            ServerSettings(
+                gpu=gpu,
+                models=[BUILTIN_MODELS[MODEL]],
+                time_scale=20.0,
+                seed=i,
+                engine=EngineConfig(block_size=16, max_model_len=8192),
+            )
+        ).start()
+        for i, gpu in enumerate(("L4", "H100"))
+    ]
+    ledger_url = f"sqlite:///{tmp_path}/ledger.db"
+    fleet_file = tmp_path / "fleet.toml"
+    fleet_file.write_text(
+        f"""
+[[models]]
+name = "{MODEL}"
+parameters_b = 1.2
+layers = 16
+kv_heads = 8
+head_dim = 64
+context_length = 32768
+
+[[pools]]
+name = "doomed"
+gpu = "L4"
+replicas = 1
+endpoints = ["{sims[0].base_url}"]
+price_per_gpu_hour_usd = "0.8"
+warm_models = ["{MODEL}"]
+[pools.token_prices]
+input_per_mtok_usd = "0.05"
+cached_input_per_mtok_usd = "0.005"
+output_per_mtok_usd = "0.15"
+
+[[pools]]
+name = "safe"
+gpu = "H100"
+replicas = 1
+endpoints = ["{sims[1].base_url}"]
+price_per_gpu_hour_usd = "2.9"
+warm_models = ["{MODEL}"]
+[pools.token_prices]
+input_per_mtok_usd = "0.40"
+cached_input_per_mtok_usd = "0.04"
+output_per_mtok_usd = "1.20"
+
+[[tenants]]
+name = "acme"
+tier = 1
+"""
+    )
+    fleet = load_fleet(fleet_file)
+    ledger = await open_async_ledger(ledger_url, migrate=True)
+    # The doomed replica's GPU worker is a process of its own, so it can really die.
+    env = {**os.environ, "TEMPORAL_ADDRESS": client.service_client.config.target_host}
+    worker_log = (tmp_path / "gpu.log").open("w")
+    doomed = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).parent / "kvflow"),
+        "worker",
+        "gpu",
+        "--fleet",
+        str(fleet_file),
+        "--replica",
+        "doomed/0",
+        "--ledger",
+        ledger_url,
+        "--context-dir",
+        str(tmp_path / "c"),
+        "--traces",
+        "off",
+        env=env,
+        stdout=worker_log,
+        stderr=subprocess.STDOUT,
+    )
+    queue = f"doomed-{uuid.uuid4()}"
+    try:
+        for _ in range(300):
+            if "polls kvflow.gpu.doomed.0" in (tmp_path / "gpu.log").read_text():
+                break
+            await asyncio.sleep(0.05)
+        async with EmbeddedFleet(
+            client,
+            fleet,
+            ledger=ledger,
+            store=DirectoryContextStore(tmp_path / "c"),
+            without_gpu_worker=["doomed/0"],
+        ) as embedded:
+            worker = await embedded.workflow_worker(workflows=wf.ALL_WORKFLOWS, task_queue=queue)
+            async with worker:
+                task = wf.StepsInput(
+                    spec=_spec(expected_steps=1), model=MODEL, steps=1, max_tokens=4000
+                )
+                handle = await client.start_workflow(
+                    wf.MultiStepAgent.run, task, id=f"doomed-{uuid.uuid4()}", task_queue=queue
+                )
+                # Kill it once a heartbeat has carried some output.
+                for _ in range(300):
+                    pending = (await handle.describe()).raw_description.pending_activities
+                    if pending and pending[0].heartbeat_details.payloads:
+                        beat = json.loads(pending[0].heartbeat_details.payloads[0].data)
+                        if beat.get("completion_tokens"):
+                            break
+                    await asyncio.sleep(0.05)
+                doomed.send_signal(signal.SIGKILL)
+                out = await handle.result()
+                breakdown = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
+        assert out.replicas == ["safe/0"]
+        first, second = breakdown.steps[0].attempts
+        assert first.replica == "doomed/0" and first.outcome == "TimeoutHeartbeat"
+        assert second.reused_tokens > 0  # resumed from the dead worker's last heartbeat
+        # Finance sees both attempts: the dead worker's row was written from its heartbeat.
+        attempts = await ledger.attempts_for(handle.id, (await handle.describe()).run_id or "")
+        by_replica = {a.replica: a for a in attempts}
+        assert set(by_replica) == {"doomed/0", "safe/0"}
+        assert by_replica["doomed/0"].error_type == "TimeoutHeartbeat"
+        assert by_replica["doomed/0"].cost_micros == first.cost_micros > 0
+        assert sum(a.cost_micros for a in attempts) == breakdown.spend_micros
+    finally:
+        if doomed.returncode is None:
+            doomed.kill()
+        await doomed.wait()
+        worker_log.close()
+        await ledger.close()
+        for sim in sims:
+            sim.stop()

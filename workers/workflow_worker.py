@@ -53,7 +53,11 @@ class ControlPlane:
         self.scheduler = Scheduler(fleet, config)
         self.endpoints = {**fleet_endpoints(fleet), **(endpoints or {})}
         self.activities = ControlPlaneActivities(
-            self.scheduler, block_size=self.scheduler.block_size, ledger=ledger, store=store
+            self.scheduler,
+            fleet=fleet,
+            block_size=self.scheduler.block_size,
+            ledger=ledger,
+            store=store,
         )
         for name in self.scheduler.replica_names():
             if name not in self.endpoints:

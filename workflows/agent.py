@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, TypeVar, cast, overload
 
@@ -65,7 +65,9 @@ with workflow.unsafe.imports_passed_through():
         CONTEXT_PUT_ACTIVITY,
         OBSERVE_ACTIVITY,
         PLACE_ACTIVITY,
+        RECORD_LOST_ATTEMPT_ACTIVITY,
         RECORD_TASK_ACTIVITY,
+        LostAttempt,
         PlaceAnswer,
         PlaceInput,
     )
@@ -356,6 +358,7 @@ class Agent:
                 deadline=self._deadline,
                 checkpoint=call.checkpoint,
             )
+            dispatched_at = workflow.now()
             try:
                 result: InferenceResult = await workflow.execute_activity(
                     INFER_ACTIVITY,
@@ -381,6 +384,8 @@ class Agent:
                     # The task was cancelled: not a failure to classify or re-place.
                     record.outcome = "cancelled"
                     raise
+                if _worker_went_silent(err):
+                    await self._record_lost_attempt(err, call, placement, failure, dispatched_at)
                 await self._observe(placement, failure)
                 self._publish()
                 if not failure.retryable:
@@ -482,6 +487,42 @@ class Agent:
             raise self._error(
                 error_type, record, refusal.message, refusal=refusal.model_dump(mode="json")
             )
+
+    async def _record_lost_attempt(
+        self,
+        err: ActivityError,
+        call: _Call,
+        placement: Placement,
+        failure: _Failure,
+        dispatched_at: datetime,
+    ) -> None:
+        """Bill an attempt whose GPU worker died: it cannot write its own ledger row."""
+        info = workflow.info()
+        spent = failure.attempt
+        await workflow.execute_activity(
+            RECORD_LOST_ATTEMPT_ACTIVITY,
+            LostAttempt(
+                workflow_id=info.workflow_id,
+                run_id=info.run_id,
+                activity_id=err.activity_id or "",
+                attempt=1,
+                workflow_type=info.workflow_type,
+                step=call.record.name,
+                tenant=self.spec.tenant,
+                model=placement.model,
+                replica=placement.replica,
+                started_at=dispatched_at,
+                ended_at=workflow.now(),
+                prompt_tokens=spent.prompt_tokens,
+                cached_tokens=spent.cached_tokens,
+                completion_tokens=spent.completion_tokens,
+                cost_micros=spent.cost_micros,
+                error_type=failure.error_type,
+            ),
+            start_to_close_timeout=timedelta(seconds=30),
+            retry_policy=RetryPolicy(maximum_attempts=10),
+            summary=f"ledger: attempt lost on {placement.replica}",
+        )
 
     async def _observe(
         self,
@@ -763,6 +804,15 @@ class Agent:
             retry_policy=RetryPolicy(maximum_attempts=10),
             summary=f"ledger: task {outcome.value}",
         )
+
+
+def _worker_went_silent(err: ActivityError) -> bool:
+    """The call started but its GPU worker stopped heartbeating or answering (it died)."""
+    cause = err.cause
+    return isinstance(cause, TimeoutError) and cause.type in (
+        TimeoutType.HEARTBEAT,
+        TimeoutType.START_TO_CLOSE,
+    )
 
 
 def _is_cancellation(exc: BaseException) -> bool:
