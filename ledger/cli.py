@@ -38,7 +38,6 @@ from ledger.report import (
     RATIO_COLUMNS,
     Report,
     ReportQuery,
-    format_usd,
 )
 from ledger.store import (
     DEFAULT_LEDGER_URL,
@@ -47,6 +46,7 @@ from ledger.store import (
     connect_ledger,
     open_ledger,
 )
+from scheduler.fleet import format_usd
 from workers.config import TemporalConnection
 from workers.console import err, fail, load_fleet_or_exit, out
 

@@ -21,9 +21,8 @@ from ledger.report import (
     METRIC_COLUMNS,
     Report,
     ReportRow,
-    format_usd,
 )
-from scheduler.fleet import micros_to_usd
+from scheduler.fleet import format_usd, micros_to_usd
 
 CellValue = str | int | float | None
 

@@ -43,7 +43,7 @@ from enum import StrEnum
 
 from ledger.errors import ReportQueryError
 from ledger.records import TaskOutcome
-from scheduler.fleet import micros_to_usd
+from scheduler.fleet import format_usd
 
 
 class GroupField(StrEnum):
@@ -78,11 +78,6 @@ METRIC_COLUMNS: tuple[str, ...] = (
 
 RATIO_COLUMNS = frozenset({"success_rate", "cached_token_share"})
 """Metric columns that are fractions of 1 (the others are counts or dollar strings)."""
-
-
-def format_usd(micros: int) -> str:
-    """Micro-dollars as a dollar decimal string with six places, e.g. `"0.004213"`."""
-    return f"{micros_to_usd(micros):.6f}"
 
 
 def _ratio(numerator: int, denominator: int) -> Decimal | None:

@@ -54,7 +54,15 @@ from scheduler.axes import (
     WorkflowContext,
 )
 from scheduler.config import SchedulerConfig
-from scheduler.fleet import Fleet, ModelSpec, Pool, Tenant, replica_name, task_queue_for
+from scheduler.fleet import (
+    Fleet,
+    ModelSpec,
+    Pool,
+    Tenant,
+    format_usd,
+    replica_name,
+    task_queue_for,
+)
 from scheduler.placement import (
     Observation,
     Placement,
@@ -642,7 +650,7 @@ class Scheduler:
             wait = (day + 1) * SECONDS_PER_DAY - now
             return refuse(
                 RefusalReason.TENANT_OVER_QUOTA,
-                f"tenant {tenant.name} has spent ${spent_today / 1e6:.2f} today, its daily "
+                f"tenant {tenant.name} has spent ${format_usd(spent_today, 2)} today, its daily "
                 f"budget is ${tenant.daily_budget_usd}; calls resume at 00:00 UTC",
                 retry_after=wait,
             )
@@ -921,8 +929,8 @@ class Scheduler:
         elif furthest == "spend":
             message = (
                 f"the call would take the task over its spend cap of "
-                f"${(request.budget_micros or 0) / 1e6:.4f} (spent "
-                f"${request.spent_micros / 1e6:.4f}) on every replica ({summary})"
+                f"${format_usd(request.budget_micros or 0, 4)} (spent "
+                f"${format_usd(request.spent_micros, 4)}) on every replica ({summary})"
             )
         elif furthest == "not_warm":
             message = (
@@ -1011,7 +1019,7 @@ class Scheduler:
             f"{state.name}: {_tokens(chosen.cached_tokens)} of {_tokens(request.prompt_tokens)} "
             f"prompt tokens cached, queue {ahead}, est {_seconds(chosen.duration_s)}"
             + (f" of {_seconds(budget)} budget" if budget is not None else " (no deadline)")
-            + f", ${cost / 1e6:.4f}"
+            + f", ${format_usd(cost, 4)}"
         )
         notes = []
         if degraded_from is not None:

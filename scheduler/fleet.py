@@ -41,6 +41,11 @@ def micros_to_usd(micros: int) -> Decimal:
     return Decimal(micros) / MICROS_PER_USD
 
 
+def format_usd(micros: int, places: int = 6) -> str:
+    """Micro-dollars as a dollar amount with `places` decimals, e.g. `"0.004213"` (no float)."""
+    return f"{micros_to_usd(micros).quantize(Decimal(1).scaleb(-places), ROUND_HALF_UP)}"
+
+
 def replica_name(pool: str, index: int) -> str:
     """The human name of a replica, `pool/index`."""
     return f"{pool}/{index}"

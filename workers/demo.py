@@ -50,9 +50,9 @@ from temporalio.service import RPCError
 
 from activities.context_store import DirectoryContextStore
 from ledger.cli import print_whole, report_table
-from ledger.report import GroupField, ReportQuery, format_usd
+from ledger.report import GroupField, ReportQuery
 from ledger.store import AsyncLedger, open_async_ledger
-from scheduler.fleet import Fleet, Pool
+from scheduler.fleet import Fleet, Pool, format_usd
 from simulator import FaultSpec
 from workers.embedded import EmbeddedFleet
 from workers.vllm_server import Engine, VllmInstall, VllmServer, stop_servers
@@ -573,7 +573,6 @@ __all__ = [
     "failed_tasks_url",
     "finance_report",
     "fleet_on_endpoints",
-    "format_usd",
     "local_vllm_servers",
     "parse_endpoints",
     "placement_summary",

@@ -82,6 +82,7 @@ with workflow.unsafe.imports_passed_through():
         Sampling,
     )
     from ledger.records import TaskOutcome, TaskRecord
+    from scheduler.fleet import format_usd
     from scheduler.placement import (
         Observation,
         Placement,
@@ -826,7 +827,8 @@ def _is_cancellation(exc: BaseException) -> bool:
 
 
 def _usd(micros: int) -> str:
-    return f"{micros / 1_000_000:.6f}".rstrip("0").rstrip(".") if micros else "0"
+    # Exact decimals, trailing zeros dropped: "0.0021", not "0.002100".
+    return format_usd(micros).rstrip("0").rstrip(".") if micros else "0"
 
 
 def _first_error(invalid: ValidationError) -> str:

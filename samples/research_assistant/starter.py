@@ -16,8 +16,8 @@ from rich.console import Console
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
-from ledger.report import format_usd
 from samples.research_assistant import ResearchAssistant, example_input
+from scheduler.fleet import format_usd
 from workers.workflow_worker import DEFAULT_WORKFLOW_QUEUE
 from workflows.agent import SPEND_QUERY, SpendBreakdown
 

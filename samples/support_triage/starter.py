@@ -19,8 +19,8 @@ from rich.console import Console
 from temporalio.client import Client, WorkflowFailureError
 from temporalio.contrib.pydantic import pydantic_data_converter
 
-from ledger.report import format_usd
 from samples.support_triage import SupportTriage, example_input
+from scheduler.fleet import format_usd
 from workers.workflow_worker import DEFAULT_WORKFLOW_QUEUE
 from workflows.agent import SPEND_QUERY, SpendBreakdown
 
