@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from functools import lru_cache
 from typing import Any, Protocol
 
 from pydantic import AwareDatetime, BaseModel, Field
@@ -104,9 +103,9 @@ class PlaceAnswer(BaseModel):
 _tokenizer = Tokenizer()
 
 
-@lru_cache(maxsize=4096)
-def _token_ids(text: str) -> tuple[int, ...]:
-    return tuple(_tokenizer.encode(text, add_special_tokens=False))
+def _token_ids(text: str) -> list[int]:
+    # The tokenizer remembers long messages, so a shared context is not tokenized every step.
+    return _tokenizer.encode(text, add_special_tokens=False)
 
 
 class ControlPlaneActivities:
@@ -152,7 +151,7 @@ class ControlPlaneActivities:
             assert place.prompt is not None
             rendered = await self._text(place.prompt) + place.checkpoint_text
         # Tokenizing a long conversation takes milliseconds: keep it off the event loop.
-        return list(await asyncio.to_thread(_token_ids, rendered))
+        return await asyncio.to_thread(_token_ids, rendered)
 
     @activity.defn(name=PLACE_ACTIVITY)
     async def place(self, place: PlaceInput) -> PlaceAnswer:

@@ -85,6 +85,23 @@ def _encode_piece(piece: str) -> tuple[int, ...]:
     return tuple(ids)
 
 
+CACHED_SEGMENT_CHARS = 1024
+"""Text between special tokens at least this long is tokenized once and remembered: a chat
+template puts each message between special tokens, so a long shared context (a system prompt,
+a document) is tokenized once per process, not once per request."""
+
+
+def _encode_segment(text: str) -> tuple[int, ...] | list[int]:
+    if len(text) < CACHED_SEGMENT_CHARS:
+        return Tokenizer._encode_ordinary(text)
+    return _encode_long_segment(text)
+
+
+@lru_cache(maxsize=128)
+def _encode_long_segment(text: str) -> tuple[int, ...]:
+    return tuple(Tokenizer._encode_ordinary(text))
+
+
 class Tokenizer:
     """The simulator's tokenizer: `encode`, `decode`, token strings and the chat template."""
 
@@ -105,7 +122,7 @@ class Tokenizer:
             if special is not None:
                 ids.append(special)
                 continue
-            ids.extend(self._encode_ordinary(segment))
+            ids.extend(_encode_segment(segment))
         if add_special_tokens and (not ids or ids[0] != BOS_ID):
             ids.insert(0, BOS_ID)
         return ids

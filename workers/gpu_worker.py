@@ -9,6 +9,7 @@ cancelled call reaches the workflow as a failure and is re-placed elsewhere.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import timedelta
 from types import TracebackType
 
@@ -102,10 +103,12 @@ class GpuWorker:
             graceful_shutdown_timeout=timedelta(seconds=graceful_shutdown_s),
         )
 
-    async def run(self) -> None:
-        """Check the endpoint, then poll until `shutdown()`."""
+    async def run(self, on_ready: Callable[[], None] | None = None) -> None:
+        """Check the endpoint, call `on_ready`, then poll until `shutdown()`."""
         await check_endpoint(self.binding, self.http)
         log.info("GPU worker for %s polls %s", self.binding.name, self.task_queue)
+        if on_ready is not None:
+            on_ready()
         try:
             await self.worker.run()
         finally:

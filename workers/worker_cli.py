@@ -18,7 +18,6 @@ from workers.console import fail, load_fleet_or_exit, out
 from workers.gpu_worker import (
     GpuWorker,
     GpuWorkerError,
-    check_endpoint,
     connect,
     resolve_replica,
 )
@@ -88,11 +87,11 @@ def gpu(
                 graceful_shutdown_s=graceful_shutdown_s,
             )
             _shutdown_on_signals(worker.shutdown)
-            await check_endpoint(binding, worker.http)
-            out.print(
-                f"GPU worker for {binding.name} ({binding.base_url}) polls {worker.task_queue}"
+            await worker.run(
+                on_ready=lambda: out.print(
+                    f"GPU worker for {binding.name} ({binding.base_url}) polls {worker.task_queue}"
+                )
             )
-            await worker.run()
         finally:
             await ledger.close()
 

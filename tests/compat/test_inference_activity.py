@@ -338,4 +338,3 @@ async def test_gpu_worker_refuses_to_start_when_vllm_is_down(openai_server: Serv
     async with httpx.AsyncClient() as http:
         with pytest.raises(GpuWorkerError, match="not answering"):
             await check_endpoint(binding, http)
-    await asyncio.sleep(0)
