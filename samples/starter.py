@@ -1,0 +1,51 @@
+"""What every sample's starter shares: its command line, the client, and a clean exit.
+
+Each sample's `starter.py` keeps only what is its own: the task it starts and what it prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Coroutine
+from typing import Any, NoReturn
+
+from rich.console import Console
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+
+from workers.workflow_worker import DEFAULT_WORKFLOW_QUEUE
+
+
+def arguments(description: str, *, tenant: str, seed_help: str) -> argparse.ArgumentParser:
+    """The options every starter takes: --address, --task-queue, --tenant, --seed."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--address", default="127.0.0.1:7233", help="Temporal HOST:PORT")
+    parser.add_argument("--task-queue", default=DEFAULT_WORKFLOW_QUEUE)
+    parser.add_argument("--tenant", default=tenant)
+    parser.add_argument("--seed", type=int, default=0, help=seed_help)
+    return parser
+
+
+async def connect(address: str) -> Client:
+    """A client with the data converter kvflow's workflows use (pydantic models)."""
+    return await Client.connect(address, data_converter=pydantic_data_converter)
+
+
+def run(start: Coroutine[Any, Any, None], address: str) -> NoReturn:
+    """Run `start` and exit: 0, or 1 with a message when no Temporal server answers.
+
+    The process ends with `os._exit` after flushing: the Temporal SDK's native runtime can
+    crash while Python finalizes.
+    """
+    code = 0
+    try:
+        asyncio.run(start)
+    except RuntimeError as exc:  # Client.connect found no Temporal server there
+        Console(stderr=True).print(f"[red]cannot reach Temporal at {address}[/]: {exc}")
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
