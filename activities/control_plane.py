@@ -18,7 +18,7 @@ from pydantic import AwareDatetime, BaseModel, Field
 from temporalio import activity
 
 from activities.context_store import DirectoryContextStore
-from activities.inference import ChatMessage
+from activities.inference import AttemptSink, ChatMessage
 from ledger.records import AttemptOutcome, AttemptRecord, TaskRecord
 from scheduler.blocks import block_hashes
 from scheduler.fleet import Fleet
@@ -48,15 +48,11 @@ class PlacementPolicy(Protocol):
         ...
 
 
-class TaskSink(Protocol):
+class LedgerSink(AttemptSink, Protocol):
     """Stores task rows, and attempt rows a dead GPU worker could not (`AsyncLedger` does)."""
 
     async def record_task(self, record: TaskRecord) -> bool:
         """Store the task's row; idempotent on (workflow id, run id)."""
-        ...
-
-    async def record_attempt(self, record: AttemptRecord) -> bool:
-        """Store an attempt's row; idempotent on (workflow, run, activity, attempt)."""
         ...
 
 
@@ -122,7 +118,7 @@ class ControlPlaneActivities:
         *,
         fleet: Fleet,
         block_size: int,
-        ledger: TaskSink | None = None,
+        ledger: LedgerSink | None = None,
         store: DirectoryContextStore | None = None,
     ) -> None:
         self.scheduler = scheduler

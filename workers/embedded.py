@@ -16,14 +16,14 @@ from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any
 
 from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities.context_store import DirectoryContextStore
-from activities.control_plane import TaskSink
-from activities.inference import AttemptSink, ReplicaBinding
+from activities.control_plane import LedgerSink
+from activities.inference import ReplicaBinding
 from scheduler.config import SchedulerConfig
 from scheduler.fleet import Fleet, Pool
 from simulator import (
@@ -38,10 +38,6 @@ from workers.gpu_worker import GpuWorker
 from workers.workflow_worker import DEFAULT_WORKFLOW_QUEUE, ControlPlane, workflow_worker
 
 
-class EmbeddedLedger(AttemptSink, TaskSink, Protocol):
-    """A ledger both GPU workers and the control plane write to (`ledger.AsyncLedger` is one)."""
-
-
 class EmbeddedFleet:
     """Simulators for a fleet's simulated pools, a GPU worker per replica, the control plane."""
 
@@ -50,7 +46,7 @@ class EmbeddedFleet:
         client: Client,
         fleet: Fleet,
         *,
-        ledger: EmbeddedLedger | None = None,
+        ledger: LedgerSink | None = None,
         store: DirectoryContextStore | None = None,
         scheduler_config: SchedulerConfig | None = None,
         time_scale: float = 20.0,

@@ -18,7 +18,7 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities.context_store import DirectoryContextStore
-from activities.control_plane import ControlPlaneActivities, TaskSink
+from activities.control_plane import ControlPlaneActivities, LedgerSink
 from scheduler.config import SchedulerConfig
 from scheduler.core import Scheduler
 from scheduler.fleet import Fleet
@@ -45,7 +45,7 @@ class ControlPlane:
         fleet: Fleet,
         *,
         endpoints: Mapping[str, str] | None = None,
-        ledger: TaskSink | None = None,
+        ledger: LedgerSink | None = None,
         store: DirectoryContextStore | None = None,
         config: SchedulerConfig | None = None,
         scrape_interval_s: float = 1.0,
