@@ -47,6 +47,10 @@ class PlacementPolicy(Protocol):
         """Learn from how a call ended."""
         ...
 
+    def settle(self) -> None:
+        """Apply what answered placements changed; called right after each answer."""
+        ...
+
 
 class LedgerSink(AttemptSink, Protocol):
     """Stores task rows, and attempt rows a dead GPU worker could not (`AsyncLedger` does)."""
@@ -160,6 +164,8 @@ class ControlPlaneActivities:
             }
         )
         answer = self.scheduler.place(request)
+        # The placement's bookkeeping runs once this answer is on its way, not before.
+        asyncio.get_running_loop().call_soon(self.scheduler.settle)
         if isinstance(answer, Placement):
             return PlaceAnswer(placement=answer, prompt_tokens=len(ids))
         return PlaceAnswer(refusal=answer, prompt_tokens=len(ids))

@@ -84,6 +84,9 @@ def scheduler_latency(
         "max",
         "CPU p50",
         "CPU p99",
+        "settle p50",
+        "settle p99",
+        "both p99",
     ):
         table.add_column(column, justify="right")
     for r in results:
@@ -97,11 +100,16 @@ def scheduler_latency(
             f"{r.max_us:.0f}",
             f"{r.cpu_p50_us:.0f}",
             f"{r.cpu_p99_us:.0f}",
+            f"{r.settle_p50_us:.0f}",
+            f"{r.settle_p99_us:.0f}",
+            f"{r.total_p99_us:.0f}",
         )
     _out.print(table)
     _out.print(
-        "Wall-clock figures include any time the process waited for a core; CPU figures "
-        "count the deciding thread only.",
+        "p50 to max: wall-clock time of place(), the answer a caller waits for; they include "
+        "any time the process waited for a core, which CPU p50/p99 (the deciding thread's CPU "
+        "time) do not. settle: the bookkeeping the control plane runs right after sending the "
+        "answer (prefix index, load, stickiness). both: place() + settle() per decision.",
         highlight=False,
     )
     if json_file is not None:
@@ -115,6 +123,9 @@ def scheduler_latency(
                     "mean": round(r.mean_us, 2),
                     "cpu_p50": round(r.cpu_p50_us, 2),
                     "cpu_p99": round(r.cpu_p99_us, 2),
+                    "settle_p50": round(r.settle_p50_us, 2),
+                    "settle_p99": round(r.settle_p99_us, 2),
+                    "place_and_settle_p99": round(r.total_p99_us, 2),
                     "decisions": r.decisions,
                     "placed": r.placed,
                     "refused": r.refused,

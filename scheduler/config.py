@@ -200,6 +200,15 @@ class PrefixConfig(_Config):
         gt=0,
         description="how long a placement's blocks count as cached before a KV event confirms",
     )
+    eviction_slack: float = Field(
+        default=0.25,
+        ge=0,
+        description=(
+            "a replica's index entries may exceed its cache size by this fraction between two "
+            "scrapes: placements only add entries, and each scrape of the replica evicts the "
+            "excess, so eviction stays off the decision path"
+        ),
+    )
     default_capacity_blocks: int = Field(
         default=200_000,
         ge=1,

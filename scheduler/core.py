@@ -37,10 +37,11 @@ import math
 import threading
 import time
 from bisect import bisect_left, bisect_right, insort
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import islice
+from typing import NamedTuple
 
 from scheduler.axes import (
     GpuGenerationAxis,
@@ -72,7 +73,7 @@ from scheduler.placement import (
     RefusalReason,
     ReplicaStatus,
 )
-from scheduler.prefix_index import KvEvent, PrefixIndex
+from scheduler.prefix_index import KvEvent, PrefixIndex, replicas_in
 from scheduler.reliability import (
     CircuitState,
     TenantRetryBudget,
@@ -151,6 +152,20 @@ class _ModelView:
     warm_count: int = 0
 
 
+class _Booking(NamedTuple):
+    """What an answered placement changes, applied by `Scheduler.settle`."""
+
+    rid: int
+    model: str
+    block_hashes: list[int]
+    held_depth: int
+    workflow_id: str
+    tenant: str
+    retry: bool
+    probe: bool
+    now: float
+
+
 @dataclass(slots=True)
 class _Request:
     """Per-request constants, computed once per decision."""
@@ -165,7 +180,8 @@ class _Request:
     spent: int
     budget_micros: int | None
     spec: ModelSpec = field(init=False)
-    depths: dict[int, int] = field(init=False)
+    levels: list[tuple[int, int]] = field(init=False)
+    """The prompt's prefix holders: (depth in index entries, replica bit mask), deepest first."""
     can_load: list[bool] = field(init=False)
     """Per pool: whether a cold replica there may load the model."""
     cold_load_s: float = field(init=False)
@@ -199,7 +215,10 @@ class Scheduler:
         self.context = WorkflowContext(config.weights)
         self.indexes: dict[str, PrefixIndex] = {
             m.name: PrefixIndex(
-                self.block_size, config.prefix.speculative_ttl_s, config.prefix.index_stride
+                self.block_size,
+                config.prefix.speculative_ttl_s,
+                config.prefix.index_stride,
+                config.prefix.eviction_slack,
             )
             for m in fleet.models
         }
@@ -249,6 +268,8 @@ class Scheduler:
         self._tenant_retries = {t.name: TenantRetryBudget(config.retries) for t in fleet.tenants}
         self._tenant_spend: dict[str, tuple[int, int]] = {}
         self._last_replica: OrderedDict[str, int] = OrderedDict()
+        self._unsettled: deque[_Booking] = deque()
+        """Placements answered whose bookkeeping `settle` has not applied yet."""
         for state in self._replicas:
             self._refresh(state)
 
@@ -257,6 +278,7 @@ class Scheduler:
     def update_metrics(self, replica: str, metrics: ReplicaMetrics) -> None:
         """Apply one scrape of the replica's `/metrics`; the replica answered, so it is up."""
         with self._lock:
+            self._settle()
             state = self._state(replica)
             if metrics.kv_cache_usage is not None:
                 state.kv_usage = min(1.0, max(0.0, metrics.kv_cache_usage))
@@ -278,6 +300,7 @@ class Scheduler:
                 entries = state.num_gpu_blocks * engine_block // self._entry_tokens
                 for index in self.indexes.values():
                     index.set_capacity(state.rid, entries)
+            self._trim(state)
             if metrics.models:
                 served = {m for m in metrics.models if m in self._models}
                 if served:
@@ -301,6 +324,7 @@ class Scheduler:
     def set_replica_up(self, replica: str, up: bool) -> None:
         """Mark a replica up or down; a replica that goes down is assumed to lose its cache."""
         with self._lock:
+            self._settle()
             state = self._state(replica)
             if state.up and not up:
                 logger.warning("replica %s is down; its prefix entries are dropped", replica)
@@ -312,6 +336,7 @@ class Scheduler:
     def set_warm_models(self, replica: str, models: Iterable[str]) -> None:
         """The models whose weights the replica holds now."""
         with self._lock:
+            self._settle()
             state = self._state(replica)
             state.warm_models = set(models)
             self._refresh(state)
@@ -325,6 +350,7 @@ class Scheduler:
         exactly one warm model (a vLLM server serves one).
         """
         with self._lock:
+            self._settle()
             state = self._state(replica)
             if model is None:
                 if len(state.warm_models) != 1:
@@ -342,6 +368,7 @@ class Scheduler:
     def observe(self, observation: Observation) -> None:
         """Fold a finished call into estimates, the replica's circuit and the tenant's spend."""
         with self._lock:
+            self._settle()
             now = self._clock()
             state = self._state(observation.replica)
             state.inflight = max(0, state.inflight - 1)
@@ -354,16 +381,24 @@ class Scheduler:
             if observation.cost_micros:
                 self._add_tenant_spend(observation.tenant, observation.cost_micros, now)
             self._refresh(state)
+            self._trim(state)
+
+    def settle(self) -> None:
+        """Apply the bookkeeping of placements already answered (see `place`)."""
+        with self._lock:
+            self._settle()
 
     def set_tenant_spend_today(self, tenant: str, micros: int) -> None:
         """Seed a tenant's spend for the current UTC day (e.g. from the ledger at start-up)."""
         with self._lock:
+            self._settle()
             day = int(self._clock() // SECONDS_PER_DAY)
             self._tenant_spend[tenant] = (day, micros)
 
     def tenant_spend_today(self, tenant: str) -> int:
         """The tenant's spend seen today (UTC), in micro-dollars."""
         with self._lock:
+            self._settle()
             day = int(self._clock() // SECONDS_PER_DAY)
             spent_day, micros = self._tenant_spend.get(tenant, (day, 0))
             return micros if spent_day == day else 0
@@ -377,6 +412,7 @@ class Scheduler:
     def status(self) -> list[ReplicaStatus]:
         """A snapshot of every replica's state."""
         with self._lock:
+            self._settle()
             now = self._clock()
             result = []
             for state in self._replicas:
@@ -385,7 +421,7 @@ class Scheduler:
                     ReplicaStatus(
                         replica=state.name,
                         pool=state.pool.name,
-                        gpu=state.gpu.value,
+                        gpu=state.gpu_name,
                         task_queue=state.task_queue,
                         up=state.up,
                         circuit=state.breaker.state.value,
@@ -407,8 +443,16 @@ class Scheduler:
     # ------------------------------------------------------------------ decisions
 
     def place(self, request: PlacementRequest) -> Placement | Refusal:
-        """Choose a replica for the call, or say why none fits (see the module docstring)."""
+        """Choose a replica for the call, or say why none fits (see the module docstring).
+
+        The answer comes first: what the placement changes (the replica's load and probe
+        slot, the prefix index, the workflow's last replica, the tenant's retry window) is
+        queued and applied by `settle`, which every method runs before it reads any state, so
+        no decision sees a stale fleet. Call `settle` when idle to keep that work off the next
+        decision too.
+        """
         with self._lock:
+            self._settle()
             now = self._clock()
             spec = self._models.get(request.model)
             if spec is None:
@@ -487,7 +531,7 @@ class Scheduler:
     def _for_model(self, ctx: _Request, spec: ModelSpec) -> None:
         """Set the model-dependent constants of a request."""
         ctx.spec = spec
-        ctx.depths = self.indexes[spec.name].match(ctx.request.block_hashes, ctx.now)
+        ctx.levels = self.indexes[spec.name].match_levels(ctx.request.block_hashes, ctx.now)
         if self.config.allow_cold_start:
             ctx.can_load = self._can_load[spec.name]
         else:
@@ -553,6 +597,65 @@ class Scheduler:
                 continue
             insort(ranked, key)
             view.member[rid] = (ranked, key, contribution)
+
+    def _trim(self, state: ReplicaState) -> None:
+        """Evict the replica's prefix entries beyond its cache size.
+
+        Placements only add entries (up to `prefix.eviction_slack` over the size); evicting
+        happens here, when telemetry about the replica arrives (a scrape or a finished call),
+        instead of inside `place`.
+        """
+        for index in self.indexes.values():
+            index.trim(state.rid)
+
+    def _settle(self) -> None:
+        """Apply the bookkeeping of answered placements, oldest first (under the lock)."""
+        unsettled = self._unsettled
+        while unsettled:
+            booking = unsettled.popleft()
+            state = self._replicas[booking.rid]
+            if booking.probe:
+                state.breaker.start_probe(booking.now)
+            state.placed_since_scrape += 1
+            state.inflight += 1
+            self.indexes[booking.model].record_placement(
+                booking.rid, booking.block_hashes, booking.now, held_depth=booking.held_depth
+            )
+            if booking.workflow_id and self.config.prefix.remembered_workflows:
+                remembered = self._last_replica
+                remembered[booking.workflow_id] = booking.rid
+                remembered.move_to_end(booking.workflow_id)
+                if len(remembered) > self.config.prefix.remembered_workflows:
+                    remembered.popitem(last=False)
+            self._tenant_retries[booking.tenant].record(booking.retry, booking.now)
+            self._refresh_load(state)
+
+    def _refresh_load(self, state: ReplicaState) -> None:
+        """After a placement: only the load-dependent estimates of the replica change.
+
+        Its static factor and ranking depend on the shared (scraped) load, which a placement
+        does not change once the replica has been scraped; before that, refresh everything.
+        """
+        if state.metrics_at is None:
+            self._refresh(state)
+            return
+        slots = state.pool.max_concurrency
+        load = state.load
+        state.load_fraction = self.queue.load_fraction(load, slots)
+        state.wait_s = self.queue.wait_s(
+            load - state.waiting, state.waiting, slots, state.service_s
+        )
+        rid = state.rid
+        for view in self._views.values():
+            member = view.member.get(rid)
+            if member is None:
+                continue
+            ranked, key, contribution = member
+            if contribution is None:
+                continue
+            old_load, old_slots, shared = contribution
+            view.load += load - old_load
+            view.member[rid] = (ranked, key, (load, old_slots, shared))
 
     def _track_circuit(self, state: ReplicaState) -> None:
         breaker = state.breaker
@@ -736,7 +839,8 @@ class Scheduler:
         bulk_depth = 0
         if not cold:
             # `match` lists replicas deepest first.
-            deepest = list(islice(ctx.depths.items(), limit + 1))
+            holders = ((rid, depth) for depth, mask in ctx.levels for rid in replicas_in(mask))
+            deepest = list(islice(holders, limit + 1))
             for rid, depth in deepest[:limit]:
                 state = replicas[rid]
                 cost = prices[state.pool_position].cost(
@@ -836,7 +940,11 @@ class Scheduler:
             return "circuit_open"
         prompt, output = ctx.prompt, ctx.output
         engine_block = state.engine_block_size or self.block_size
-        depth = ctx.depths.get(rid, 0)
+        depth = 0
+        for level_depth, mask in ctx.levels:
+            if mask >> rid & 1:
+                depth = level_depth
+                break
         cached = self.kv.expected_cached_tokens(depth, prompt, self._entry_tokens, engine_block)
         total_blocks = state.num_gpu_blocks
         if total_blocks is not None:
@@ -987,29 +1095,25 @@ class Scheduler:
         *,
         degraded_from: str | None,
     ) -> Placement:
-        """Record the decision (load, probe, prefix, stickiness) and describe it."""
+        """Describe the decision, and queue its bookkeeping for `settle`."""
         request, spec = ctx.request, ctx.spec
         state = self._replicas[chosen.rid]
-        now = ctx.now
         ahead = state.load
         probe = state.breaker.state is CircuitState.HALF_OPEN
-        if probe:
-            state.breaker.start_probe(now)
-        state.placed_since_scrape += 1
-        state.inflight += 1
-        self.indexes[spec.name].record_placement(
-            chosen.rid, request.block_hashes, now, held_depth=chosen.depth
+        self._unsettled.append(
+            _Booking(
+                rid=chosen.rid,
+                model=spec.name,
+                block_hashes=request.block_hashes,
+                held_depth=chosen.depth,
+                workflow_id=request.workflow_id,
+                tenant=tenant.name,
+                retry=request.attempt > 1,
+                probe=probe,
+                now=ctx.now,
+            )
         )
-        if request.workflow_id and self.config.prefix.remembered_workflows:
-            remembered = self._last_replica
-            remembered[request.workflow_id] = chosen.rid
-            remembered.move_to_end(request.workflow_id)
-            if len(remembered) > self.config.prefix.remembered_workflows:
-                remembered.popitem(last=False)
-        self._tenant_retries[tenant.name].record(request.attempt > 1, now)
-        self._refresh(state)
-
-        cost = state.pool.token_prices.cost_micros(
+        cost = self._prices[state.pool_position].cost_micros(
             request.prompt_tokens, chosen.cached_tokens, request.max_output_tokens
         )
         budget = ctx.budget_s
@@ -1038,7 +1142,7 @@ class Scheduler:
             replica=state.name,
             task_queue=state.task_queue,
             pool=state.pool.name,
-            gpu=state.gpu.value,
+            gpu=state.gpu_name,
             model=spec.name,
             degraded_from=degraded_from,
             block_size=state.engine_block_size or self.block_size,

@@ -42,8 +42,23 @@ def micros_to_usd(micros: int) -> Decimal:
 
 
 def format_usd(micros: int, places: int = 6) -> str:
-    """Micro-dollars as a dollar amount with `places` decimals, e.g. `"0.004213"` (no float)."""
-    return f"{micros_to_usd(micros).quantize(Decimal(1).scaleb(-places), ROUND_HALF_UP)}"
+    """Micro-dollars as a dollar amount with `places` decimals, e.g. `"0.004213"`.
+
+    Rounded half away from zero, in integer arithmetic (no float, and fast enough for every
+    placement's reason line).
+    """
+    if places < 0:
+        raise ValueError(f"places must be at least 0, got {places}")
+    sign = "-" if micros < 0 else ""
+    shown = min(places, 6)
+    scale = 10 ** (6 - shown)
+    units, rest = divmod(abs(micros), scale)
+    if 2 * rest >= scale:
+        units += 1
+    if not places:
+        return f"{sign}{units}"
+    whole, fraction = divmod(units, 10**shown)
+    return f"{sign}{whole}.{fraction:0{shown}d}" + "0" * (places - shown)
 
 
 def replica_name(pool: str, index: int) -> str:

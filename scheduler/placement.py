@@ -12,8 +12,12 @@ for a request that can never be served as written (unknown model or tenant).
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
+
+BlockHash = Annotated[int, Field(ge=0, lt=1 << 64)]
+"""A 64-bit block hash (`scheduler.blocks.hash_block`)."""
 
 
 class PlacementInputError(ValueError):
@@ -28,7 +32,7 @@ class PlacementRequest(_Wire):
     """One model call to place, with what the workflow knows about its task."""
 
     model: str = Field(min_length=1, description="the model asked for")
-    block_hashes: list[int] = Field(
+    block_hashes: list[BlockHash] = Field(
         default_factory=list,
         description=(
             "hash chain of the prompt's full blocks (`scheduler.blocks.block_hashes` with the "

@@ -24,6 +24,7 @@ replica holding a block holds the blocks before it.
 from __future__ import annotations
 
 import logging
+from array import array
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -61,22 +62,27 @@ class AllBlocksCleared:
 
 KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
-Holders = int | set[int]
-"""The replicas holding a block: one replica id, or a set when several hold it.
+Holders = int
+"""The replicas holding a block as a bit mask: bit r is set when replica r holds it.
 
-Most blocks (a conversation's own tail) live on one replica; keeping those as a plain int
-instead of a one-element set keeps millions of small containers away from the garbage
-collector, whose full collections would otherwise stall decisions.
+A map of plain ints is invisible to the garbage collector (a map holding sets is walked by
+every collection, and those pauses land on decisions), counting holders is one `bit_count`,
+and adding or dropping a holder is one `|` or `&`.
 """
 
 
-def _count(holding: Holders | None) -> int:
-    if holding is None:
-        return 0
-    return 1 if isinstance(holding, int) else len(holding)
+def replicas_in(mask: Holders) -> Iterator[int]:
+    """The replica ids of a holder mask, lowest first."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
 
 
-_NO_PARENT = -1
+_HASH_MASK = (1 << 64) - 1
+_NO_PARENT = _HASH_MASK
+"""The parent of a chain's first entry. A real block hash takes this value with probability
+2⁻⁶⁴, and then only makes its block a chain start for eviction order."""
 
 
 class _Blocks:
@@ -86,95 +92,139 @@ class _Blocks:
     deepest block; a block's recency is the newest stamp in its subtree, so eviction takes the
     leaf (a chain's tail) with the oldest stamp and hands that stamp up to its parent. This is
     exact LRU with tail-first eviction, at O(new blocks + log n) per request instead of one
-    reordering per block. Blocks are kept in flat int → int dicts (no per-block objects).
+    reordering per block.
+
+    Layout: one dict maps a block's hash to a slot, and three flat arrays hold each slot's
+    parent, child count and stamp; freed slots are reused. Both choices keep pauses off the
+    decision path: a dict whose keys churn is rebuilt in one go every few thousand inserts
+    (one dict per replica instead of three makes those rare), and `array`s of machine ints,
+    unlike lists, are invisible to the garbage collector, whose collections would otherwise
+    walk every entry of every replica.
     """
 
-    __slots__ = ("capacity", "children", "leaves", "parent", "stamp", "tick")
+    __slots__ = ("capacity", "children", "free", "leaves", "parent", "slots", "stamp", "tick")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
-        self.parent: dict[int, int] = {}
-        self.children: dict[int, int] = {}
-        self.stamp: dict[int, int] = {}
-        self.leaves: list[tuple[int, int]] = []
-        """Heap of (stamp, block) for blocks without children; stale entries are skipped."""
+        self.slots: dict[int, int] = {}
+        """Block hash → its slot in the lists below."""
+        self.parent = array("Q")
+        """Slot → the parent block's hash (`_NO_PARENT` at a chain's start)."""
+        self.children = array("q")
+        self.stamp = array("q")
+        self.free = array("q")
+        """Slots of removed blocks, reused before the lists grow."""
+        self.leaves: list[int] = []
+        """Heap of `stamp << 64 | block` for blocks without children; stale entries are
+        skipped. One int per entry, not a (stamp, block) tuple: ints are not tracked by the
+        garbage collector, so a placement leaves nothing behind for it to collect."""
         self.tick = 0
 
     def __len__(self) -> int:
-        return len(self.parent)
+        return len(self.slots)
 
     def __contains__(self, h: int) -> bool:
-        return h in self.parent
+        return h in self.slots
 
     def __iter__(self) -> Iterator[int]:
-        return iter(list(self.parent))
+        return iter(list(self.slots))
 
     def add_chain(self, parent: int, hashes: Sequence[int]) -> list[int]:
         """Add the chain `hashes` below `parent` (or at the root); the blocks that were new."""
-        blocks_parent, children, stamp = self.parent, self.children, self.stamp
+        slots, parents, children, stamp, free = (
+            self.slots,
+            self.parent,
+            self.children,
+            self.stamp,
+            self.free,
+        )
         new: list[int] = []
         previous = parent
+        previous_slot = slots.get(parent)
         for h in hashes:
-            if h not in blocks_parent:
-                blocks_parent[h] = previous
-                children[h] = 0
-                stamp[h] = 0
-                if previous in children:
-                    children[previous] += 1
+            slot = slots.get(h)
+            if slot is None:
+                if free:
+                    slot = free.pop()
+                    parents[slot] = previous
+                    children[slot] = 0
+                    stamp[slot] = 0
+                else:
+                    slot = len(parents)
+                    parents.append(previous)
+                    children.append(0)
+                    stamp.append(0)
+                slots[h] = slot
+                if previous_slot is not None:
+                    children[previous_slot] += 1
                 new.append(h)
-            previous = h
+            previous, previous_slot = h, slot
         return new
 
     def use(self, h: int) -> None:
         """A request ended at block `h`: it and its ancestors are the most recently used."""
-        if h not in self.parent:
+        slot = self.slots.get(h)
+        if slot is None:
             return
         self.tick += 1
-        self.stamp[h] = self.tick
-        if self.children[h] == 0:
-            heappush(self.leaves, (self.tick, h))
-            if len(self.leaves) > 2 * len(self.parent) + 64:
+        self.stamp[slot] = self.tick
+        if self.children[slot] == 0:
+            heappush(self.leaves, self.tick << 64 | h)
+            # Stale heap entries are dropped by `compact`, off the decision path; this bound
+            # only keeps a replica that is never trimmed from growing its heap without end.
+            if len(self.leaves) > 8 * len(self.slots) + 1024:
                 self._rebuild_leaves()
+
+    def compact(self) -> None:
+        """Drop stale leaf-heap entries once they outnumber the live ones."""
+        if len(self.leaves) > 2 * len(self.slots) + 64:
+            self._rebuild_leaves()
 
     def discard(self, h: int) -> bool:
         """Remove the block; whether it was there."""
-        if h not in self.parent:
+        if h not in self.slots:
             return False
         self._remove(h)
         return True
 
     def pop_oldest(self) -> int:
         """Remove and return the least recently used leaf (the replica must hold blocks)."""
-        stamp, children = self.stamp, self.children
+        slots, stamp, children = self.slots, self.stamp, self.children
         for attempt in range(2):
             leaves = self.leaves
             while leaves:
-                tick, h = heappop(leaves)
-                if stamp.get(h) == tick and children.get(h) == 0:
+                entry = heappop(leaves)
+                tick, h = entry >> 64, entry & _HASH_MASK
+                slot = slots.get(h)
+                if slot is not None and stamp[slot] == tick and children[slot] == 0:
                     self._remove(h)
                     return h
             if attempt == 0:
                 self._rebuild_leaves()
         # Only cycles left (impossible for hash chains): drop any block.
-        h = next(iter(self.parent))
+        h = next(iter(slots))
         self._remove(h)
         return h
 
     def _remove(self, h: int) -> None:
-        parent = self.parent.pop(h)
-        del self.children[h]
-        tick = self.stamp.pop(h)
-        children = self.children.get(parent)
-        if children is not None:
-            self.children[parent] = children - 1
-            if tick > self.stamp[parent]:
-                self.stamp[parent] = tick
-            if children == 1:
-                heappush(self.leaves, (self.stamp[parent], parent))
+        slot = self.slots.pop(h)
+        self.free.append(slot)
+        tick = self.stamp[slot]
+        parent = self.parent[slot]
+        parent_slot = self.slots.get(parent)
+        if parent_slot is not None:
+            children = self.children[parent_slot] - 1
+            self.children[parent_slot] = children
+            if tick > self.stamp[parent_slot]:
+                self.stamp[parent_slot] = tick
+            if children == 0:
+                heappush(self.leaves, self.stamp[parent_slot] << 64 | parent)
 
     def _rebuild_leaves(self) -> None:
-        stamp = self.stamp
-        self.leaves = [(stamp[h], h) for h, count in self.children.items() if count == 0]
+        stamp, children = self.stamp, self.children
+        self.leaves = [
+            stamp[slot] << 64 | h for h, slot in self.slots.items() if children[slot] == 0
+        ]
         heapify(self.leaves)
 
 
@@ -184,17 +234,28 @@ class PrefixIndex:
     Replicas are small integer ids (0..n−1) assigned by the owner of the index.
     """
 
-    def __init__(self, block_size: int, speculative_ttl_s: float, stride: int = 1) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        speculative_ttl_s: float,
+        stride: int = 1,
+        eviction_slack: float = 0.0,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         if stride < 1:
             raise ValueError(f"stride must be at least 1, got {stride}")
+        if eviction_slack < 0:
+            raise ValueError(f"eviction_slack must be at least 0, got {eviction_slack}")
         self.block_size = block_size
         self.stride = stride
         """Only every `stride`-th block of a prompt is an index entry."""
         self.entry_tokens = block_size * stride
         """Prompt tokens one index entry stands for: a depth of d entries is d · entry_tokens."""
         self.speculative_ttl_s = speculative_ttl_s
+        self.eviction_slack = eviction_slack
+        """A placement may leave a replica up to this fraction over its capacity; `trim`
+        (called off the decision path) evicts the excess. 0 evicts on every placement."""
         self._holders: dict[int, Holders] = {}
         self._speculative: dict[int, dict[int, float]] = {}
         self._speculative_expiry: deque[tuple[float, int, int]] = deque()
@@ -230,59 +291,68 @@ class PrefixIndex:
 
         `hashes` is a prompt's whole block-hash chain; its entries are every `stride`-th
         block. A depth of d entries means the replica holds the first d · entry_tokens prompt
-        tokens. Replicas holding none are omitted; the dict lists replicas in order of
-        decreasing depth.
+        tokens. Replicas holding none are omitted. This is `match_levels` spelled out per
+        replica.
+        """
+        return {
+            replica: depth
+            for depth, mask in self.match_levels(hashes, now)
+            for replica in replicas_in(mask)
+        }
+
+    def match_levels(self, hashes: Sequence[int], now: float) -> list[tuple[int, Holders]]:
+        """The replicas holding a prefix of `hashes`, as (depth, holder mask) levels.
+
+        Levels come deepest first and each replica is in one level only: a replica in the
+        level of depth d holds the first d index entries of `hashes` and not the next one.
+        Most prompts have one to three levels however many replicas hold them (a shared
+        system prompt on forty replicas is one level), so the scheduler looks a replica's
+        depth up in the levels instead of building a map of every holder.
 
         depth(r) = 1 + the index of the deepest entry of `hashes` that r holds. Because a
-        replica holding a block holds its ancestors, the number of holders never grows along
-        the chain; each depth level is found by binary search, so a match costs
-        O(levels · log blocks) lookups.
+        replica holding a block holds its ancestors, the holders never grow along the chain;
+        each level is found by binary search, so a match costs O(levels · log blocks) lookups.
         """
         self._expire(now)
-        depths: dict[int, int] = {}
+        levels: list[tuple[int, Holders]] = []
         if self.stride > 1:
             hashes = hashes[self.stride - 1 :: self.stride]
         if not hashes:
-            return depths
+            return levels
         holders, speculative = self._holders, self._speculative
 
-        def count(i: int) -> int:
+        def held(i: int) -> Holders:
             h = hashes[i]
-            return _count(holders.get(h)) + len(speculative.get(h, ()))
+            mask = holders.get(h, 0)
+            guesses = speculative.get(h)
+            if guesses:
+                for replica in guesses:
+                    mask |= 1 << replica
+            return mask
 
-        expected = count(0)
+        # Replicas holding the first entry whose depth is not known yet: a replica without
+        # the first entry has no prefix to reuse, whatever deeper blocks it holds.
+        remaining = held(0)
         high = len(hashes) - 1
-        while len(depths) < expected and high >= 0:
-            assigned = len(depths)
-            # The deepest block in [0, high] with more holders than are assigned already.
+        while remaining and high >= 0:
+            # The deepest entry in [0, high] held by a replica not assigned yet.
             low = 0
-            if count(high) > assigned:
+            if held(high) & remaining:
                 low = high
             else:
                 while low < high:
                     mid = (low + high + 1) // 2
-                    if count(mid) > assigned:
+                    if held(mid) & remaining:
                         low = mid
                     else:
                         high = mid - 1
-            h = hashes[low]
-            confirmed = holders.get(h)
-            if confirmed is not None:
-                if isinstance(confirmed, int):
-                    depths.setdefault(confirmed, low + 1)
-                elif depths:
-                    depths.update(dict.fromkeys(confirmed.difference(depths), low + 1))
-                else:
-                    depths = dict.fromkeys(confirmed, low + 1)
-            guesses = speculative.get(h)
-            if guesses:
-                for replica in guesses:
-                    if replica not in depths:
-                        depths[replica] = low + 1
-            if len(depths) == assigned:
+            level = held(low) & remaining
+            if not level:
                 break  # holders not nested along the chain; what is assigned is a lower bound
+            levels.append((low + 1, level))
+            remaining &= ~level
             high = low - 1
-        return depths
+        return levels
 
     def record_placement(
         self, replica: int, hashes: Sequence[int], now: float, held_depth: int = 0
@@ -315,17 +385,25 @@ class PrefixIndex:
         new = blocks.add_chain(hashes[held - 1] if held else _NO_PARENT, hashes[held:])
         blocks.use(hashes[-1])
         holders = self._holders
+        bit = 1 << replica
         for h in new:
-            holding = holders.get(h)
-            if holding is None:
-                holders[h] = replica
-            elif isinstance(holding, int):
-                if holding != replica:
-                    holders[h] = {holding, replica}
-            else:
-                holding.add(replica)
-        if len(blocks) > blocks.capacity:
-            self._evict(replica)
+            holders[h] = holders.get(h, 0) | bit
+        limit = int(blocks.capacity * (1.0 + self.eviction_slack))
+        if len(blocks) > limit:
+            # A replica placed on faster than it is trimmed: evict only what this placement
+            # pushed past the limit, so one decision never pays for a whole trim.
+            self._evict(replica, limit)
+
+    def trim(self, replica: int) -> int:
+        """Evict the replica's entries beyond its capacity; how many were evicted.
+
+        With `eviction_slack`, placements only add entries and this does the evicting, so the
+        owner calls it where latency does not matter (the scheduler: when the replica's
+        telemetry arrives).
+        """
+        evicted = self._evict(replica)
+        self._blocks[replica].compact()
+        return evicted
 
     def apply(self, replica: int, events: Iterable[KvEvent]) -> None:
         """Apply an engine's KV events to the replica; from now on the replica is precise."""
@@ -352,28 +430,15 @@ class PrefixIndex:
             guesses.pop(replica, None)
 
     def _add(self, h: int, replica: int) -> None:
-        holders = self._holders
-        holding = holders.get(h)
-        if holding is None:
-            holders[h] = replica
-        elif isinstance(holding, int):
-            if holding != replica:
-                holders[h] = {holding, replica}
-        else:
-            holding.add(replica)
+        self._holders[h] = self._holders.get(h, 0) | (1 << replica)
 
     def _discard(self, h: int, replica: int) -> None:
         holders = self._holders
-        holding = holders.get(h)
-        if holding is None:
-            return
-        if isinstance(holding, int):
-            if holding == replica:
-                del holders[h]
-            return
-        holding.discard(replica)
-        if len(holding) == 1:
-            holders[h] = next(iter(holding))
+        holding = holders.get(h, 0) & ~(1 << replica)
+        if holding:
+            holders[h] = holding
+        else:
+            holders.pop(h, None)
 
     def _stored(self, replica: int, event: BlockStored) -> None:
         engine_map = self._engine[replica]
@@ -434,26 +499,24 @@ class PrefixIndex:
                 if blocks.discard(h):
                     self._discard(h, replica)
 
-    def _evict(self, replica: int) -> None:
+    def _evict(self, replica: int, limit: int | None = None) -> int:
+        """Evict least recently used entries down to `limit` (the capacity by default)."""
         blocks = self._blocks[replica]
-        excess = len(blocks) - blocks.capacity
+        excess = len(blocks) - (blocks.capacity if limit is None else limit)
         if excess <= 0:
-            return
+            return 0
         holders = self._holders
         pop_oldest = blocks.pop_oldest
+        keep = ~(1 << replica)
         for _ in range(excess):
             h = pop_oldest()
             # `_discard`, inlined: eviction runs once per block a placement pushes out.
-            holding = holders.get(h)
-            if holding is None:
-                continue
-            if isinstance(holding, int):
-                if holding == replica:
-                    del holders[h]
-                continue
-            holding.discard(replica)
-            if len(holding) == 1:
-                holders[h] = next(iter(holding))
+            holding = holders.get(h, 0) & keep
+            if holding:
+                holders[h] = holding
+            else:
+                holders.pop(h, None)
+        return excess
 
     def _expire(self, now: float) -> None:
         queue = self._speculative_expiry

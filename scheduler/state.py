@@ -63,6 +63,8 @@ class ReplicaState:
     unknown_models_logged: bool = False
     static_factor: float = 1.0
     """penalty / p_static: the objective of a call costing 1 µ$ with no deadline."""
+    gpu_name: str = ""
+    """The GPU generation's name, e.g. "H200" (set by `create`)."""
 
     @classmethod
     def create(
@@ -85,6 +87,7 @@ class ReplicaState:
             task_queue=task_queue,
             warm_models=set(pool.warm_models),
             breaker=CircuitBreaker(circuit),
+            gpu_name=pool.gpu.value,
         )
 
     @property

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from decimal import Decimal
+from decimal import ROUND_HALF_UP, Decimal
 
 import pytest
 from hypothesis import given
@@ -28,7 +28,7 @@ from scheduler.config import (
     SpeedConfig,
     WeightsConfig,
 )
-from scheduler.fleet import ModelSpec, Pool, Tenant, TokenPrices
+from scheduler.fleet import ModelSpec, Pool, Tenant, TokenPrices, format_usd
 from scheduler.gpus import GpuGeneration
 from scheduler.rendezvous import (
     bounded_capacity,
@@ -306,6 +306,51 @@ def test_float_ranking_prices_agree_with_exact_micro_dollars(
     cached = int(prompt * share)
     ranked = PoolPrices.of(PRICES).cost(prompt, cached, output)
     assert abs(ranked - PRICES.cost_micros(prompt, cached, output)) <= 0.5 + 1e-6 * ranked
+
+
+prices_usd = st.decimals(min_value=0, max_value=1000, places=6, allow_nan=False).map(
+    lambda d: d.normalize()
+)
+
+
+@given(
+    inp=prices_usd,
+    cached_in=prices_usd,
+    out=prices_usd,
+    prompt=st.integers(0, 1_000_000),
+    output=st.integers(0, 100_000),
+    share=fractions,
+)
+def test_exact_integer_prices_match_the_decimal_price_of_a_call(
+    inp: Decimal,
+    cached_in: Decimal,
+    out: Decimal,
+    prompt: int,
+    output: int,
+    share: float,
+) -> None:
+    prices = TokenPrices(
+        input_per_mtok_usd=inp, cached_input_per_mtok_usd=cached_in, output_per_mtok_usd=out
+    )
+    cached = int(prompt * share)
+    exact = PoolPrices.of(prices).cost_micros(prompt, cached, output)
+    assert exact == prices.cost_micros(prompt, cached, output)
+
+
+@given(micros=st.integers(-(10**12), 10**12), places=st.integers(0, 6))
+def test_dollar_amounts_round_half_up_like_decimal(micros: int, places: int) -> None:
+    expected = (Decimal(micros) / 1_000_000).quantize(
+        Decimal(1).scaleb(-places), rounding=ROUND_HALF_UP
+    )
+    assert format_usd(micros, places) == str(expected)
+
+
+def test_dollar_amounts_beyond_micro_dollars_pad_with_zeros() -> None:
+    assert format_usd(4213, 8) == "0.00421300"
+    assert format_usd(2_500_000, 0) == "3"
+    assert format_usd(-15, 4) == "-0.0000"
+    with pytest.raises(ValueError, match="places"):
+        format_usd(1, -1)
 
 
 # ----------------------------------------------------------------------------- rendezvous

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from scheduler.blocks import block_hashes
 from scheduler.config import SchedulerConfig, WeightsConfig
@@ -170,6 +171,42 @@ def test_repeated_prompt_goes_back_to_the_replica_that_cached_it() -> None:
     assert "3.4k of 3.7k prompt tokens cached" in second.reason
 
 
+def test_a_placement_counts_at_once_for_every_reader_though_its_upkeep_runs_after() -> None:
+    scheduler = make_scheduler()
+    tokens = prompt(7, 2048)
+    first = placed(scheduler.place(request(tokens)))
+    # No settle() in between: whatever reads the scheduler next applies the upkeep first.
+    status = {s.replica: s for s in scheduler.status()}
+    assert status[first.replica].inflight == 1
+    assert status[first.replica].blocks_indexed == 2048 // 64
+    scheduler.settle()  # nothing left to apply: settling twice changes nothing
+    assert {s.replica: s for s in scheduler.status()} == status
+
+
+def test_prefix_entries_beyond_a_replicas_cache_are_evicted_when_its_telemetry_arrives() -> None:
+    scheduler = make_scheduler()
+    names = scheduler.replica_names()
+    target = "h200/0"
+    # 200 blocks of 16 tokens: 50 index entries of 64 tokens; placements may add 25 % more.
+    for name in names:
+        scheduler.update_metrics(name, ReplicaMetrics(block_size=16, num_gpu_blocks=200))
+    others = [name for name in names if name != target]
+
+    def held() -> int:
+        return next(s.blocks_indexed for s in scheduler.status() if s.replica == target)
+
+    for seed in range(5):  # 5 prompts of 16 entries each
+        placed(
+            scheduler.place(request(prompt(seed, 1024), exclude=others, workflow_id=f"wf-{seed}"))
+        )
+    assert held() == 62  # evicted on the way only down to the slack: 50 · 1.25
+    scheduler.update_metrics(target, ReplicaMetrics(running=1))
+    assert held() == 50
+    # The newest prompt kept all of its blocks, the oldest lost its tail first.
+    newest = placed(scheduler.place(request(prompt(4, 1024), exclude=others)))
+    assert newest.expected_cached_tokens == 1008
+
+
 def test_cached_tokens_come_in_whole_engine_blocks_and_never_cover_the_last_token() -> None:
     scheduler = make_scheduler()
     for name in scheduler.replica_names():
@@ -257,6 +294,13 @@ def test_unknown_model_or_tenant_is_an_input_error_that_names_the_known_ones() -
         scheduler.place(request(prompt(1, 100), model="gpt-9"))
     with pytest.raises(PlacementInputError, match=r"unknown tenant 'umbrella'.*acme"):
         scheduler.place(request(prompt(1, 100), tenant="umbrella"))
+
+
+def test_a_block_hash_outside_64_bits_is_refused_by_the_request_itself() -> None:
+    with pytest.raises(ValidationError, match=r"block_hashes\.1"):
+        request(prompt(1, 100), block_hashes=[1, -5])
+    with pytest.raises(ValidationError, match=r"block_hashes\.0"):
+        request(prompt(1, 100), block_hashes=[1 << 64])
 
 
 # ----------------------------------------------------------------------------- filters

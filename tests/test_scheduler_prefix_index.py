@@ -77,6 +77,58 @@ def test_touching_a_prompt_again_protects_it_from_eviction() -> None:
     assert index.match(second, now=3.0) == {0: 10}
 
 
+def test_with_slack_placements_only_add_and_trim_evicts_the_oldest_tails() -> None:
+    index = PrefixIndex(block_size=16, speculative_ttl_s=10.0, eviction_slack=0.5)
+    index.add_replica(30)
+    first = block_hashes(tokens(1, 20 * 16), 16)
+    second = block_hashes(tokens(2, 20 * 16), 16)
+    index.record_placement(0, first, now=0.0)
+    index.record_placement(0, second, now=1.0)
+    # 40 entries fit under 30 · 1.5: nothing was evicted on the decision path...
+    assert index.blocks_held(0) == 40
+    assert index.match(first, now=1.0) == {0: 20}
+    # ...and trimming evicts exactly as a placement without slack would have.
+    assert index.trim(0) == 10
+    assert index.blocks_held(0) == 30
+    assert index.match(second, now=1.0) == {0: 20}
+    assert index.match(first, now=1.0) == {0: 10}
+
+
+def test_a_placement_past_the_slack_evicts_only_down_to_the_slack() -> None:
+    index = PrefixIndex(block_size=16, speculative_ttl_s=10.0, eviction_slack=0.5)
+    index.add_replica(20)
+    for seed in range(4):
+        index.record_placement(0, block_hashes(tokens(seed, 10 * 16), 16), now=float(seed))
+    assert index.blocks_held(0) == 30  # 40 recorded, evicted down to 20 · 1.5
+    assert index.match(block_hashes(tokens(3, 10 * 16), 16), now=4.0) == {0: 10}
+    assert index.match(block_hashes(tokens(0, 10 * 16), 16), now=4.0) == {}
+
+
+def test_levels_list_each_holder_once_deepest_first_for_hundreds_of_replicas() -> None:
+    index = index_with(300)
+    system = tokens(0, 8 * 16)
+    for replica in range(300):
+        tail = replica % 3  # 100 replicas each at 8, 9 and 10 blocks
+        index.record_placement(
+            replica, block_hashes(system + tokens(1, 2 * 16)[: tail * 16], 16), now=0.0
+        )
+    query = block_hashes(system + tokens(1, 2 * 16), 16)
+    levels = index.match_levels(query, now=0.0)
+    assert [depth for depth, _ in levels] == [10, 9, 8]
+    assert [mask.bit_count() for _, mask in levels] == [100, 100, 100]
+    depths = index.match(query, now=0.0)
+    assert len(depths) == 300
+    assert all(depths[replica] == 8 + replica % 3 for replica in range(300))
+
+
+def test_a_replica_without_the_first_block_has_no_prefix_to_offer() -> None:
+    index = index_with(2)
+    chain = block_hashes(tokens(1, 10 * 16), 16)
+    index.record_placement(0, chain, now=0.0)
+    index.record_placement(1, chain[5:], now=0.0)  # deeper blocks, but not the start
+    assert index.match(chain, now=0.0) == {0: 10}
+
+
 def stored(
     chain_tokens: list[int],
     engine_hashes: list[int | bytes],

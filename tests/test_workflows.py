@@ -389,6 +389,9 @@ class SaturatedFor:
     def observe(self, observation: Observation) -> None:
         self.scheduler.observe(observation)
 
+    def settle(self) -> None:
+        self.scheduler.settle()
+
 
 async def test_step_waits_for_admission_when_the_fleet_is_saturated(
     temporal_client: Client, tmp_path: Path
