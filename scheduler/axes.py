@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from decimal import Decimal
+from decimal import ROUND_CEILING, Decimal
 from typing import NamedTuple
 
 from scheduler.config import (
@@ -151,8 +151,11 @@ class GpuGenerationAxis:
 
     def decode_s(self, speed: Speed, output_tokens: int, load_fraction: float) -> float:
         """Seconds to decode `output_tokens` on a replica at `load_fraction` of its slots."""
-        slowdown = 1.0 + self.config.decode_batch_slowdown * min(load_fraction, 1.0)
-        return output_tokens * speed.decode_s_per_token * slowdown
+        return output_tokens * speed.decode_s_per_token * self.decode_slowdown(load_fraction)
+
+    def decode_slowdown(self, load_fraction: float) -> float:
+        """1 + decode_batch_slowdown · load fraction (at most 1): batching slows decode."""
+        return 1.0 + self.config.decode_batch_slowdown * min(load_fraction, 1.0)
 
     def observe(
         self,
@@ -258,7 +261,14 @@ class MemoryHeadroom:
 
     def fits_at_all(self, need: int, total_blocks: int | None) -> bool:
         """Whether the request fits in the replica's whole cache (even an empty one)."""
-        return total_blocks is None or need <= total_blocks * (1 - self.config.reserve_fraction)
+        most = self.max_blocks(total_blocks)
+        return most is None or need <= most
+
+    def max_blocks(self, total_blocks: int | None) -> float | None:
+        """The most blocks one request may take: total · (1 − reserve); None if unknown."""
+        if total_blocks is None:
+            return None
+        return total_blocks * (1 - self.config.reserve_fraction)
 
     def penalty(self, usage: float) -> float:
         """weights.kv_usage · usage."""
@@ -330,6 +340,7 @@ class TenantPriority:
 
     def __init__(self, config: AdmissionConfig) -> None:
         self.config = config
+        self._budget_micros: dict[str, int | None] = {}
 
     def keys(self, tenant: Tenant) -> tuple[int, str, float]:
         """Temporal `Priority` fields for the tenant's calls."""
@@ -341,10 +352,17 @@ class TenantPriority:
 
     def over_quota(self, tenant: Tenant, spent_today_micros: int) -> bool:
         """Whether the tenant has used its daily budget."""
-        budget = tenant.daily_budget_usd
-        if budget is None:
-            return False
-        return Decimal(spent_today_micros) >= budget * 1_000_000
+        name = tenant.name
+        if name not in self._budget_micros:
+            budget = tenant.daily_budget_usd
+            # Whole micro-dollars: spend reaches a budget of 0.5 µ$ at 1 µ$.
+            self._budget_micros[name] = (
+                None
+                if budget is None
+                else int((budget * 1_000_000).to_integral_value(rounding=ROUND_CEILING))
+            )
+        limit = self._budget_micros[name]
+        return limit is not None and spent_today_micros >= limit
 
 
 class LatencyBudget:

@@ -117,6 +117,7 @@ _FILTER_REASON = {
     "spend": RefusalReason.OVER_BUDGET,
 }
 _DOWN_RETRY_AFTER_S = 5.0
+_NOTHING_EXCLUDED: frozenset[int] = frozenset()
 
 
 @dataclass(slots=True)
@@ -475,8 +476,12 @@ class Scheduler:
             if previous_state is None and request.workflow_id:
                 remembered = self._last_replica.get(request.workflow_id)
                 previous_state = self._replicas[remembered] if remembered is not None else None
-            excluded = frozenset(
-                self._by_name[name].rid for name in request.exclude if name in self._by_name
+            excluded = (
+                frozenset(
+                    self._by_name[name].rid for name in request.exclude if name in self._by_name
+                )
+                if request.exclude
+                else _NOTHING_EXCLUDED
             )
             ctx = _Request(
                 request=request,
@@ -565,7 +570,9 @@ class Scheduler:
         state.wait_s = self.queue.wait_s(
             load - state.waiting, state.waiting, slots, state.service_s
         )
+        state.decode_slowdown = self.gpu.decode_slowdown(state.load_fraction)
         state.free_blocks = self.memory.free_blocks(state.num_gpu_blocks, state.kv_usage)
+        state.max_blocks = self.memory.max_blocks(state.num_gpu_blocks)
         state.static_factor = math.inf if p <= 0.0 else state.penalty / p
         eligible = state.up and state.breaker.state is not CircuitState.OPEN
         rid = state.rid
@@ -642,6 +649,7 @@ class Scheduler:
         slots = state.pool.max_concurrency
         load = state.load
         state.load_fraction = self.queue.load_fraction(load, slots)
+        state.decode_slowdown = self.gpu.decode_slowdown(state.load_fraction)
         state.wait_s = self.queue.wait_s(
             load - state.waiting, state.waiting, slots, state.service_s
         )
@@ -787,16 +795,19 @@ class Scheduler:
 
         evaluated: dict[int, _Candidate | str] = {}
         best: list[_Candidate] = []  # one element: the best so far
+        cache_hit = False  # some feasible replica holds part of the prompt
 
         def consider(rid: int) -> _Candidate | str:
+            nonlocal cache_hit
             found = evaluated.get(rid)
             if found is None:
                 found = self._evaluate(rid, ctx)
                 evaluated[rid] = found
-                if isinstance(found, _Candidate) and (
-                    not best or found.objective < best[0].objective
-                ):
-                    best[:] = [found]
+                if isinstance(found, _Candidate):
+                    if found.cached_tokens:
+                        cache_hit = True
+                    if not best or found.objective < best[0].objective:
+                        best[:] = [found]
             return found
 
         if ctx.previous >= 0:
@@ -810,7 +821,7 @@ class Scheduler:
         chosen = best[0]
         if not request.block_hashes and not request.workflow_id:
             return chosen, False
-        if any(isinstance(c, _Candidate) and c.cached_tokens > 0 for c in evaluated.values()):
+        if cache_hit:
             return chosen, False
         return self._rendezvous(ctx, view, chosen, consider)
 
@@ -929,16 +940,15 @@ class Scheduler:
         if rid in ctx.excluded:
             return "excluded"
         state = self._replicas[rid]
-        position = state.pool_position
         warm = ctx.spec.name in state.warm_models
-        if not warm and not ctx.can_load[position]:
+        if not warm and not ctx.can_load[state.pool_position]:
             return "not_warm"
         if not state.up:
             return "down"
         breaker = state.breaker
         if breaker.state is not CircuitState.CLOSED and not breaker.allows(ctx.now):
             return "circuit_open"
-        prompt, output = ctx.prompt, ctx.output
+        prompt = ctx.prompt
         engine_block = state.engine_block_size or self.block_size
         depth = 0
         for level_depth, mask in ctx.levels:
@@ -946,31 +956,30 @@ class Scheduler:
                 depth = level_depth
                 break
         cached = self.kv.expected_cached_tokens(depth, prompt, self._entry_tokens, engine_block)
-        total_blocks = state.num_gpu_blocks
-        if total_blocks is not None:
-            memory = self.memory
-            need = memory.blocks_needed(prompt, output, cached, engine_block)
-            if not memory.fits_at_all(need, total_blocks):
+        # The memory and speed terms that depend only on the replica's telemetry are computed
+        # when it changes (`_refresh`), through the same axis methods; here they are compared.
+        max_blocks, free_blocks = state.max_blocks, state.free_blocks
+        if max_blocks is not None and free_blocks is not None:
+            need = self.memory.blocks_needed(prompt, ctx.output, cached, engine_block)
+            if need > max_blocks:
                 return "too_small"
-            if not memory.admits(need, state.free_blocks):
+            if need > free_blocks:
                 return "memory"
         gpu = self.gpu
         speed = gpu.speed(state.name, state.pool, ctx.spec)
         wait = state.wait_s
         cold_load = 0.0 if warm else ctx.cold_load_s
         ttft = wait + cold_load + gpu.prefill_s(speed, prompt - cached)
-        duration = ttft + gpu.decode_s(speed, output, state.load_fraction)
+        duration = ttft + ctx.output * speed.decode_s_per_token * state.decode_slowdown
         budget = ctx.budget_s
-        if not self.latency.admits(duration, budget):
+        if budget is not None and duration > budget:  # LatencyBudget.admits
             return "deadline"
-        cost = self._prices[position].cost(prompt, cached, output)
+        cost = self._prices[state.pool_position].cost(prompt, cached, ctx.output)
         if ctx.budget_micros is not None and ctx.spent + cost > ctx.budget_micros:
             return "spend"
         p = state.p_static
         if budget is not None:
             p *= self.latency.p_on_time(duration, budget)
-        # J = objective × (queue and KV-usage penalties): with P(success) ≤ the breaker's,
-        # J ≥ cost · static factor, the bound the ranking walk prunes with.
         objective = self.context.objective(cost, p, ctx.spent) * state.penalty
         if not warm:
             objective *= 1.0 + self.config.weights.cold_start

@@ -57,8 +57,11 @@ class CircuitBreaker:
         self._half_open_successes = 0
         self._probes_in_flight = 0
         self._probe_started: deque[float] = deque()
-        self._window: deque[tuple[float, bool]] = deque()
-        self._window_failures = 0
+        # Times of the calls and of the failures in the window: two deques of floats rather
+        # than one of (time, ok) tuples, so recording a call allocates nothing the garbage
+        # collector tracks.
+        self._window: deque[float] = deque()
+        self._window_failures: deque[float] = deque()
 
     def refresh(self, now: float) -> bool:
         """Apply time-based transitions (open → half-open); True when the state changed."""
@@ -127,7 +130,7 @@ class CircuitBreaker:
         """Estimated probability that the next call succeeds (see the class docstring)."""
         calls = len(self._window)
         prior = self._config.prior_successes
-        p = (calls - self._window_failures + prior) / (calls + prior)
+        p = (calls - len(self._window_failures) + prior) / (calls + prior)
         if self.state is CircuitState.HALF_OPEN:
             p *= self._config.half_open_success_probability
         elif self.state is CircuitState.OPEN:
@@ -141,20 +144,19 @@ class CircuitBreaker:
         return 0.0
 
     def _push_window(self, ok: bool, now: float) -> None:
-        self._window.append((now, ok))
+        self._window.append(now)
         if not ok:
-            self._window_failures += 1
+            self._window_failures.append(now)
         horizon = now - self._config.window_s
-        while self._window and self._window[0][0] < horizon:
-            _, old_ok = self._window.popleft()
-            if not old_ok:
-                self._window_failures -= 1
+        for times in (self._window, self._window_failures):
+            while times and times[0] < horizon:
+                times.popleft()
 
     def _rate_tripped(self) -> bool:
         calls = len(self._window)
         return (
             calls >= self._config.min_calls_in_window
-            and self._window_failures / calls >= self._config.error_rate
+            and len(self._window_failures) / calls >= self._config.error_rate
         )
 
     def _open(self, now: float) -> None:
@@ -171,7 +173,7 @@ class CircuitBreaker:
         self._half_open_successes = 0
         # The failures that opened the circuit are history once probes succeed.
         self._window.clear()
-        self._window_failures = 0
+        self._window_failures.clear()
 
 
 def task_retry_allowed(task_retries: int, attempt: int, config: RetryBudgetConfig) -> bool:

@@ -63,6 +63,10 @@ class ReplicaState:
     unknown_models_logged: bool = False
     static_factor: float = 1.0
     """penalty / p_static: the objective of a call costing 1 µ$ with no deadline."""
+    max_blocks: float | None = None
+    """The most KV blocks one request may take; None before the cache size is known."""
+    decode_slowdown: float = 1.0
+    """Factor on time per output token at the replica's current load."""
     gpu_name: str = ""
     """The GPU generation's name, e.g. "H200" (set by `create`)."""
 
