@@ -49,16 +49,17 @@ def format_usd(micros: int, places: int = 6) -> str:
     """
     if places < 0:
         raise ValueError(f"places must be at least 0, got {places}")
-    sign = "-" if micros < 0 else ""
     shown = min(places, 6)
-    scale = 10 ** (6 - shown)
-    units, rest = divmod(abs(micros), scale)
-    if 2 * rest >= scale:
-        units += 1
+    scale = _POWERS_OF_TEN[6 - shown]
+    units = (abs(micros) + scale // 2) // scale
+    sign = "-" if micros < 0 else ""
     if not places:
         return f"{sign}{units}"
-    whole, fraction = divmod(units, 10**shown)
-    return f"{sign}{whole}.{fraction:0{shown}d}" + "0" * (places - shown)
+    whole, fraction = divmod(units, _POWERS_OF_TEN[shown])
+    return f"{sign}{whole}.{str(fraction).zfill(shown)}{'0' * (places - shown)}"
+
+
+_POWERS_OF_TEN = tuple(10**k for k in range(7))
 
 
 def replica_name(pool: str, index: int) -> str:

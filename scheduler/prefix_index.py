@@ -320,15 +320,20 @@ class PrefixIndex:
         if not hashes:
             return levels
         holders, speculative = self._holders, self._speculative
+        confirmed = holders.get
+        if speculative:
 
-        def held(i: int) -> Holders:
-            h = hashes[i]
-            mask = holders.get(h, 0)
-            guesses = speculative.get(h)
-            if guesses:
-                for replica in guesses:
+            def held(i: int) -> Holders:
+                h = hashes[i]
+                mask = confirmed(h, 0)
+                for replica in speculative.get(h, ()):
                     mask |= 1 << replica
-            return mask
+                return mask
+
+        else:  # no speculative entries (approximate mode): nothing to merge
+
+            def held(i: int) -> Holders:
+                return confirmed(hashes[i], 0)
 
         # Replicas holding the first entry whose depth is not known yet: a replica without
         # the first entry has no prefix to reuse, whatever deeper blocks it holds.

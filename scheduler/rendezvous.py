@@ -43,10 +43,22 @@ def rendezvous_key(block_hashes: Sequence[int], workflow_id: str, prefix_blocks:
 
 def rendezvous_weight(key: int, seed: int) -> int:
     """SplitMix64 finalizer of key XOR seed: the replica's weight for this key."""
-    x = (key ^ seed) & _MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
+    return rendezvous_weights(key, (seed,))[0]
+
+
+def rendezvous_weights(key: int, seeds: Sequence[int]) -> list[int]:
+    """The weight of every seed for `key`: the SplitMix64 finalizer of key XOR seed.
+
+    One loop for a whole group of replicas keeps per-replica function calls off the decision
+    path.
+    """
+    weights: list[int] = []
+    for seed in seeds:
+        x = (key ^ seed) & _MASK
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+        weights.append(x ^ (x >> 31))
+    return weights
 
 
 def bounded_capacity(total_load: int, replicas: int, factor: float) -> int:

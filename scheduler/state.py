@@ -63,6 +63,8 @@ class ReplicaState:
     unknown_models_logged: bool = False
     static_factor: float = 1.0
     """penalty / p_static: the objective of a call costing 1 µ$ with no deadline."""
+    risk_factor: float = 0.0
+    """penalty · (1 / p_static − 1): the objective per µ$ of sunk cost a failure would waste."""
     max_blocks: float | None = None
     """The most KV blocks one request may take; None before the cache size is known."""
     decode_slowdown: float = 1.0
