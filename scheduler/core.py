@@ -470,32 +470,7 @@ class Scheduler:
             refusal = self._tenant_refusal(request, tenant, now)
             if refusal is not None:
                 return refusal
-            previous = request.previous_replica
-            previous_state = self._by_name.get(previous) if previous else None
-            if previous_state is None and request.workflow_id:
-                remembered = self._last_replica.get(request.workflow_id)
-                previous_state = self._replicas[remembered] if remembered is not None else None
-            excluded = (
-                frozenset(
-                    self._by_name[name].rid for name in request.exclude if name in self._by_name
-                )
-                if request.exclude
-                else _NOTHING_EXCLUDED
-            )
-            ctx = _Request(
-                request=request,
-                now=now,
-                budget_s=self.latency.step_budget_s(
-                    request.deadline_s_remaining, request.steps_remaining
-                ),
-                excluded=excluded,
-                previous=previous_state.rid if previous_state is not None else -1,
-                prompt=request.prompt_tokens,
-                output=request.max_output_tokens,
-                spent=request.spent_micros,
-                budget_micros=request.budget_micros,
-            )
-            self._for_model(ctx, spec)
+            ctx = self._context(request, spec, now)
             outcome = self._place_model(ctx)
             if isinstance(outcome, tuple):
                 return self._commit(ctx, tenant, *outcome, degraded_from=None)
@@ -531,6 +506,34 @@ class Scheduler:
             return primary
 
     # ------------------------------------------------------------------ internals
+
+    def _context(self, request: PlacementRequest, spec: ModelSpec, now: float) -> _Request:
+        """The request's constants for one decision, for `spec` (see `_for_model`)."""
+        previous = request.previous_replica
+        previous_state = self._by_name.get(previous) if previous else None
+        if previous_state is None and request.workflow_id:
+            remembered = self._last_replica.get(request.workflow_id)
+            previous_state = self._replicas[remembered] if remembered is not None else None
+        excluded = (
+            frozenset(self._by_name[name].rid for name in request.exclude if name in self._by_name)
+            if request.exclude
+            else _NOTHING_EXCLUDED
+        )
+        ctx = _Request(
+            request=request,
+            now=now,
+            budget_s=self.latency.step_budget_s(
+                request.deadline_s_remaining, request.steps_remaining
+            ),
+            excluded=excluded,
+            previous=previous_state.rid if previous_state is not None else -1,
+            prompt=request.prompt_tokens,
+            output=request.max_output_tokens,
+            spent=request.spent_micros,
+            budget_micros=request.budget_micros,
+        )
+        self._for_model(ctx, spec)
+        return ctx
 
     def _for_model(self, ctx: _Request, spec: ModelSpec) -> None:
         """Set the model-dependent constants of a request."""

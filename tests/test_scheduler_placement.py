@@ -713,6 +713,65 @@ def same_telemetry(*schedulers: Scheduler) -> None:
             )
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    tightness=st.floats(0.7, 1.3),
+    spent=st.integers(0, 100_000),
+    tokens=st.integers(20, 6000),
+)
+def test_the_searchs_shortcuts_never_hide_a_replica_that_could_win(
+    seed: int, tightness: float, spent: int, tokens: int
+) -> None:
+    """The bounds the search prunes with hold for every replica `_evaluate` scores."""
+    import random
+
+    from scheduler.core import _Candidate
+
+    rng = random.Random(seed)
+    scheduler = make_scheduler()
+    for name in scheduler.replica_names():
+        slots = 16 if name.startswith("l4") else 48
+        scheduler.update_metrics(
+            name,
+            ReplicaMetrics(
+                kv_cache_usage=rng.uniform(0, 0.9),
+                running=rng.randint(0, slots),
+                waiting=rng.randint(0, 4),
+                block_size=16,
+                num_gpu_blocks=rng.randint(500, 20_000),
+            ),
+        )
+        fail(scheduler, name, rng.randint(0, 3))
+    shared = prompt(seed, tokens)
+    for _ in range(3):  # some replicas hold part of the prompt
+        scheduler.place(request(shared[: rng.randint(16, tokens)]))
+    scheduler.settle()
+    ctx = scheduler._context(request(shared, spent_micros=spent), scheduler._models[BIG], 0.0)
+    scored = [
+        c
+        for r in scheduler._replicas
+        if isinstance(c := scheduler._evaluate(r.rid, ctx), _Candidate)
+    ]
+    # A step budget close to some replica's estimate: the deadline decides for some replicas.
+    ctx.budget_s = rng.choice(scored).duration_s * tightness if scored else 1.0
+    sunk = scheduler.config.weights.sunk_cost * spent
+    longest = max(0, tokens - 1)
+    most_cached = min(ctx.levels[0][0] * scheduler._entry_tokens, longest) if ctx.levels else 0
+    for state in scheduler._replicas:
+        verdict = scheduler._evaluate(state.rid, ctx)
+        if scheduler._surely_late(state, ctx, most_cached, ctx.budget_s):
+            assert not isinstance(verdict, _Candidate), state.name
+        if isinstance(verdict, _Candidate):
+            price = scheduler._prices[state.pool_position]
+            bound = (
+                price.cost(tokens, verdict.cached_tokens, 200) * state.static_factor
+                + sunk * state.risk_factor
+            )
+            sticky = scheduler.context.sticky_factor(state.rid == ctx.previous)
+            assert bound * sticky <= verdict.objective * (1 + 1e-9), state.name
+
+
 def test_placements_are_deterministic_for_the_same_state() -> None:
     a, b = make_scheduler(), make_scheduler()
     same_telemetry(a, b)
