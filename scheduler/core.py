@@ -17,13 +17,21 @@ A decision, for one `PlacementRequest`:
    `rendezvous_tolerance` of the lowest, with bounded load, computed from shared telemetry
    only, so that every scheduler process sends a new prefix to the same replica.
 
-Speed: a replica's request-independent factor (penalties / P(success), from scraped load) is
-kept in a per-pool list sorted by that factor and updated when telemetry changes. Since
-J ≥ cost · factor for every replica but the previous one, replicas are scored best-first by
-that bound (the deepest prefix holders with their own depth, the rest pool by pool) until the
-bound reaches the best J found or `scored_candidates` feasible replicas were scored. Matching
-the prompt against the prefix index is O(levels · log blocks). No I/O happens here: telemetry
-is pushed in by `update_metrics`, `set_replica_up`, `apply_kv_events` and `observe`.
+Speed: a replica's request-independent factors (penalties / P(success), and the share of the
+task's sunk cost a failure there would waste, from scraped load and its circuit) are kept in
+per-pool lists sorted by factor, updated when telemetry changes. Since
+J ≥ cost · factor + λ · spent · risk for every replica but the previous one, replicas are
+scored best-first by that bound (the deepest prefix holders with their own depth, the rest
+pool by pool) until the bound reaches the best J found or `scored_candidates` feasible
+replicas were scored; a replica whose queue alone misses the step's deadline is passed over
+unscored. Matching the prompt against the prefix index is O(levels · log blocks).
+
+A decision answers first: what it changes (the replica's load and probe slot, the prefix
+index, the workflow's last replica, the tenant's retry window) is queued and applied by
+`settle`, which the control plane calls right after answering and every method calls before
+it reads state. Evicting prefix entries a replica's cache can no longer hold happens when its
+telemetry arrives (`update_metrics`, `observe`). No I/O happens here: telemetry is pushed in
+by `update_metrics`, `set_replica_up`, `apply_kv_events` and `observe`.
 
 All methods are thread-safe (one lock): Temporal may run local activities in threads while
 the telemetry loops run on the event loop.
@@ -452,7 +460,8 @@ class Scheduler:
         decision too.
         """
         with self._lock:
-            self._settle()
+            if self._unsettled:
+                self._settle()
             now = self._clock()
             spec = self._models.get(request.model)
             if spec is None:
@@ -466,7 +475,8 @@ class Scheduler:
                     f"unknown tenant {request.tenant!r}; fleet tenants: "
                     + ", ".join(sorted(self._tenants))
                 )
-            self._wake_circuits(now)
+            if now >= self._next_wake:
+                self._wake_circuits(now)
             refusal = self._tenant_refusal(request, tenant, now)
             if refusal is not None:
                 return refusal
@@ -740,6 +750,8 @@ class Scheduler:
                 retryable=retry_after is not None,
             )
 
+        if request.attempt <= 1 and tenant.daily_budget_usd is None:
+            return None  # a first attempt of a tenant without a quota: nothing to check
         retries = self.config.retries
         if not task_retry_allowed(request.task_retries, request.attempt, retries):
             return refuse(
