@@ -321,37 +321,34 @@ class PrefixIndex:
             return levels
         holders, speculative = self._holders, self._speculative
         confirmed = holders.get
-        if speculative:
 
-            def held(i: int) -> Holders:
-                h = hashes[i]
-                mask = confirmed(h, 0)
-                for replica in speculative.get(h, ()):
-                    mask |= 1 << replica
-                return mask
+        def held(i: int) -> Holders:
+            h = hashes[i]
+            mask = confirmed(h, 0)
+            for replica in speculative.get(h, ()):
+                mask |= 1 << replica
+            return mask
 
-        else:  # no speculative entries (approximate mode): nothing to merge
-
-            def held(i: int) -> Holders:
-                return confirmed(hashes[i], 0)
-
+        # Probes read the holder map directly unless speculative entries must be merged in
+        # (precise mode): a function call per probe would be most of a match's cost.
+        merge = bool(speculative)
         # Replicas holding the first entry whose depth is not known yet: a replica without
         # the first entry has no prefix to reuse, whatever deeper blocks it holds.
-        remaining = held(0)
+        remaining = held(0) if merge else confirmed(hashes[0], 0)
         high = len(hashes) - 1
         while remaining and high >= 0:
             # The deepest entry in [0, high] held by a replica not assigned yet.
             low = 0
-            if held(high) & remaining:
+            if (held(high) if merge else confirmed(hashes[high], 0)) & remaining:
                 low = high
             else:
                 while low < high:
                     mid = (low + high + 1) // 2
-                    if held(mid) & remaining:
+                    if (held(mid) if merge else confirmed(hashes[mid], 0)) & remaining:
                         low = mid
                     else:
                         high = mid - 1
-            level = held(low) & remaining
+            level = (held(low) if merge else confirmed(hashes[low], 0)) & remaining
             if not level:
                 break  # holders not nested along the chain; what is assigned is a lower bound
             levels.append((low + 1, level))
