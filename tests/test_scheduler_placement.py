@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -760,16 +761,68 @@ def test_the_searchs_shortcuts_never_hide_a_replica_that_could_win(
     most_cached = min(ctx.levels[0][0] * scheduler._entry_tokens, longest) if ctx.levels else 0
     for state in scheduler._replicas:
         verdict = scheduler._evaluate(state.rid, ctx)
-        if scheduler._surely_late(state, ctx, most_cached, ctx.budget_s):
+        price = scheduler._prices[state.pool_position]
+        cached = verdict.cached_tokens if isinstance(verdict, _Candidate) else most_cached
+        cost = price.cost(tokens, cached, 200)
+        floor = scheduler._objective_floor(state, ctx, cost, most_cached)
+        if floor == math.inf:
             assert not isinstance(verdict, _Candidate), state.name
         if isinstance(verdict, _Candidate):
-            price = scheduler._prices[state.pool_position]
-            bound = (
-                price.cost(tokens, verdict.cached_tokens, 200) * state.static_factor
-                + sunk * state.risk_factor
-            )
             sticky = scheduler.context.sticky_factor(state.rid == ctx.previous)
-            assert bound * sticky <= verdict.objective * (1 + 1e-9), state.name
+            # The heap's bound, and the floor the search compares before scoring.
+            assert (cost * state.static_factor + sunk * state.risk_factor) * sticky <= (
+                verdict.objective * (1 + 1e-9)
+            ), state.name
+            assert floor * sticky <= verdict.objective * (1 + 1e-9), state.name
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    deadline=st.one_of(st.none(), st.floats(0.5, 60.0)),
+    spent=st.integers(0, 100_000),
+    tokens=st.integers(20, 6000),
+)
+def test_the_search_finds_the_replica_with_the_lowest_objective(
+    seed: int, deadline: float | None, spent: int, tokens: int
+) -> None:
+    """Pruning by bounds loses nothing: the pick is the best of every replica scored."""
+    import random
+
+    from scheduler.core import _Candidate
+
+    rng = random.Random(seed)
+    scheduler = make_scheduler()
+    for name in scheduler.replica_names():
+        slots = 16 if name.startswith("l4") else 48
+        scheduler.update_metrics(
+            name,
+            ReplicaMetrics(
+                kv_cache_usage=rng.uniform(0, 0.9),
+                running=rng.randint(0, slots),
+                waiting=rng.randint(0, 4),
+                block_size=16,
+                num_gpu_blocks=rng.randint(500, 20_000),
+            ),
+        )
+        fail(scheduler, name, rng.randint(0, 3))
+    shared = prompt(seed, tokens)
+    for i in range(3):  # some replicas hold part of the prompt
+        scheduler.place(request(shared[: rng.randint(16, tokens)], workflow_id=f"w{i}"))
+    scheduler.settle()
+    asked = request(shared, deadline_s_remaining=deadline, spent_micros=spent, steps_remaining=2)
+    ctx = scheduler._context(asked, scheduler._models[BIG], scheduler._clock())
+    candidates = [
+        c
+        for r in scheduler._replicas
+        if isinstance(c := scheduler._evaluate(r.rid, ctx), _Candidate)
+    ]
+    # Replicas that would load the model are only considered when no warm replica fits.
+    warm = [c for c in candidates if not c.cold_load_s] or candidates
+    scored = {scheduler._replicas[c.rid].name: c.objective for c in warm}
+    result = scheduler.place(asked)
+    if isinstance(result, Placement) and result.model == BIG and not result.rendezvous:
+        assert scored[result.replica] == pytest.approx(min(scored.values())), (result, scored)
 
 
 def test_placements_are_deterministic_for_the_same_state() -> None:
