@@ -26,7 +26,7 @@ import random
 import statistics
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 
@@ -71,6 +71,10 @@ class LatencyResult:
     settle_p99_us: float
     total_p99_us: float
     """p99 of place() + settle() per decision: the CPU a decision costs, answer and upkeep."""
+    reference_p50_us: float
+    """A fixed piece of pure-Python work as long as the median decision, timed between the
+    decisions: the same work every time, so its tail is the machine's, not the scheduler's."""
+    reference_p99_us: float
 
 
 def bench_fleet(replicas: int) -> Fleet:
@@ -311,12 +315,41 @@ def _setup(
     return scheduler, clock, rng, systems, workflows, scrapes
 
 
+def _reference_work(rounds: int) -> int:
+    """The same pure-Python work every call: `rounds` multiply-adds, no allocation kept."""
+    total = 0
+    for k in range(rounds):
+        total += k * k
+    return total
+
+
+def _reference_rounds(target_us: float) -> int:
+    """Rounds of `_reference_work` that take about `target_us` on this machine."""
+    rounds = 1000
+    typical = statistics.median(_timed(_reference_work, rounds) for _ in range(21))
+    return max(1, round(rounds * target_us / typical))
+
+
+def _timed(work: Callable[[int], object], rounds: int) -> float:
+    start = time.perf_counter_ns()
+    work(rounds)
+    return (time.perf_counter_ns() - start) / 1000
+
+
 def measure(
     replicas: int, decisions: int = 2000, warmup: int = 200, seed: int = 7
 ) -> LatencyResult:
-    """Time `decisions` placements on a fleet of `replicas` (after `warmup` untimed ones)."""
+    """Time `decisions` placements on a fleet of `replicas` (after `warmup` untimed ones).
+
+    Between two decisions the harness also times a fixed piece of work as long as the
+    median warm-up decision (`reference_*`): on a shared machine, that is the tail the
+    scheduler would have if every decision did the same work.
+    """
     scheduler, clock, rng, systems, workflows, scrapes = _setup(replicas, seed)
     block_size = scheduler.block_size
+    warmup_samples: list[float] = []
+    reference_rounds = 0
+    reference_samples: list[float] = []
     samples: list[float] = []
     cpu_samples: list[float] = []
     settle_samples: list[float] = []
@@ -350,7 +383,12 @@ def measure(
         if isinstance(result, Placement):
             workflow.replica = result.replica
             _observe(scheduler, rng, request, result, ok=rng.random() > 0.02)
+        if i < warmup:
+            warmup_samples.append(elapsed / 1000)
+        elif i == warmup or not reference_rounds:
+            reference_rounds = _reference_rounds(statistics.median(warmup_samples or [50.0]))
         if i >= warmup:
+            reference_samples.append(_timed(_reference_work, reference_rounds))
             samples.append(elapsed / 1000)
             cpu_samples.append(cpu_elapsed / 1000)
             settle_samples.append(settle_elapsed / 1000)
@@ -361,7 +399,7 @@ def measure(
                 refused += 1
         scrapes.advance(DECISION_INTERVAL_S)
         clock.now += DECISION_INTERVAL_S
-    for values in (samples, cpu_samples, settle_samples, total_samples):
+    for values in (samples, cpu_samples, settle_samples, total_samples, reference_samples):
         values.sort()
 
     def percentile(q: float, values: list[float] = samples) -> float:
@@ -382,4 +420,6 @@ def measure(
         settle_p50_us=percentile(0.50, settle_samples),
         settle_p99_us=percentile(0.99, settle_samples),
         total_p99_us=percentile(0.99, total_samples),
+        reference_p50_us=percentile(0.50, reference_samples),
+        reference_p99_us=percentile(0.99, reference_samples),
     )

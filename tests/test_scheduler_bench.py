@@ -28,6 +28,8 @@ def test_bench_scheduler_prints_a_table_and_writes_latency_json(tmp_path: Path) 
     assert set(figures) == {"16", "64"}
     for size in figures.values():
         assert 0 < size["p50"] <= size["p99"]
+        assert 0 < size["fixed_work_p50"] <= size["fixed_work_p99"]
+        assert 0 < size["settle_p50"] <= size["settle_p99"]
         assert size["decisions"] == 30
         assert size["placed"] + size["refused"] == 30
 
