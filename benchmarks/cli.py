@@ -13,7 +13,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.scheduler_latency import DEFAULT_SIZES, LatencyResult, measure
+from benchmarks.scheduler_latency import (
+    DEFAULT_SIZES,
+    LatencyResult,
+    QualityResult,
+    measure,
+    measure_quality,
+)
 
 bench_app = typer.Typer(
     help="Benchmarks of kvflow's policies and overheads.",
@@ -68,10 +74,13 @@ def scheduler_latency(
     # The scheduler logs circuit changes of the synthetic fleet; they are not news here.
     logging.getLogger("scheduler").setLevel(logging.ERROR)
     results: list[LatencyResult] = []
+    quality: list[QualityResult] = []
     with _out.status("measuring...") as status:
         for count in counts:
             status.update(f"measuring {count} replicas ({decisions} decisions)...")
             results.append(measure(count, decisions=decisions, seed=seed))
+            status.update(f"scoring every replica for {count} replicas...")
+            quality.append(measure_quality(count, decisions=min(300, decisions), seed=seed))
 
     table = Table(title="Scheduler decision latency (µs, one decision at a time)")
     for column in (
@@ -110,6 +119,25 @@ def scheduler_latency(
         "machine's, a floor under the decisions' p99. The JSON file has more figures.",
         highlight=False,
     )
+    picks = Table(title="Placement quality (the pick against every replica scored)")
+    for column in ("replicas", "decisions", "not the best", "mean regret", "p99 regret"):
+        picks.add_column(column, justify="right")
+    for q in quality:
+        picks.add_row(
+            str(q.replicas),
+            str(q.decisions),
+            str(q.off_best),
+            f"{q.mean_regret:.1%}",
+            f"{q.p99_regret:.1%}",
+        )
+    _out.print(picks)
+    _out.print(
+        "not the best: placements (rendezvous picks aside) whose replica did not have the "
+        "lowest objective of all replicas scored; regret: objective of the pick over the "
+        "lowest, minus 1, rendezvous picks included (they may be up to the rendezvous "
+        "tolerance above it by design).",
+        highlight=False,
+    )
     if json_file is not None:
         payload = {
             "decision_latency_us": {
@@ -131,7 +159,16 @@ def scheduler_latency(
                     "refused": r.refused,
                 }
                 for r in results
-            }
+            },
+            "placement_quality": {
+                str(q.replicas): {
+                    "decisions": q.decisions,
+                    "not_best": q.off_best,
+                    "mean_regret": round(q.mean_regret, 4),
+                    "p99_regret": round(q.p99_regret, 4),
+                }
+                for q in quality
+            },
         }
         json_file.write_text(json.dumps(payload, indent=2) + "\n")
         _out.print(f"wrote {json_file}", highlight=False)

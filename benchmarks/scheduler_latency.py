@@ -26,7 +26,7 @@ import random
 import statistics
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 
@@ -315,6 +315,90 @@ def _setup(
     return scheduler, clock, rng, systems, workflows, scrapes
 
 
+def _stream(
+    rng: random.Random,
+    systems: list[list[int]],
+    workflows: list[_Workflow],
+    block_size: int,
+    count: int,
+) -> Iterator[tuple[_Workflow, PlacementRequest]]:
+    """The requests of the workload, one decision at a time.
+
+    60 % continue a conversation, 25 % start one on a shared system prompt and 15 % on a
+    prompt nobody has seen; new workflows join `workflows`.
+    """
+    counter = len(workflows)
+    for _ in range(count):
+        roll = rng.random()
+        if roll < 0.60:
+            workflow = rng.choice(workflows)
+            workflow.chain = _chain(rng, workflow.chain, rng.randint(2, 20))
+        else:
+            counter += 1
+            prefix: Sequence[int] = rng.choice(systems) if roll < 0.85 else ()
+            workflow = _Workflow(
+                workflow_id=f"wf-{counter}",
+                chain=_chain(rng, prefix, rng.randint(10, 120)),
+                model=rng.choice(("llama-3.1-8b", "llama-3.1-8b", "llama-3.2-1b")),
+                tenant=rng.choice(("acme", "globex", "initech")),
+            )
+            workflows.append(workflow)
+        yield workflow, _request(rng, workflow, workflow.chain, block_size)
+
+
+@dataclass(frozen=True)
+class QualityResult:
+    """How close the search's picks come to the best-scoring replica."""
+
+    replicas: int
+    decisions: int
+    off_best: int
+    """Placements (rendezvous picks aside) not on the replica with the lowest objective."""
+    mean_regret: float
+    """Mean of objective(pick) / lowest objective − 1, rendezvous picks included (they may
+    be up to `rendezvous_tolerance`² above the best by design)."""
+    p99_regret: float
+
+
+def measure_quality(replicas: int, decisions: int = 500, seed: int = 11) -> QualityResult:
+    """Score the whole fleet before each decision and compare the pick with the best score.
+
+    The same workload as `measure`, untimed: the search prunes replicas by bounds and stops
+    after `search_width`, and this says what that costs in placement quality.
+    """
+    scheduler, clock, rng, systems, workflows, scrapes = _setup(replicas, seed)
+    regrets: list[float] = []
+    off_best = 0
+    for workflow, request in _stream(rng, systems, workflows, scheduler.block_size, decisions):
+        scores = scheduler.scores(request)
+        result = scheduler.place(request)
+        scheduler.settle()
+        if isinstance(result, Placement):
+            workflow.replica = result.replica
+            _observe(scheduler, rng, request, result, ok=rng.random() > 0.02)
+            feasible = [s for s in scores if s.objective is not None]
+            # Replicas that must load the model are tried only when no warm one fits.
+            warm = [s for s in feasible if not s.cold_start] or feasible
+            by_name = {s.replica: s.objective for s in warm}
+            picked = by_name.get(result.replica)
+            if result.model == request.model and picked is not None:
+                best = min(o for o in by_name.values() if o is not None)
+                regret = picked / best - 1 if best > 0 else 0.0
+                regrets.append(regret)
+                if regret > 1e-9 and not result.rendezvous:
+                    off_best += 1
+        scrapes.advance(DECISION_INTERVAL_S)
+        clock.now += DECISION_INTERVAL_S
+    regrets.sort()
+    return QualityResult(
+        replicas=replicas,
+        decisions=len(regrets),
+        off_best=off_best,
+        mean_regret=statistics.fmean(regrets) if regrets else 0.0,
+        p99_regret=regrets[min(len(regrets) - 1, int(0.99 * len(regrets)))] if regrets else 0.0,
+    )
+
+
 def _reference_work(rounds: int) -> int:
     """The same pure-Python work every call: `rounds` multiply-adds, no allocation kept."""
     total = 0
@@ -355,23 +439,8 @@ def measure(
     settle_samples: list[float] = []
     total_samples: list[float] = []
     placed = refused = 0
-    counter = len(workflows)
-    for i in range(warmup + decisions):
-        roll = rng.random()
-        if roll < 0.60:
-            workflow = rng.choice(workflows)
-            workflow.chain = _chain(rng, workflow.chain, rng.randint(2, 20))
-        else:
-            counter += 1
-            prefix: Sequence[int] = rng.choice(systems) if roll < 0.85 else ()
-            workflow = _Workflow(
-                workflow_id=f"wf-{counter}",
-                chain=_chain(rng, prefix, rng.randint(10, 120)),
-                model=rng.choice(("llama-3.1-8b", "llama-3.1-8b", "llama-3.2-1b")),
-                tenant=rng.choice(("acme", "globex", "initech")),
-            )
-            workflows.append(workflow)
-        request = _request(rng, workflow, workflow.chain, block_size)
+    stream = _stream(rng, systems, workflows, block_size, warmup + decisions)
+    for i, (workflow, request) in enumerate(stream):
         cpu_start = time.thread_time_ns()
         start = time.perf_counter_ns()
         result = scheduler.place(request)

@@ -79,6 +79,7 @@ from scheduler.placement import (
     PlacementRequest,
     Refusal,
     RefusalReason,
+    ReplicaScore,
     ReplicaStatus,
 )
 from scheduler.prefix_index import KvEvent, PrefixIndex, replicas_in
@@ -260,6 +261,7 @@ class Scheduler:
                         )
                     )
         self._seeds = [replica_seed(r.name) for r in self._replicas]
+        self._search_width = config.prefix.search_width or max(16, len(self._replicas) // 16)
         self._load_s = {m.name: self.warm.load_s(m) for m in fleet.models}
         self._can_load = {
             m.name: [self.warm.can_load(p, m) for p in self._pools] for m in fleet.models
@@ -417,6 +419,36 @@ class Scheduler:
     def replica_names(self) -> list[str]:
         """All replica names, pool by pool."""
         return [r.name for r in self._replicas]
+
+    def scores(self, request: PlacementRequest) -> list[ReplicaScore]:
+        """Score every replica for the request, without placing it: what `place` would weigh.
+
+        For operators asking "why not that replica?" and for measuring how close the search's
+        pick comes to the best objective; it scores the whole fleet, so it is not fast.
+        """
+        with self._lock:
+            if self._unsettled:
+                self._settle()
+            spec = self._models.get(request.model)
+            if spec is None:
+                raise PlacementInputError(f"unknown model {request.model!r}")
+            ctx = self._context(request, spec, self._clock())
+            result = []
+            for state in self._replicas:
+                found = self._evaluate(state.rid, ctx)
+                if isinstance(found, _Candidate):
+                    result.append(
+                        ReplicaScore(
+                            replica=state.name,
+                            objective=found.objective,
+                            cold_start=found.cold_load_s > 0,
+                        )
+                    )
+                else:
+                    result.append(
+                        ReplicaScore(replica=state.name, objective=None, rejected_by=found)
+                    )
+            return result
 
     def status(self) -> list[ReplicaStatus]:
         """A snapshot of every replica's state."""
@@ -861,7 +893,7 @@ class Scheduler:
         block = self._entry_tokens
         prices = self._prices
         replicas = self._replicas
-        limit = self.config.prefix.search_width
+        limit = self._search_width
         # λ · spent: with it, a replica's own bound is cost · factor + λ · spent · risk.
         sunk = self.config.weights.sunk_cost * ctx.spent
         deadline = ctx.budget_s is not None

@@ -194,3 +194,18 @@ class ReplicaStatus(_Wire):
         description="prefix-index entries of the replica (one per `index_stride` blocks)"
     )
     precise: bool = Field(description="the prefix index is fed by the engine's KV events")
+
+
+class ReplicaScore(_Wire):
+    """How one replica scores for one request: its objective, or the filter that rejects it."""
+
+    replica: str
+    objective: float | None = Field(
+        description="expected cost per successful call, as the scheduler ranks it; None if rejected"
+    )
+    rejected_by: str | None = Field(
+        default=None, description="the first filter the replica fails, e.g. deadline"
+    )
+    cold_start: bool = Field(
+        default=False, description="the replica would load the model first (tried last)"
+    )

@@ -32,6 +32,13 @@ def test_bench_scheduler_prints_a_table_and_writes_latency_json(tmp_path: Path) 
         assert 0 < size["settle_p50"] <= size["settle_p99"]
         assert size["decisions"] == 30
         assert size["placed"] + size["refused"] == 30
+    assert "Placement quality" in done.stdout
+    quality = json.loads(out.read_text())["placement_quality"]
+    assert set(quality) == {"16", "64"}
+    for size in quality.values():
+        assert 0 < size["decisions"] <= 30
+        assert 0 <= size["not_best"] <= size["decisions"]
+        assert 0 <= size["mean_regret"] <= size["p99_regret"]
 
 
 def test_bench_scheduler_rejects_a_bad_size_with_exit_code_2(tmp_path: Path) -> None:

@@ -825,6 +825,22 @@ def test_the_search_finds_the_replica_with_the_lowest_objective(
         assert scored[result.replica] == pytest.approx(min(scored.values())), (result, scored)
 
 
+def test_scores_explain_every_replica_without_placing() -> None:
+    scheduler = make_scheduler()
+    tokens = prompt(9, 2000)
+    first = placed(scheduler.place(request(tokens)))
+    broken = next(n for n in ("h100/0", "h100/1") if n != first.replica)
+    fail(scheduler, broken, 5)  # its circuit opens
+    scores = {s.replica: s for s in scheduler.scores(request(tokens + prompt(10, 200)))}
+    assert set(scores) == set(scheduler.replica_names())
+    assert scores[broken].objective is None and scores[broken].rejected_by == "circuit_open"
+    assert scores["l4/0"].cold_start  # the 8B model is not warm on the L4 pool
+    # The replica holding the conversation scores best, and scoring placed nothing.
+    warm = {name: s.objective for name, s in scores.items() if s.objective and not s.cold_start}
+    assert min(warm, key=warm.__getitem__) == first.replica
+    assert {s.replica: s.inflight for s in scheduler.status()}[first.replica] == 1
+
+
 def test_placements_are_deterministic_for_the_same_state() -> None:
     a, b = make_scheduler(), make_scheduler()
     same_telemetry(a, b)
