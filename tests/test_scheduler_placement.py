@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 import re
 from typing import Any
 
@@ -13,7 +14,7 @@ from pydantic import ValidationError
 
 from scheduler.blocks import block_hashes
 from scheduler.config import SchedulerConfig, WeightsConfig
-from scheduler.core import Scheduler
+from scheduler.core import Scheduler, _Candidate
 from scheduler.fleet import Fleet, task_queue_for
 from scheduler.placement import (
     Observation,
@@ -714,23 +715,13 @@ def same_telemetry(*schedulers: Scheduler) -> None:
             )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    seed=st.integers(0, 10_000),
-    tightness=st.floats(0.7, 1.3),
-    spent=st.integers(0, 100_000),
-    tokens=st.integers(20, 6000),
-)
-def test_the_searchs_shortcuts_never_hide_a_replica_that_could_win(
-    seed: int, tightness: float, spent: int, tokens: int
-) -> None:
-    """The bounds the search prunes with hold for every replica `_evaluate` scores."""
-    import random
-
-    from scheduler.core import _Candidate
-
+def busy_fleet(seed: int, tokens: int) -> tuple[Scheduler, list[int]]:
+    """A scheduler with random load, cache sizes and failures; some replicas hold part of
+    a `tokens`-long prompt, which is returned."""
     rng = random.Random(seed)
-    scheduler = make_scheduler()
+    # Eight replicas a pool, so that the search has pools to walk and replicas to pass over.
+    pools = [{**pool, "replicas": 8} for pool in make_fleet().model_dump(mode="json")["pools"]]
+    scheduler = make_scheduler(fleet=make_fleet(pools=pools))
     for name in scheduler.replica_names():
         slots = 16 if name.startswith("l4") else 48
         scheduler.update_metrics(
@@ -745,9 +736,24 @@ def test_the_searchs_shortcuts_never_hide_a_replica_that_could_win(
         )
         fail(scheduler, name, rng.randint(0, 3))
     shared = prompt(seed, tokens)
-    for _ in range(3):  # some replicas hold part of the prompt
-        scheduler.place(request(shared[: rng.randint(16, tokens)]))
+    for i in range(3):
+        scheduler.place(request(shared[: rng.randint(16, tokens)], workflow_id=f"w{i}"))
     scheduler.settle()
+    return scheduler, shared
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    tightness=st.floats(0.7, 1.3),
+    spent=st.integers(0, 100_000),
+    tokens=st.integers(20, 6000),
+)
+def test_the_searchs_shortcuts_never_hide_a_replica_that_could_win(
+    seed: int, tightness: float, spent: int, tokens: int
+) -> None:
+    """The bounds the search prunes with hold for every replica `_evaluate` scores."""
+    scheduler, shared = busy_fleet(seed, tokens)
     ctx = scheduler._context(request(shared, spent_micros=spent), scheduler._models[BIG], 0.0)
     scored = [
         c
@@ -755,7 +761,7 @@ def test_the_searchs_shortcuts_never_hide_a_replica_that_could_win(
         if isinstance(c := scheduler._evaluate(r.rid, ctx), _Candidate)
     ]
     # A step budget close to some replica's estimate: the deadline decides for some replicas.
-    ctx.budget_s = rng.choice(scored).duration_s * tightness if scored else 1.0
+    ctx.budget_s = random.Random(seed).choice(scored).duration_s * tightness if scored else 1.0
     sunk = scheduler.config.weights.sunk_cost * spent
     longest = max(0, tokens - 1)
     most_cached = min(ctx.levels[0][0] * scheduler._entry_tokens, longest) if ctx.levels else 0
@@ -776,53 +782,27 @@ def test_the_searchs_shortcuts_never_hide_a_replica_that_could_win(
             assert floor * sticky <= verdict.objective * (1 + 1e-9), state.name
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    seed=st.integers(0, 10_000),
-    deadline=st.one_of(st.none(), st.floats(0.5, 60.0)),
-    spent=st.integers(0, 100_000),
-    tokens=st.integers(20, 6000),
-)
-def test_the_search_finds_the_replica_with_the_lowest_objective(
-    seed: int, deadline: float | None, spent: int, tokens: int
-) -> None:
-    """Pruning by bounds loses nothing: the pick is the best of every replica scored."""
-    import random
-
-    from scheduler.core import _Candidate
-
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), tokens=st.integers(20, 6000))
+def test_the_search_finds_the_replica_with_the_lowest_objective(seed: int, tokens: int) -> None:
+    """Pruning by bounds loses nothing: the pick is the best of every replica `scores` rates."""
+    scheduler, shared = busy_fleet(seed, tokens)
     rng = random.Random(seed)
-    scheduler = make_scheduler()
-    for name in scheduler.replica_names():
-        slots = 16 if name.startswith("l4") else 48
-        scheduler.update_metrics(
-            name,
-            ReplicaMetrics(
-                kv_cache_usage=rng.uniform(0, 0.9),
-                running=rng.randint(0, slots),
-                waiting=rng.randint(0, 4),
-                block_size=16,
-                num_gpu_blocks=rng.randint(500, 20_000),
-            ),
+    for step in range(12):  # deadlines from none to tight, spend from none to high
+        asked = request(
+            shared + prompt(seed + step, 64 * step),
+            deadline_s_remaining=rng.choice([None, rng.uniform(0.5, 40.0)]),
+            spent_micros=rng.choice([0, rng.randint(0, 100_000)]),
+            steps_remaining=rng.randint(1, 4),
+            workflow_id=f"step-{step}",
         )
-        fail(scheduler, name, rng.randint(0, 3))
-    shared = prompt(seed, tokens)
-    for i in range(3):  # some replicas hold part of the prompt
-        scheduler.place(request(shared[: rng.randint(16, tokens)], workflow_id=f"w{i}"))
-    scheduler.settle()
-    asked = request(shared, deadline_s_remaining=deadline, spent_micros=spent, steps_remaining=2)
-    ctx = scheduler._context(asked, scheduler._models[BIG], scheduler._clock())
-    candidates = [
-        c
-        for r in scheduler._replicas
-        if isinstance(c := scheduler._evaluate(r.rid, ctx), _Candidate)
-    ]
-    # Replicas that would load the model are only considered when no warm replica fits.
-    warm = [c for c in candidates if not c.cold_load_s] or candidates
-    scored = {scheduler._replicas[c.rid].name: c.objective for c in warm}
-    result = scheduler.place(asked)
-    if isinstance(result, Placement) and result.model == BIG and not result.rendezvous:
-        assert scored[result.replica] == pytest.approx(min(scored.values())), (result, scored)
+        feasible = [s for s in scheduler.scores(asked) if s.objective is not None]
+        # Replicas that would load the model are only considered when no warm replica fits.
+        warm = [s for s in feasible if not s.cold_start] or feasible
+        scored = {s.replica: s.objective for s in warm if s.objective is not None}
+        result = scheduler.place(asked)
+        if isinstance(result, Placement) and result.model == BIG and not result.rendezvous:
+            assert scored[result.replica] == pytest.approx(min(scored.values())), (result, scored)
 
 
 def test_scores_explain_every_replica_without_placing() -> None:
