@@ -25,7 +25,7 @@ from scheduler.config import (
     SpeedConfig,
     WeightsConfig,
 )
-from scheduler.fleet import ModelSpec, Pool, Tenant, TokenPrices
+from scheduler.fleet import ExactPrices, ModelSpec, Pool, Tenant, TokenPrices
 from scheduler.gpus import GPU_PROFILES, GpuGeneration
 
 
@@ -38,52 +38,25 @@ class Speed(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class PoolPrices:
-    """A pool's token prices in micro-dollars per token, as floats and as exact integers.
+    """A pool's token prices in micro-dollars per token.
 
-    The floats rank replicas; the integers price a placement. A $/Mtok price is a µ$/token
-    price; `scaled_*` are those prices times `scale` (a power of ten large enough to make all
-    three whole), so `cost_micros` is exact integer arithmetic: the same figure as
-    `TokenPrices.cost_micros`, without a `Decimal` on the decision path.
+    Floats rank replicas; the exact integers (`TokenPrices.exact`) price a placement.
     """
 
     input: float
     cached_input: float
     output: float
-    scaled_input: int
-    scaled_cached_input: int
-    scaled_output: int
-    scale: int
+    exact: ExactPrices
 
     @classmethod
     def of(cls, prices: TokenPrices) -> PoolPrices:
-        """Per-token micro-dollar prices of a pool."""
-        exact = (
-            prices.input_per_mtok_usd,
-            prices.cached_input_per_mtok_usd,
-            prices.output_per_mtok_usd,
-        )
-        places = max(max(0, -int(price.as_tuple().exponent)) for price in exact)
-        scale = 10**places
-        scaled = [int(price.scaleb(places)) for price in exact]
+        """Per-token micro-dollar prices of a pool (a $/Mtok price is a µ$/token price)."""
         return cls(
-            float(exact[0]),
-            float(exact[1]),
-            float(exact[2]),
-            scaled[0],
-            scaled[1],
-            scaled[2],
-            scale,
+            float(prices.input_per_mtok_usd),
+            float(prices.cached_input_per_mtok_usd),
+            float(prices.output_per_mtok_usd),
+            prices.exact(),
         )
-
-    def cost_micros(self, prompt_tokens: int, cached_tokens: int, output_tokens: int) -> int:
-        """The exact cost in whole micro-dollars, rounded half up (as `TokenPrices`)."""
-        total = (
-            (prompt_tokens - cached_tokens) * self.scaled_input
-            + cached_tokens * self.scaled_cached_input
-            + output_tokens * self.scaled_output
-        )
-        units, rest = divmod(total, self.scale)
-        return units + 1 if 2 * rest >= self.scale else units
 
     def cost(self, prompt_tokens: int, cached_tokens: int, output_tokens: int) -> float:
         """(prompt − cached) · input + cached · cached_input + output · output, in µ$."""

@@ -1210,7 +1210,7 @@ class Scheduler:
                 ctx.now,
             )
         )
-        cost = self._prices[state.pool_position].cost_micros(
+        cost = self._prices[state.pool_position].exact.cost_micros(
             request.prompt_tokens, chosen.cached_tokens, request.max_output_tokens
         )
         budget = ctx.budget_s

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from decimal import ROUND_HALF_UP, Decimal
-from typing import Annotated, Literal, Self
+from typing import Annotated, Literal, NamedTuple, Self
 
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
@@ -77,6 +77,33 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class ExactPrices(NamedTuple):
+    """Token prices as integers: micro-dollars per token times `scale`.
+
+    A price per million tokens in dollars is a price per token in micro-dollars; `scale` is
+    the power of ten that makes all three whole, so a cost is an exact integer sum with one
+    rounding at the end, cheap enough for every placement decision.
+    """
+
+    input: int
+    cached_input: int
+    output: int
+    scale: int
+
+    def cost_micros(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
+        """The cost in micro-dollars, rounded half up.
+
+        (prompt − cached) · input + cached · cached input + completion · output.
+        """
+        total = (
+            (prompt_tokens - cached_tokens) * self.input
+            + cached_tokens * self.cached_input
+            + completion_tokens * self.output
+        )
+        units, rest = divmod(total, self.scale)
+        return units + 1 if 2 * rest >= self.scale else units
+
+
 class TokenPrices(_Strict):
     """Per-million-token prices of one pool, in dollars."""
 
@@ -84,24 +111,24 @@ class TokenPrices(_Strict):
     cached_input_per_mtok_usd: Usd
     output_per_mtok_usd: Usd
 
+    def exact(self) -> ExactPrices:
+        """The prices as scaled integers (see `ExactPrices`)."""
+        prices = (self.input_per_mtok_usd, self.cached_input_per_mtok_usd, self.output_per_mtok_usd)
+        places = max(max(0, -int(price.as_tuple().exponent)) for price in prices)
+        inp, cached, out = (int(price.scaleb(places)) for price in prices)
+        return ExactPrices(inp, cached, out, 10**places)
+
     def cost_micros(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
         """Cost of one attempt in micro-dollars.
 
-        `cached_tokens` are part of `prompt_tokens` and billed at the cached price. A price per
-        million tokens in dollars is a price per token in micro-dollars, so the sum is exact
-        before the single rounding at the end.
+        `cached_tokens` are part of `prompt_tokens` and billed at the cached price.
         """
         if not 0 <= cached_tokens <= prompt_tokens:
             raise ValueError(
                 f"cached_tokens ({cached_tokens}) must be between 0 and prompt_tokens "
                 f"({prompt_tokens})"
             )
-        total = (
-            (prompt_tokens - cached_tokens) * self.input_per_mtok_usd
-            + cached_tokens * self.cached_input_per_mtok_usd
-            + completion_tokens * self.output_per_mtok_usd
-        )
-        return int(total.quantize(Decimal(1), rounding=ROUND_HALF_UP))
+        return self.exact().cost_micros(prompt_tokens, cached_tokens, completion_tokens)
 
 
 class ModelSpec(_Strict):

@@ -333,8 +333,11 @@ def test_exact_integer_prices_match_the_decimal_price_of_a_call(
         input_per_mtok_usd=inp, cached_input_per_mtok_usd=cached_in, output_per_mtok_usd=out
     )
     cached = int(prompt * share)
-    exact = PoolPrices.of(prices).cost_micros(prompt, cached, output)
-    assert exact == prices.cost_micros(prompt, cached, output)
+    # The definition, in Decimal: what the integer arithmetic must reproduce to the µ$.
+    total = (prompt - cached) * inp + cached * cached_in + output * out
+    expected = int(total.quantize(Decimal(1), rounding=ROUND_HALF_UP))
+    assert prices.cost_micros(prompt, cached, output) == expected
+    assert PoolPrices.of(prices).exact.cost_micros(prompt, cached, output) == expected
 
 
 @given(micros=st.integers(-(10**12), 10**12), places=st.integers(0, 6))
