@@ -232,10 +232,12 @@ class MemoryHeadroom:
         """Whether the request fits without preempting running requests."""
         return free is None or need <= free
 
-    def fits_at_all(self, need: int, total_blocks: int | None) -> bool:
-        """Whether the request fits in the replica's whole cache (even an empty one)."""
-        most = self.max_blocks(total_blocks)
-        return most is None or need <= most
+    def fits(self, need: int, max_blocks: float | None) -> bool:
+        """Whether the request fits in the replica's whole cache (even an empty one).
+
+        `max_blocks` is `max_blocks(total)`, computed when the cache size is scraped.
+        """
+        return max_blocks is None or need <= max_blocks
 
     def max_blocks(self, total_blocks: int | None) -> float | None:
         """The most blocks one request may take: total · (1 − reserve); None if unknown."""

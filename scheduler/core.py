@@ -91,7 +91,7 @@ from scheduler.reliability import (
 from scheduler.rendezvous import (
     bounded_capacity,
     rendezvous_key,
-    rendezvous_weights,
+    rendezvous_order,
     replica_seed,
 )
 from scheduler.state import ReplicaMetrics, ReplicaState
@@ -1021,11 +1021,11 @@ class Scheduler:
             request.block_hashes, request.workflow_id, config.rendezvous_prefix_blocks
         )
         seeds = self._seeds
-        weights = rendezvous_weights(key, [seeds[rid] for rid in group])
         capacity = bounded_capacity(view.shared_load, view.warm_count, config.bounded_load_factor)
         replicas = self._replicas
         limit = chosen.objective * tolerance * tolerance
-        for _, rid in sorted(zip(weights, group, strict=True), reverse=True):
+        for position in rendezvous_order(key, [seeds[rid] for rid in group]):
+            rid = group[position]
             if replicas[rid].shared_load + 1 > capacity:
                 continue
             candidate = consider(rid)
@@ -1056,12 +1056,12 @@ class Scheduler:
         cached = self.kv.expected_cached_tokens(depth, prompt, self._entry_tokens, engine_block)
         # The memory and speed terms that depend only on the replica's telemetry are computed
         # when it changes (`_refresh`), through the same axis methods; here they are compared.
-        max_blocks, free_blocks = state.max_blocks, state.free_blocks
-        if max_blocks is not None and free_blocks is not None:
-            need = self.memory.blocks_needed(prompt, ctx.output, cached, engine_block)
-            if need > max_blocks:
+        if state.num_gpu_blocks is not None:
+            memory = self.memory
+            need = memory.blocks_needed(prompt, ctx.output, cached, engine_block)
+            if not memory.fits(need, state.max_blocks):
                 return "too_small"
-            if need > free_blocks:
+            if not memory.admits(need, state.free_blocks):
                 return "memory"
         gpu = self.gpu
         speed = gpu.speed(state.name, state.pool, ctx.spec)
@@ -1070,7 +1070,7 @@ class Scheduler:
         ttft = wait + cold_load + gpu.prefill_s(speed, prompt - cached)
         duration = ttft + ctx.output * speed.decode_s_per_token * state.decode_slowdown
         budget = ctx.budget_s
-        if budget is not None and duration > budget:  # LatencyBudget.admits
+        if not self.latency.admits(duration, budget):
             return "deadline"
         cost = self._prices[state.pool_position].cost(prompt, cached, ctx.output)
         if ctx.budget_micros is not None and ctx.spent + cost > ctx.budget_micros:

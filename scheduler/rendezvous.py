@@ -68,5 +68,5 @@ def bounded_capacity(total_load: int, replicas: int, factor: float) -> int:
 
 def rendezvous_order(key: int, seeds: Sequence[int]) -> list[int]:
     """Positions of `seeds` from the highest weight for `key` to the lowest."""
-    weights = [rendezvous_weight(key, seed) for seed in seeds]
+    weights = rendezvous_weights(key, seeds)
     return sorted(range(len(seeds)), key=weights.__getitem__, reverse=True)

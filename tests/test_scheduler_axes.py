@@ -181,6 +181,9 @@ def test_memory_headroom_admits_exactly_when_the_new_blocks_fit(
     assert free == pytest.approx(total * (1 - usage) - 0.05 * total)
     assert memory.admits(need, free) == (need <= free)
     assert memory.admits(need, None)  # unknown cache size: no basis to refuse
+    # A request that would not fit even an empty cache (beyond the reserve) is too big there.
+    assert memory.fits(need, memory.max_blocks(total)) == (need <= 0.95 * total)
+    assert memory.fits(need, memory.max_blocks(None))
     assert memory.penalty(usage) == pytest.approx(0.5 * usage)
     less_free = memory.free_blocks(total, min(1.0, usage + 0.1))
     assert less_free is not None and less_free <= free
