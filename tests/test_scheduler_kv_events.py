@@ -22,6 +22,7 @@ from scheduler.kv_events import (
 )
 from scheduler.placement import Placement, PlacementRequest
 from scheduler.prefix_index import AllBlocksCleared, BlockRemoved, BlockStored
+from tests.fleets import one_pool_fleet
 
 MODEL = "tiny-llama"
 TOPIC = "kv"
@@ -107,36 +108,7 @@ def stored(chunk: list[int], hashes: list[Hash], parent: Hash | None) -> BlockSt
 
 
 def tiny_fleet() -> Fleet:
-    prices = {
-        "input_per_mtok_usd": "0.1",
-        "cached_input_per_mtok_usd": "0.01",
-        "output_per_mtok_usd": "0.3",
-    }
-    return Fleet.model_validate(
-        {
-            "models": [
-                {
-                    "name": MODEL,
-                    "parameters_b": 0.01,
-                    "layers": 2,
-                    "kv_heads": 4,
-                    "head_dim": 32,
-                    "context_length": 4096,
-                }
-            ],
-            "pools": [
-                {
-                    "name": "cpu",
-                    "gpu": "L4",
-                    "replicas": 3,
-                    "price_per_gpu_hour_usd": "0.5",
-                    "token_prices": prices,
-                    "warm_models": [MODEL],
-                }
-            ],
-            "tenants": [{"name": "acme", "tier": 2}],
-        }
-    )
+    return one_pool_fleet(MODEL, replicas=3)
 
 
 def ask(scheduler: Scheduler, prompt: list[int], workflow: str) -> Placement:

@@ -20,6 +20,7 @@ from scheduler.telemetry import (
     fleet_endpoints,
     parse_vllm_metrics,
 )
+from tests.fleets import one_pool_fleet
 
 MODEL = "tiny-llama"
 
@@ -116,37 +117,7 @@ def vllm_like() -> Iterator[MetricsServer]:
 
 
 def fleet_with(urls: list[str]) -> Fleet:
-    prices = {
-        "input_per_mtok_usd": "0.1",
-        "cached_input_per_mtok_usd": "0.01",
-        "output_per_mtok_usd": "0.3",
-    }
-    return Fleet.model_validate(
-        {
-            "models": [
-                {
-                    "name": MODEL,
-                    "parameters_b": 0.01,
-                    "layers": 2,
-                    "kv_heads": 4,
-                    "head_dim": 32,
-                    "context_length": 1024,
-                }
-            ],
-            "pools": [
-                {
-                    "name": "cpu",
-                    "gpu": "L4",
-                    "replicas": len(urls),
-                    "endpoints": urls,
-                    "price_per_gpu_hour_usd": "0.5",
-                    "token_prices": prices,
-                    "warm_models": [MODEL],
-                }
-            ],
-            "tenants": [{"name": "acme", "tier": 2}],
-        }
-    )
+    return one_pool_fleet(MODEL, replicas=len(urls), endpoints=urls, context_length=1024)
 
 
 def url_of(server: MetricsServer) -> str:

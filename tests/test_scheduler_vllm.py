@@ -20,41 +20,14 @@ from scheduler.kv_events import KvEventSubscriber
 from scheduler.placement import Placement, PlacementRequest
 from scheduler.telemetry import MetricsScraper, fleet_endpoints
 from tests.fixtures_vllm import VllmServedModel
+from tests.fleets import one_pool_fleet
 
 pytestmark = pytest.mark.vllm
 
 
 def fleet_for(server: VllmServedModel) -> Fleet:
-    prices = {
-        "input_per_mtok_usd": "0.1",
-        "cached_input_per_mtok_usd": "0.01",
-        "output_per_mtok_usd": "0.3",
-    }
-    return Fleet.model_validate(
-        {
-            "models": [
-                {
-                    "name": server.model,
-                    "parameters_b": 0.01,
-                    "layers": 2,
-                    "kv_heads": 4,
-                    "head_dim": 32,
-                    "context_length": server.max_model_len,
-                }
-            ],
-            "pools": [
-                {
-                    "name": "cpu",
-                    "gpu": "L4",
-                    "replicas": 1,
-                    "endpoints": [server.base_url],
-                    "price_per_gpu_hour_usd": "0.5",
-                    "token_prices": prices,
-                    "warm_models": [server.model],
-                }
-            ],
-            "tenants": [{"name": "acme", "tier": 2}],
-        }
+    return one_pool_fleet(
+        server.model, endpoints=[server.base_url], context_length=server.max_model_len
     )
 
 
