@@ -17,14 +17,14 @@ A decision, for one `PlacementRequest`:
    `rendezvous_tolerance` of the lowest, with bounded load, computed from shared telemetry
    only, so that every scheduler process sends a new prefix to the same replica.
 
-Speed: a replica's request-independent factors (penalties / P(success), and the share of the
-task's sunk cost a failure there would waste, from scraped load and its circuit) are kept in
-per-pool lists sorted by factor, updated when telemetry changes. Since
-J ≥ cost · factor + λ · spent · risk for every replica but the previous one, replicas are
-scored best-first by that bound (the deepest prefix holders with their own depth, the rest
-pool by pool) until the bound reaches the best J found or `search_width` replicas were
-examined. Before scoring one, its own bound (with the sunk-cost term, and the quickest it
-could meet the deadline) is checked, so replicas that cannot win are passed over unscored.
+Speed: a replica's request-independent factor (penalties / P(success), from scraped load and
+its circuit) is kept in per-pool lists sorted by factor, updated when telemetry changes. Since
+J ≥ cost · factor (`ReplicaState.objective_bound` adds the sunk-cost term) for every replica
+but the previous one, replicas are scored best-first by that bound (the deepest prefix
+holders with their own depth, the rest pool by pool) until the bound reaches the best J found
+or `search_width` replicas were examined. Before scoring one, its own bound (with the
+sunk-cost term, and the quickest it could meet the deadline) is checked, so replicas that
+cannot win are passed over unscored.
 Matching the prompt against the prefix index is O(levels · log blocks).
 
 A decision answers first: what it changes (the replica's load and probe slot, the prefix
@@ -462,7 +462,7 @@ class Scheduler:
                     ReplicaStatus(
                         replica=state.name,
                         pool=state.pool.name,
-                        gpu=state.gpu_name,
+                        gpu=state.pool.gpu.value,
                         task_queue=state.task_queue,
                         up=state.up,
                         circuit=state.breaker.state.value,
@@ -619,7 +619,6 @@ class Scheduler:
         state.free_blocks = self.memory.free_blocks(state.num_gpu_blocks, state.kv_usage)
         state.max_blocks = self.memory.max_blocks(state.num_gpu_blocks)
         state.static_factor = math.inf if p <= 0.0 else state.penalty / p
-        state.risk_factor = state.static_factor - state.penalty
         eligible = state.up and state.breaker.state is not CircuitState.OPEN
         rid = state.rid
         key = (state.static_factor, rid)
@@ -894,7 +893,7 @@ class Scheduler:
         prices = self._prices
         replicas = self._replicas
         limit = self._search_width
-        # λ · spent: with it, a replica's own bound is cost · factor + λ · spent · risk.
+        # λ · spent, for each replica's `objective_bound`.
         sunk = self.config.weights.sunk_cost * ctx.spent
         deadline = ctx.budget_s is not None
         # No replica has more of the prompt cached than the deepest holder.
@@ -918,7 +917,7 @@ class Scheduler:
                     cost = level_costs.get(position)
                     if cost is None:
                         cost = level_costs[position] = prices[position].cost(prompt, cached, output)
-                    bound = cost * state.static_factor + sunk * state.risk_factor
+                    bound = state.objective_bound(cost, sunk)
                     heap.append((bound, rid, -1, None, cost))
                     taken += 1
                 if bulk_depth:
@@ -945,7 +944,7 @@ class Scheduler:
             # sunk-cost term, the deadline); with them, this replica alone may be out of
             # reach, which costs a fraction of scoring it.
             state = replicas[rid]
-            if best and cost * state.static_factor + sunk * state.risk_factor >= best[0].objective:
+            if best and state.objective_bound(cost, sunk) >= best[0].objective:
                 continue
             if deadline:
                 floor = self._objective_floor(state, ctx, cost, most_cached)
@@ -1242,7 +1241,7 @@ class Scheduler:
                 "replica": state.name,
                 "task_queue": state.task_queue,
                 "pool": state.pool.name,
-                "gpu": state.gpu_name,
+                "gpu": state.pool.gpu.value,
                 "model": spec.name,
                 "degraded_from": degraded_from,
                 "block_size": state.engine_block_size or self.block_size,

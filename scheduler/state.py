@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from scheduler.config import CircuitBreakerConfig
 from scheduler.fleet import Pool
-from scheduler.gpus import GpuGeneration
 from scheduler.reliability import CircuitBreaker
 
 
@@ -63,14 +62,10 @@ class ReplicaState:
     unknown_models_logged: bool = False
     static_factor: float = 1.0
     """penalty / p_static: the objective of a call costing 1 µ$ with no deadline."""
-    risk_factor: float = 0.0
-    """penalty · (1 / p_static − 1): the objective per µ$ of sunk cost a failure would waste."""
     max_blocks: float | None = None
     """The most KV blocks one request may take; None before the cache size is known."""
     decode_slowdown: float = 1.0
     """Factor on time per output token at the replica's current load."""
-    gpu_name: str = ""
-    """The GPU generation's name, e.g. "H200" (set by `create`)."""
 
     @classmethod
     def create(
@@ -93,13 +88,15 @@ class ReplicaState:
             task_queue=task_queue,
             warm_models=set(pool.warm_models),
             breaker=CircuitBreaker(circuit),
-            gpu_name=pool.gpu.value,
         )
 
-    @property
-    def gpu(self) -> GpuGeneration:
-        """The replica's GPU generation."""
-        return self.pool.gpu
+    def objective_bound(self, cost: float, sunk: float) -> float:
+        """A lower bound on the objective of a call costing `cost` µ$ here, with no deadline.
+
+        cost · static factor + sunk · penalty · (1 / p − 1), where `sunk` is λ · the task's
+        spend: the objective with P(success) at its most (the breaker's, on time for sure).
+        """
+        return cost * self.static_factor + sunk * (self.static_factor - self.penalty)
 
     @property
     def load(self) -> int:

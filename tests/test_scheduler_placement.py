@@ -776,9 +776,9 @@ def test_the_searchs_shortcuts_never_hide_a_replica_that_could_win(
         if isinstance(verdict, _Candidate):
             sticky = scheduler.context.sticky_factor(state.rid == ctx.previous)
             # The heap's bound, and the floor the search compares before scoring.
-            assert (cost * state.static_factor + sunk * state.risk_factor) * sticky <= (
-                verdict.objective * (1 + 1e-9)
-            ), state.name
+            assert state.objective_bound(cost, sunk) * sticky <= (verdict.objective * (1 + 1e-9)), (
+                state.name
+            )
             assert floor * sticky <= verdict.objective * (1 + 1e-9), state.name
 
 
