@@ -1,7 +1,8 @@
 """The scheduler's wire types: what a placement asks, what it answers, and what is observed.
 
-These pydantic models cross Temporal as activity inputs and outputs (pydantic data converter),
-so they hold plain types only: `str`, `int`, `float` seconds, integer micro-dollars and
+These types cross Temporal as activity inputs and outputs (pydantic data converter): pydantic
+models, and `Placement`, a dataclass pydantic validates when it reads one. They hold plain
+types only: `str`, `int`, `float` seconds, integer micro-dollars and
 `list[int]` block hashes.
 
 `Scheduler.place` returns either a `Placement` or a `Refusal`; it never raises for a request
@@ -11,6 +12,7 @@ for a request that can never be served as written (unknown model or tenant).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated
 
@@ -66,35 +68,51 @@ class PlacementRequest(_Wire):
     )
 
 
-class Placement(_Wire):
-    """Where a model call goes, what it is expected to cost and take, and why."""
+@dataclass(slots=True)
+class Placement:
+    """Where a model call goes, what it is expected to cost and take, and why.
 
-    replica: str = Field(description='e.g. "h200/1"')
-    task_queue: str = Field(description="the GPU worker's task queue")
+    A plain dataclass, not a pydantic model like the other wire types: the scheduler builds one
+    per decision from values it computed itself, and validating 22 fields it already knows
+    would cost an eighth of a decision. Pydantic still validates it (types and the bounds
+    below) wherever it is read back from JSON, as Temporal's pydantic converter does, and
+    rejects unknown fields there.
+    """
+
+    __pydantic_config__ = ConfigDict(extra="forbid")
+
+    replica: Annotated[str, Field(description='e.g. "h200/1"')]
+    task_queue: Annotated[str, Field(description="the GPU worker's task queue")]
     pool: str
-    gpu: str = Field(description="GPU generation, e.g. H200")
-    model: str = Field(description="the model to call (the fallback when degraded)")
-    degraded_from: str | None = Field(
-        default=None, description="the model asked for, when `model` is its fallback"
-    )
-    block_size: int = Field(description="the replica's KV block size in tokens")
-    expected_cached_tokens: int
+    gpu: Annotated[str, Field(description="GPU generation, e.g. H200")]
+    model: Annotated[str, Field(description="the model to call (the fallback when degraded)")]
+    degraded_from: Annotated[
+        str | None, Field(description="the model asked for, when `model` is its fallback")
+    ]
+    block_size: Annotated[int, Field(ge=1, description="the replica's KV block size in tokens")]
+    expected_cached_tokens: Annotated[int, Field(ge=0)]
     est_queue_wait_s: float
-    est_ttft_s: float = Field(description="queue wait + cold load + prefill of uncached tokens")
-    est_duration_s: float = Field(description="TTFT + decode of the estimated output")
-    est_cost_micros: int
-    p_success: float = Field(description="estimated probability that the call succeeds")
-    step_budget_s: float | None = Field(description="the share of the deadline this step may use")
-    priority_key: int = Field(ge=1, le=5, description="Temporal priority (tenant tier)")
-    fairness_key: str = Field(description="Temporal fairness key (the tenant)")
+    est_ttft_s: Annotated[
+        float, Field(description="queue wait + cold load + prefill of uncached tokens")
+    ]
+    est_duration_s: Annotated[float, Field(description="TTFT + decode of the estimated output")]
+    est_cost_micros: Annotated[int, Field(ge=0)]
+    p_success: Annotated[
+        float, Field(ge=0, le=1, description="estimated probability that the call succeeds")
+    ]
+    step_budget_s: Annotated[
+        float | None, Field(description="the share of the deadline this step may use")
+    ]
+    priority_key: Annotated[int, Field(ge=1, le=5, description="Temporal priority (tenant tier)")]
+    fairness_key: Annotated[str, Field(description="Temporal fairness key (the tenant)")]
     fairness_weight: float
     schedule_to_start_s: float
-    cold_start: bool = Field(default=False, description="the replica must load the model first")
-    probe: bool = Field(default=False, description="a half-open circuit's trial call")
-    rendezvous: bool = Field(
-        default=False, description="no replica held the prefix; chosen by rendezvous hashing"
-    )
-    reason: str = Field(description="one line a human reads in the Temporal UI")
+    cold_start: Annotated[bool, Field(description="the replica must load the model first")]
+    probe: Annotated[bool, Field(description="a half-open circuit's trial call")]
+    rendezvous: Annotated[
+        bool, Field(description="no replica held the prefix; chosen by rendezvous hashing")
+    ]
+    reason: Annotated[str, Field(description="one line a human reads in the Temporal UI")]
 
 
 class RefusalReason(StrEnum):

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from scheduler.blocks import block_hashes
 from scheduler.config import SchedulerConfig, WeightsConfig
@@ -285,7 +285,13 @@ def test_placement_carries_queue_priority_fairness_and_a_readable_reason() -> No
 def test_placement_round_trips_through_json_as_temporal_would_carry_it() -> None:
     scheduler = make_scheduler()
     result = placed(scheduler.place(request(prompt(8, 500))))
-    assert Placement.model_validate_json(result.model_dump_json()) == result
+    wire = TypeAdapter(Placement)
+    assert wire.validate_json(wire.dump_json(result)) == result
+    # Read back, a placement is validated like any wire type: bounds and unknown fields.
+    tampered = wire.dump_python(result) | {"priority_key": 9, "replica_hint": "h200/0"}
+    with pytest.raises(ValidationError) as err:
+        wire.validate_python(tampered)
+    assert {e["loc"][0] for e in err.value.errors()} == {"priority_key", "replica_hint"}
     refusal = refused(scheduler.place(request(prompt(8, 500), deadline_s_remaining=0.001)))
     assert Refusal.model_validate_json(refusal.model_dump_json()) == refusal
 
