@@ -1,7 +1,10 @@
 """The seven axes of placement: one small filter or scorer each, with its formula.
 
 Each class is pure: it reads configuration and the numbers it is given and returns a number or
-a yes/no. `scheduler.core.Scheduler` composes them into the objective
+a yes/no. The methods a placement calls read the configuration values they need from plain
+attributes copied at construction: a pydantic model answers every attribute read through a
+`__getattr__` hook, several times slower than a plain object, and these run for every replica
+scored. `scheduler.core.Scheduler` composes them into the objective
 
     J = (cost + λ · spent · (1 − p)) / p  ×  Π (1 + wₖ · penaltyₖ)  ×  sticky
 
@@ -82,6 +85,8 @@ class GpuGenerationAxis:
 
     def __init__(self, config: SpeedConfig) -> None:
         self.config = config
+        self._ttft_overhead_s = config.ttft_overhead_s
+        self._decode_batch_slowdown = config.decode_batch_slowdown
         self._roofline: dict[tuple[GpuGeneration, int, str], Speed] = {}
         self._replica: dict[tuple[str, str], Speed] = {}
         self._generation: dict[tuple[GpuGeneration, str], Speed] = {}
@@ -120,7 +125,7 @@ class GpuGenerationAxis:
 
     def prefill_s(self, speed: Speed, uncached_tokens: int) -> float:
         """Seconds from the start of a call to its first token, without queueing."""
-        return self.config.ttft_overhead_s + uncached_tokens * speed.prefill_s_per_token
+        return self._ttft_overhead_s + uncached_tokens * speed.prefill_s_per_token
 
     def decode_s(self, speed: Speed, output_tokens: int, load_fraction: float) -> float:
         """Seconds to decode `output_tokens` on a replica at `load_fraction` of its slots."""
@@ -128,7 +133,7 @@ class GpuGenerationAxis:
 
     def decode_slowdown(self, load_fraction: float) -> float:
         """1 + decode_batch_slowdown · load fraction (at most 1): batching slows decode."""
-        return 1.0 + self.config.decode_batch_slowdown * min(load_fraction, 1.0)
+        return 1.0 + self._decode_batch_slowdown * min(load_fraction, 1.0)
 
     def observe(
         self,
@@ -186,6 +191,8 @@ class QueueLoad:
     def __init__(self, weights: WeightsConfig, speed: SpeedConfig) -> None:
         self.weights = weights
         self.speed = speed
+        self._default_service_s = speed.default_service_s
+        self._weight = weights.queue
 
     def load_fraction(self, load: int, slots: int) -> float:
         """Calls on the replica per slot."""
@@ -193,13 +200,13 @@ class QueueLoad:
 
     def wait_s(self, running: int, waiting: int, slots: int, service_s: float | None) -> float:
         """Expected seconds before a new call starts on the replica."""
-        mean = service_s if service_s is not None else self.speed.default_service_s
+        mean = service_s if service_s is not None else self._default_service_s
         ahead = waiting + max(0, running + 1 - slots)
         return ahead * mean / slots
 
     def penalty(self, load: int, slots: int) -> float:
         """weights.queue · load / slots."""
-        return self.weights.queue * load / slots
+        return self._weight * load / slots
 
 
 class MemoryHeadroom:
@@ -214,6 +221,8 @@ class MemoryHeadroom:
     def __init__(self, config: MemoryConfig, weights: WeightsConfig) -> None:
         self.config = config
         self.weights = weights
+        self._reserve = config.reserve_fraction
+        self._weight = weights.kv_usage
 
     def blocks_needed(
         self, prompt_tokens: int, output_tokens: int, cached_tokens: int, block_size: int
@@ -226,7 +235,7 @@ class MemoryHeadroom:
         """Blocks that can be allocated without eating into the reserve; None if unknown."""
         if total_blocks is None:
             return None
-        return total_blocks * (1.0 - usage) - self.config.reserve_fraction * total_blocks
+        return total_blocks * (1.0 - usage) - self._reserve * total_blocks
 
     def admits(self, need: int, free: float | None) -> bool:
         """Whether the request fits without preempting running requests."""
@@ -243,11 +252,11 @@ class MemoryHeadroom:
         """The most blocks one request may take: total · (1 − reserve); None if unknown."""
         if total_blocks is None:
             return None
-        return total_blocks * (1 - self.config.reserve_fraction)
+        return total_blocks * (1 - self._reserve)
 
     def penalty(self, usage: float) -> float:
         """weights.kv_usage · usage."""
-        return self.weights.kv_usage * usage
+        return self._weight * usage
 
 
 class KvCacheAxis:
@@ -315,6 +324,7 @@ class TenantPriority:
 
     def __init__(self, config: AdmissionConfig) -> None:
         self.config = config
+        self._saturation = tuple(config.saturation_by_tier)
         self._budget_micros: dict[str, int | None] = {}
 
     def keys(self, tenant: Tenant) -> tuple[int, str, float]:
@@ -323,7 +333,7 @@ class TenantPriority:
 
     def admits(self, tier: int, load_fraction: float) -> bool:
         """Whether a tier-`tier` call is admitted at this fleet load fraction."""
-        return load_fraction < self.config.saturation_by_tier[tier - 1]
+        return load_fraction < self._saturation[tier - 1]
 
     def over_quota(self, tenant: Tenant, spent_today_micros: int) -> bool:
         """Whether the tenant has used its daily budget."""
@@ -350,13 +360,18 @@ class LatencyBudget:
 
     def __init__(self, config: LatencyConfig) -> None:
         self.config = config
+        self._share = config.step_share_multiplier
+        self._shape = config.deadline_shape
+        self._margin_s = config.schedule_to_start_margin_s
+        self._min_schedule_to_start_s = config.min_schedule_to_start_s
+        self._max_schedule_to_start_s = config.max_schedule_to_start_s
 
     def step_budget_s(self, remaining_s: float | None, steps_remaining: int) -> float | None:
         """Seconds this step may use, or None when the task has no deadline."""
         if remaining_s is None:
             return None
         remaining = max(0.0, remaining_s)
-        share = self.config.step_share_multiplier * remaining / max(1, steps_remaining)
+        share = self._share * remaining / max(1, steps_remaining)
         return min(remaining, share)
 
     def admits(self, estimate_s: float, budget_s: float | None) -> bool:
@@ -373,7 +388,7 @@ class LatencyBudget:
         if ratio <= 0.0:
             return 1.0
         # (estimate / budget)^shape in log space: tiny budgets must not overflow.
-        exponent = self.config.deadline_shape * math.log(ratio)
+        exponent = self._shape * math.log(ratio)
         if exponent > 700.0:
             return 0.0
         return 1.0 / (1.0 + math.exp(exponent))
@@ -382,11 +397,10 @@ class LatencyBudget:
         self, queue_wait_s: float, run_s: float, budget_s: float | None
     ) -> float:
         """Temporal schedule_to_start limit: 2 · queue estimate + margin, within the budget."""
-        config = self.config
-        limit = 2.0 * queue_wait_s + config.schedule_to_start_margin_s
+        limit = 2.0 * queue_wait_s + self._margin_s
         if budget_s is not None:
             limit = min(limit, budget_s - run_s)
-        return min(config.max_schedule_to_start_s, max(config.min_schedule_to_start_s, limit))
+        return min(self._max_schedule_to_start_s, max(self._min_schedule_to_start_s, limit))
 
 
 class WorkflowContext:
@@ -400,13 +414,15 @@ class WorkflowContext:
 
     def __init__(self, weights: WeightsConfig) -> None:
         self.weights = weights
+        self._sunk_cost = weights.sunk_cost
+        self._sticky_factor = 1.0 - weights.sticky
 
     def objective(self, cost: float, p_success: float, spent: float) -> float:
         """Expected cost per successful call, including the sunk cost at risk."""
         if p_success <= 0.0:
             return math.inf
-        return (cost + self.weights.sunk_cost * spent * (1.0 - p_success)) / p_success
+        return (cost + self._sunk_cost * spent * (1.0 - p_success)) / p_success
 
     def sticky_factor(self, is_previous: bool) -> float:
         """(1 − sticky) for the workflow's previous replica, 1 otherwise."""
-        return 1.0 - self.weights.sticky if is_previous else 1.0
+        return self._sticky_factor if is_previous else 1.0

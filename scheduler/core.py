@@ -189,7 +189,12 @@ class _Request:
     output: int
     spent: int
     budget_micros: int | None
+    block_hashes: list[int]
+    workflow_id: str
+    tenant: str
     spec: ModelSpec = field(init=False)
+    model: str = field(init=False)
+    """`spec.name`."""
     levels: list[tuple[int, int]] = field(init=False)
     """The prompt's prefix holders: (depth in index entries, replica bit mask), deepest first."""
     can_load: list[bool] = field(init=False)
@@ -261,6 +266,12 @@ class Scheduler:
                         )
                     )
         self._seeds = [replica_seed(r.name) for r in self._replicas]
+        # Configuration read on every decision, copied out of the pydantic models, whose
+        # attribute reads go through a slow `__getattr__` hook (see `scheduler.axes`).
+        self._allow_cold_start = config.allow_cold_start
+        self._sunk_cost = config.weights.sunk_cost
+        self._cold_start_factor = 1.0 + config.weights.cold_start
+        self._tenant_keys = {t.name: self.tenants.keys(t) for t in fleet.tenants}
         self._search_width = config.prefix.search_width or max(16, len(self._replicas) // 16)
         self._load_s = {m.name: self.warm.load_s(m) for m in fleet.models}
         self._can_load = {
@@ -516,7 +527,7 @@ class Scheduler:
             ctx = self._context(request, spec, now)
             outcome = self._place_model(ctx)
             if isinstance(outcome, tuple):
-                return self._commit(ctx, tenant, *outcome, degraded_from=None)
+                return self._commit(ctx, *outcome, degraded_from=None)
             primary = outcome
             fallback = spec.fallback
             seen = {spec.name}
@@ -528,7 +539,7 @@ class Scheduler:
                 attempt = self._place_model(ctx)
                 if isinstance(attempt, tuple):
                     if request.allow_fallback:
-                        return self._commit(ctx, tenant, *attempt, degraded_from=spec.name)
+                        return self._commit(ctx, *attempt, degraded_from=spec.name)
                     return primary.model_copy(
                         update={
                             "alternative_model": fallback,
@@ -574,6 +585,9 @@ class Scheduler:
             output=request.max_output_tokens,
             spent=request.spent_micros,
             budget_micros=request.budget_micros,
+            block_hashes=request.block_hashes,
+            workflow_id=request.workflow_id,
+            tenant=request.tenant,
         )
         self._for_model(ctx, spec)
         return ctx
@@ -581,12 +595,13 @@ class Scheduler:
     def _for_model(self, ctx: _Request, spec: ModelSpec) -> None:
         """Set the model-dependent constants of a request."""
         ctx.spec = spec
-        ctx.levels = self.indexes[spec.name].match_levels(ctx.request.block_hashes, ctx.now)
-        if self.config.allow_cold_start:
-            ctx.can_load = self._can_load[spec.name]
+        ctx.model = model = spec.name
+        ctx.levels = self.indexes[model].match_levels(ctx.block_hashes, ctx.now)
+        if self._allow_cold_start:
+            ctx.can_load = self._can_load[model]
         else:
             ctx.can_load = [False] * len(self._pools)
-        ctx.cold_load_s = self._load_s[spec.name]
+        ctx.cold_load_s = self._load_s[model]
 
     def _state(self, replica: str) -> ReplicaState:
         state = self._by_name.get(replica)
@@ -817,10 +832,9 @@ class Scheduler:
     def _place_model(self, ctx: _Request) -> tuple[_Candidate, bool] | Refusal:
         """Choose a replica for `ctx.spec`; (candidate, chosen by rendezvous) or a refusal."""
         request, spec = ctx.request, ctx.spec
-        view = self._views[spec.name]
-        tenant = self._tenants[request.tenant]
-        length = request.prompt_tokens + request.max_output_tokens
-        if length > spec.context_length:
+        view = self._views[ctx.model]
+        tier = self._tenant_keys[ctx.tenant][0]
+        if ctx.prompt + ctx.output > spec.context_length:
             return self._refusal(
                 ctx,
                 RefusalReason.NO_REPLICA,
@@ -828,14 +842,14 @@ class Scheduler:
                 f"exceed {spec.name}'s context of {spec.context_length} tokens",
                 retryable=False,
             )
-        if view.slots and not self.tenants.admits(tenant.tier, view.load / view.slots):
+        if view.slots and not self.tenants.admits(tier, view.load / view.slots):
             retry = self.config.admission.retry_after_s
             return self._refusal(
                 ctx,
                 RefusalReason.SATURATED,
                 f"replicas serving {spec.name} are at {view.load / view.slots:.0%} of their "
-                f"slots; tier {tenant.tier} calls wait until load falls below "
-                f"{self.config.admission.saturation_by_tier[tenant.tier - 1]:.0%}",
+                f"slots; tier {tier} calls wait until load falls below "
+                f"{self.config.admission.saturation_by_tier[tier - 1]:.0%}",
                 retry_after=retry,
                 retryable=True,
             )
@@ -866,7 +880,7 @@ class Scheduler:
         if not best:
             return self._no_fit(ctx, view, evaluated)
         chosen = best[0]
-        if not request.block_hashes and not request.workflow_id:
+        if not ctx.block_hashes and not ctx.workflow_id:
             return chosen, False
         if cache_hit:
             return chosen, False
@@ -894,7 +908,7 @@ class Scheduler:
         replicas = self._replicas
         limit = self._search_width
         # λ · spent, for each replica's `objective_bound`.
-        sunk = self.config.weights.sunk_cost * ctx.spent
+        sunk = self._sunk_cost * ctx.spent
         deadline = ctx.budget_s is not None
         # No replica has more of the prompt cached than the deepest holder.
         most_cached = min(ctx.levels[0][0] * block, max(0, prompt - 1)) if ctx.levels else 0
@@ -1037,7 +1051,7 @@ class Scheduler:
         if rid in ctx.excluded:
             return "excluded"
         state = self._replicas[rid]
-        warm = ctx.spec.name in state.warm_models
+        warm = ctx.model in state.warm_models
         if not warm and not ctx.can_load[state.pool_position]:
             return "not_warm"
         if not state.up:
@@ -1079,7 +1093,7 @@ class Scheduler:
             p *= self.latency.p_on_time(duration, budget)
         objective = self.context.objective(cost, p, ctx.spent) * state.penalty
         if not warm:
-            objective *= 1.0 + self.config.weights.cold_start
+            objective *= self._cold_start_factor
         if rid == ctx.previous:
             objective *= self.context.sticky_factor(True)
         # Positional: keyword arguments cost a fifth of the whole evaluation.
@@ -1185,38 +1199,36 @@ class Scheduler:
     def _commit(
         self,
         ctx: _Request,
-        tenant: Tenant,
         chosen: _Candidate,
         rendezvous: bool,
         *,
         degraded_from: str | None,
     ) -> Placement:
         """Describe the decision, and queue its bookkeeping for `settle`."""
-        request, spec = ctx.request, ctx.spec
         state = self._replicas[chosen.rid]
         ahead = state.load
         probe = state.breaker.state is CircuitState.HALF_OPEN
         self._unsettled.append(
             _Booking(
                 chosen.rid,
-                spec.name,
-                request.block_hashes,
+                ctx.model,
+                ctx.block_hashes,
                 chosen.depth,
-                request.workflow_id,
-                tenant.name,
-                request.attempt > 1,
+                ctx.workflow_id,
+                ctx.tenant,
+                ctx.request.attempt > 1,
                 probe,
                 ctx.now,
             )
         )
         cost = self._prices[state.pool_position].exact.cost_micros(
-            request.prompt_tokens, chosen.cached_tokens, request.max_output_tokens
+            ctx.prompt, chosen.cached_tokens, ctx.output
         )
         budget = ctx.budget_s
-        priority, fairness_key, fairness_weight = self.tenants.keys(tenant)
+        priority, fairness_key, fairness_weight = self._tenant_keys[ctx.tenant]
         run_s = chosen.duration_s - chosen.queue_wait_s
         reason = (
-            f"{state.name}: {_tokens(chosen.cached_tokens)} of {_tokens(request.prompt_tokens)} "
+            f"{state.name}: {_tokens(chosen.cached_tokens)} of {_tokens(ctx.prompt)} "
             f"prompt tokens cached, queue {ahead}, est {_seconds(chosen.duration_s)}"
             + (f" of {_seconds(budget)} budget" if budget is not None else " (no deadline)")
             + f", ${format_usd(cost, 4)}"
@@ -1238,9 +1250,9 @@ class Scheduler:
         return Placement(
             state.name,
             state.task_queue,
-            state.pool.name,
-            state.pool.gpu.value,
-            spec.name,
+            state.pool_name,
+            state.gpu,
+            ctx.model,
             degraded_from,
             state.engine_block_size or self.block_size,
             chosen.cached_tokens,

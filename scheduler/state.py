@@ -34,6 +34,10 @@ class ReplicaState:
     rid: int
     name: str
     pool: Pool
+    pool_name: str
+    """`pool.name`, and `gpu` the pool's GPU generation: read for every placement, and a
+    pydantic model's attribute reads are slow (see `scheduler.axes`)."""
+    gpu: str
     pool_position: int
     index: int
     task_queue: str
@@ -83,6 +87,8 @@ class ReplicaState:
             rid=rid,
             name=name,
             pool=pool,
+            pool_name=pool.name,
+            gpu=pool.gpu.value,
             pool_position=pool_position,
             index=index,
             task_queue=task_queue,
