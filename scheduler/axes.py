@@ -228,8 +228,10 @@ class MemoryHeadroom:
         self, prompt_tokens: int, output_tokens: int, cached_tokens: int, block_size: int
     ) -> int:
         """Blocks the request will allocate beyond those it finds cached."""
-        total = -(-(prompt_tokens + output_tokens) // block_size)
-        return max(0, total - cached_tokens // block_size)
+        need = -(-(prompt_tokens + output_tokens) // block_size) - cached_tokens // block_size
+        # Not max(0, need): the builtin parses keyword arguments on every call, and this runs
+        # for every replica scored.
+        return need if need > 0 else 0
 
     def free_blocks(self, total_blocks: int | None, usage: float) -> float | None:
         """Blocks that can be allocated without eating into the reserve; None if unknown."""
@@ -273,7 +275,9 @@ class KvCacheAxis:
         """Prompt tokens the replica is expected to serve from its cache."""
         if depth <= 0 or prompt_tokens <= 1:
             return 0
-        cached = min(depth * index_block_size, prompt_tokens - 1)
+        cached = depth * index_block_size
+        if cached >= prompt_tokens:  # min(), without the builtin's cost (see blocks_needed)
+            cached = prompt_tokens - 1
         return cached // engine_block_size * engine_block_size
 
 

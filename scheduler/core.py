@@ -271,7 +271,11 @@ class Scheduler:
         self._allow_cold_start = config.allow_cold_start
         self._sunk_cost = config.weights.sunk_cost
         self._cold_start_factor = 1.0 + config.weights.cold_start
+        self._rendezvous_tolerance = 1.0 + config.prefix.rendezvous_tolerance
+        self._rendezvous_prefix_blocks = config.prefix.rendezvous_prefix_blocks
+        self._bounded_load_factor = config.prefix.bounded_load_factor
         self._tenant_keys = {t.name: self.tenants.keys(t) for t in fleet.tenants}
+
         self._search_width = config.prefix.search_width or max(16, len(self._replicas) // 16)
         self._load_s = {m.name: self.warm.load_s(m) for m in fleet.models}
         self._can_load = {
@@ -910,11 +914,11 @@ class Scheduler:
         # λ · spent, for each replica's `objective_bound`.
         sunk = self._sunk_cost * ctx.spent
         deadline = ctx.budget_s is not None
+        longest = prompt - 1 if prompt > 0 else 0  # vLLM always computes the prompt's last token
         # No replica has more of the prompt cached than the deepest holder.
-        most_cached = min(ctx.levels[0][0] * block, max(0, prompt - 1)) if ctx.levels else 0
+        most_cached = min(ctx.levels[0][0] * block, longest) if ctx.levels else 0
         heap: list[tuple[float, int, int, list[tuple[float, int]] | None, float]] = []
         bulk_depth = 0
-        longest = max(0, prompt - 1)  # vLLM always computes the prompt's last token
         if not cold:
             # The deepest `limit` holders (levels come deepest first), each with its own cost;
             # the next holder's depth bounds what any other replica has cached.
@@ -951,13 +955,13 @@ class Scheduler:
             examined += 1
             if examined > limit and best:
                 break
+            state = replicas[rid]
             if ranked is not None and at + 1 < len(ranked):
                 factor, following = ranked[at + 1]
                 heapq.heappush(heap, (cost * factor, following, at + 1, ranked, cost))
             # The heap's bound leaves out what is not ordered along a pool's ranking (the
             # sunk-cost term, the deadline); with them, this replica alone may be out of
             # reach, which costs a fraction of scoring it.
-            state = replicas[rid]
             if best and state.objective_bound(cost, sunk) >= best[0].objective:
                 continue
             if deadline:
@@ -1007,18 +1011,15 @@ class Scheduler:
         first in weight order that passes the filters, holds no more than the bounded-load
         capacity and whose objective is within the tolerance of the best found wins.
         """
-        request = ctx.request
-        config = self.config.prefix
-        tolerance = 1.0 + config.rendezvous_tolerance
+        tolerance = self._rendezvous_tolerance
         lists = view.cold if chosen.cold_load_s else view.warm
         costs = [
-            self._prices[position].cost(request.prompt_tokens, 0, request.max_output_tokens)
-            for position in range(len(lists))
+            self._prices[position].cost(ctx.prompt, 0, ctx.output) for position in range(len(lists))
         ]
-        lowest = min(
-            (costs[position] * ranked[0][0] for position, ranked in enumerate(lists) if ranked),
-            default=math.inf,
-        )
+        lowest = math.inf
+        for position, ranked in enumerate(lists):
+            if ranked and costs[position] * ranked[0][0] < lowest:
+                lowest = costs[position] * ranked[0][0]
         if not math.isfinite(lowest):
             return chosen, False
         group: list[int] = []
@@ -1030,11 +1031,9 @@ class Scheduler:
                 continue
             end = bisect_right(ranked, (lowest * tolerance / costs[position], math.inf))
             group.extend([rid for _, rid in ranked[:end]])
-        key = rendezvous_key(
-            request.block_hashes, request.workflow_id, config.rendezvous_prefix_blocks
-        )
+        key = rendezvous_key(ctx.block_hashes, ctx.workflow_id, self._rendezvous_prefix_blocks)
         seeds = self._seeds
-        capacity = bounded_capacity(view.shared_load, view.warm_count, config.bounded_load_factor)
+        capacity = bounded_capacity(view.shared_load, view.warm_count, self._bounded_load_factor)
         replicas = self._replicas
         limit = chosen.objective * tolerance * tolerance
         for position in rendezvous_order(key, [seeds[rid] for rid in group]):

@@ -107,7 +107,8 @@ class ReplicaState:
     @property
     def load(self) -> int:
         """Calls on the replica: scraped running + waiting plus this scheduler's newer ones."""
-        return max(self.running + self.waiting + self.placed_since_scrape, self.inflight)
+        seen = self.running + self.waiting + self.placed_since_scrape
+        return seen if seen > self.inflight else self.inflight
 
     @property
     def shared_load(self) -> int:
