@@ -275,7 +275,6 @@ class Scheduler:
         self._rendezvous_prefix_blocks = config.prefix.rendezvous_prefix_blocks
         self._bounded_load_factor = config.prefix.bounded_load_factor
         self._tenant_keys = {t.name: self.tenants.keys(t) for t in fleet.tenants}
-
         self._search_width = config.prefix.search_width or max(16, len(self._replicas) // 16)
         self._load_s = {m.name: self.warm.load_s(m) for m in fleet.models}
         self._can_load = {
@@ -955,13 +954,13 @@ class Scheduler:
             examined += 1
             if examined > limit and best:
                 break
-            state = replicas[rid]
             if ranked is not None and at + 1 < len(ranked):
                 factor, following = ranked[at + 1]
                 heapq.heappush(heap, (cost * factor, following, at + 1, ranked, cost))
             # The heap's bound leaves out what is not ordered along a pool's ranking (the
             # sunk-cost term, the deadline); with them, this replica alone may be out of
             # reach, which costs a fraction of scoring it.
+            state = replicas[rid]
             if best and state.objective_bound(cost, sunk) >= best[0].objective:
                 continue
             if deadline:
