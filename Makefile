@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvflow-installed
 
-.PHONY: install demo test lint format clean vllm-env
+.PHONY: install demo test lint format clean vllm-env compiled bench
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,23 @@ vllm-env:
 
 test: lint vllm-env
 	$(BIN)/pytest
+
+# The scheduler's decision path compiled with mypyc, as a deployment installs kvflow
+# (HATCH_BUILD_HOOK_ENABLE_MYPYC=true pip install .): the same source, built into a wheel and
+# unpacked under .kvflow/compiled/site. The development environment runs it uncompiled, so an
+# edited module never hides behind an older compiled one; `bench` puts the build first on the
+# path and says which build it measured.
+COMPILED := .kvflow/compiled
+$(COMPILED)/site: $(STAMP) pyproject.toml $(wildcard scheduler/*.py benchmarks/*.py)
+	rm -rf $(COMPILED) && mkdir -p $(COMPILED)
+	HATCH_BUILD_HOOK_ENABLE_MYPYC=true HATCH_BUILD_CLEAN_HOOKS_AFTER=true $(BIN)/python -m pip wheel -q --no-deps -w $(COMPILED) .
+	$(BIN)/python -m zipfile -e $(COMPILED)/kvflow-*.whl $(COMPILED)/site
+
+compiled: $(COMPILED)/site
+
+bench: $(COMPILED)/site
+	PYTHONPATH=$(COMPILED)/site $(BIN)/kvflow bench scheduler --json scheduler-latency.json
+	$(BIN)/kvflow sim bench --json sim-bench.json
 
 clean:
 	rm -rf $(VENV) .kvflow .pytest_cache .mypy_cache .ruff_cache

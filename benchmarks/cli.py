@@ -19,6 +19,7 @@ from benchmarks.scheduler_latency import (
     QualityResult,
     measure,
     measure_quality,
+    scheduler_build,
 )
 
 bench_app = typer.Typer(
@@ -82,7 +83,11 @@ def scheduler_latency(
             status.update(f"scoring every replica for {count} replicas...")
             quality.append(measure_quality(count, decisions=min(300, decisions), seed=seed))
 
-    table = Table(title="Scheduler decision latency (µs, one decision at a time)")
+    build = scheduler_build()
+    table = Table(
+        title="Scheduler decision latency (µs, one decision at a time; "
+        + ("compiled with mypyc)" if build == "mypyc" else "uncompiled: `make bench` compiles)")
+    )
     for column in (
         "replicas",
         "decisions",
@@ -140,6 +145,7 @@ def scheduler_latency(
     )
     if json_file is not None:
         payload = {
+            "scheduler_build": build,
             "decision_latency_us": {
                 str(r.replicas): {
                     "p50": round(r.p50_us, 2),

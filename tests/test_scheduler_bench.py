@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import scheduler.core
+
 KVFLOW = str(Path(sys.executable).with_name("kvflow"))
 
 
@@ -24,6 +26,11 @@ def test_bench_scheduler_prints_a_table_and_writes_latency_json(tmp_path: Path) 
     )
     assert done.returncode == 0, done.stderr
     assert "Scheduler decision latency" in done.stdout
+    # It says which build it measured: the one this environment imports (see
+    # test_scheduler_compiled.py, which runs this test against the compiled build too).
+    compiled = not (scheduler.core.__file__ or "").endswith(".py")
+    assert json.loads(out.read_text())["scheduler_build"] == ("mypyc" if compiled else "python")
+    assert ("compiled with mypyc" in done.stdout) == compiled
     figures = json.loads(out.read_text())["decision_latency_us"]
     assert set(figures) == {"16", "64"}
     for size in figures.values():
