@@ -49,7 +49,6 @@ from bisect import bisect_left, bisect_right, insort
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from scheduler.axes import (
     GpuGenerationAxis,
@@ -129,20 +128,51 @@ _DOWN_RETRY_AFTER_S = 5.0
 _NOTHING_EXCLUDED: frozenset[int] = frozenset()
 
 
-@dataclass(slots=True)
+# The records one decision creates (`_Request`, `_Candidate`, `_Booking`) are plain classes
+# with their own `__init__`, not dataclasses or named tuples: in the compiled build (`make
+# compiled`) their constructors become C, where a dataclass's generated `__init__` would still
+# run as interpreted Python, and uncompiled they cost the same.
+
+
 class _Candidate:
     """One replica scored for one request."""
 
-    rid: int
-    depth: int
-    cached_tokens: int
-    queue_wait_s: float
-    cold_load_s: float
-    ttft_s: float
-    duration_s: float
-    cost: float
-    p_success: float
-    objective: float
+    __slots__ = (
+        "cached_tokens",
+        "cold_load_s",
+        "cost",
+        "depth",
+        "duration_s",
+        "objective",
+        "p_success",
+        "queue_wait_s",
+        "rid",
+        "ttft_s",
+    )
+
+    def __init__(
+        self,
+        rid: int,
+        depth: int,
+        cached_tokens: int,
+        queue_wait_s: float,
+        cold_load_s: float,
+        ttft_s: float,
+        duration_s: float,
+        cost: float,
+        p_success: float,
+        objective: float,
+    ) -> None:
+        self.rid = rid
+        self.depth = depth
+        self.cached_tokens = cached_tokens
+        self.queue_wait_s = queue_wait_s
+        self.cold_load_s = cold_load_s
+        self.ttft_s = ttft_s
+        self.duration_s = duration_s
+        self.cost = cost
+        self.p_success = p_success
+        self.objective = objective
 
 
 @dataclass(slots=True)
@@ -162,44 +192,104 @@ class _ModelView:
     warm_count: int = 0
 
 
-class _Booking(NamedTuple):
+class _Booking:
     """What an answered placement changes, applied by `Scheduler.settle`."""
 
-    rid: int
-    model: str
-    block_hashes: list[int]
-    held_depth: int
-    workflow_id: str
-    tenant: str
-    retry: bool
-    probe: bool
-    now: float
+    __slots__ = (
+        "block_hashes",
+        "held_depth",
+        "model",
+        "now",
+        "probe",
+        "retry",
+        "rid",
+        "tenant",
+        "workflow_id",
+    )
+
+    def __init__(
+        self,
+        rid: int,
+        model: str,
+        block_hashes: list[int],
+        held_depth: int,
+        workflow_id: str,
+        tenant: str,
+        retry: bool,
+        probe: bool,
+        now: float,
+    ) -> None:
+        self.rid = rid
+        self.model = model
+        self.block_hashes = block_hashes
+        self.held_depth = held_depth
+        self.workflow_id = workflow_id
+        self.tenant = tenant
+        self.retry = retry
+        self.probe = probe
+        self.now = now
 
 
-@dataclass(slots=True)
 class _Request:
     """Per-request constants, computed once per decision."""
 
-    request: PlacementRequest
-    now: float
-    budget_s: float | None
-    excluded: frozenset[int]
-    previous: int
-    prompt: int
-    output: int
-    spent: int
-    budget_micros: int | None
-    block_hashes: list[int]
-    workflow_id: str
-    tenant: str
-    spec: ModelSpec = field(init=False)
-    model: str = field(init=False)
-    """`spec.name`."""
-    levels: list[tuple[int, int]] = field(init=False)
-    """The prompt's prefix holders: (depth in index entries, replica bit mask), deepest first."""
-    can_load: list[bool] = field(init=False)
-    """Per pool: whether a cold replica there may load the model."""
-    cold_load_s: float = field(init=False)
+    __slots__ = (
+        "block_hashes",
+        "budget_micros",
+        "budget_s",
+        "can_load",
+        "cold_load_s",
+        "excluded",
+        "levels",
+        "model",
+        "now",
+        "output",
+        "previous",
+        "prompt",
+        "request",
+        "spec",
+        "spent",
+        "tenant",
+        "workflow_id",
+    )
+
+    def __init__(
+        self,
+        request: PlacementRequest,
+        now: float,
+        budget_s: float | None,
+        excluded: frozenset[int],
+        previous: int,
+        prompt: int,
+        output: int,
+        spent: int,
+        budget_micros: int | None,
+        block_hashes: list[int],
+        workflow_id: str,
+        tenant: str,
+    ) -> None:
+        self.request = request
+        self.now = now
+        self.budget_s = budget_s
+        self.excluded = excluded
+        self.previous = previous
+        self.prompt = prompt
+        self.output = output
+        self.spent = spent
+        self.budget_micros = budget_micros
+        self.block_hashes = block_hashes
+        self.workflow_id = workflow_id
+        self.tenant = tenant
+        # Set by `Scheduler._for_model`, for the model being placed:
+        self.spec: ModelSpec
+        self.model: str
+        """`spec.name`."""
+        self.levels: list[tuple[int, int]]
+        """The prompt's prefix holders: (depth in index entries, replica bit mask), deepest
+        first."""
+        self.can_load: list[bool]
+        """Per pool: whether a cold replica there may load the model."""
+        self.cold_load_s: float
 
 
 class Scheduler:
