@@ -46,6 +46,8 @@ ELSEWHERE = {
     "make demo": "tests/test_demo.py runs `kvflow demo`, which is all `make demo` adds to setup",
     "make test": "the CI job itself",
     "make lint": "part of `make test`",
+    "make bench": "tests/test_scheduler_compiled.py runs `make compiled`, and the benchmark "
+    "tests run `kvflow bench` against that build; `make bench` runs the two benchmark lines",
 }
 
 
