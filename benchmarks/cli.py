@@ -19,8 +19,8 @@ from benchmarks.scheduler_latency import (
     QualityResult,
     measure,
     measure_quality,
-    scheduler_build,
 )
+from scheduler.build import scheduler_build
 
 bench_app = typer.Typer(
     help="Benchmarks of kvflow's policies and overheads.",

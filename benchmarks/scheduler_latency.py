@@ -30,7 +30,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 
-from scheduler import core as scheduler_core
 from scheduler.blocks import hash_block
 from scheduler.config import SchedulerConfig
 from scheduler.core import Scheduler
@@ -76,11 +75,6 @@ class LatencyResult:
     """A fixed piece of pure-Python work as long as the median decision, timed between the
     decisions: the same work every time, so its tail is the machine's, not the scheduler's."""
     reference_p99_us: float
-
-
-def scheduler_build() -> str:
-    """Which build of the decision path runs: `mypyc` (`make compiled`) or `python`."""
-    return "python" if (scheduler_core.__file__ or "").endswith(".py") else "mypyc"
 
 
 def bench_fleet(replicas: int) -> Fleet:

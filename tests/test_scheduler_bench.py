@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import scheduler.core
+from scheduler.build import scheduler_build
 
 KVFLOW = str(Path(sys.executable).with_name("kvflow"))
 
@@ -28,9 +28,9 @@ def test_bench_scheduler_prints_a_table_and_writes_latency_json(tmp_path: Path) 
     assert "Scheduler decision latency" in done.stdout
     # It says which build it measured: the one this environment imports (see
     # test_scheduler_compiled.py, which runs this test against the compiled build too).
-    compiled = not (scheduler.core.__file__ or "").endswith(".py")
-    assert json.loads(out.read_text())["scheduler_build"] == ("mypyc" if compiled else "python")
-    assert ("compiled with mypyc" in done.stdout) == compiled
+    build = scheduler_build()
+    assert json.loads(out.read_text())["scheduler_build"] == build
+    assert ("compiled with mypyc" in done.stdout) == (build == "mypyc")
     figures = json.loads(out.read_text())["decision_latency_us"]
     assert set(figures) == {"16", "64"}
     for size in figures.values():

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from scheduler.build import scheduler_build
+
 ROOT = Path(__file__).resolve().parents[1]
 SITE = ROOT / ".kvflow" / "compiled" / "site"
 COMPILED_MODULES = ["axes", "core", "prefix_index", "reliability", "rendezvous", "state"]
@@ -34,8 +36,15 @@ def test_compiled_build_runs_the_scheduler_tests(tmp_path: Path) -> None:
     )
     shutil.copy(ROOT / "pyproject.toml", tmp_path)  # pytest's settings (asyncio mode, markers)
     env = os.environ | {"PYTHONPATH": str(SITE)}
+    # The development environment runs the source; the unpacked build runs compiled code.
+    assert scheduler_build() == "python"
     probe = subprocess.run(
-        [sys.executable, "-c", "import scheduler.core as m; print(m.__file__)"],
+        [
+            sys.executable,
+            "-c",
+            "import scheduler.core, scheduler.build;"
+            "print(scheduler.core.__file__, scheduler.build.scheduler_build())",
+        ],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -43,7 +52,8 @@ def test_compiled_build_runs_the_scheduler_tests(tmp_path: Path) -> None:
         timeout=60,
     )
     assert probe.returncode == 0, probe.stderr
-    assert probe.stdout.strip().endswith(".so"), probe.stdout
+    module_file, probed_build = probe.stdout.split()
+    assert module_file.endswith(".so") and probed_build == "mypyc", probe.stdout
 
     files = sorted(
         f"tests/{path.name}" for path in (tmp_path / "tests").glob("test_scheduler_*.py")

@@ -14,6 +14,7 @@ import typer
 from activities.context_store import DEFAULT_CONTEXT_DIR, DirectoryContextStore
 from ledger.errors import LedgerError
 from ledger.store import open_async_ledger
+from scheduler.build import scheduler_build
 from workers.console import fail, load_fleet_or_exit, out
 from workers.gpu_worker import (
     GpuWorker,
@@ -170,7 +171,11 @@ def workflow_command(
                         signum, lambda: asyncio.ensure_future(worker.shutdown())
                     )
                 names = ", ".join(w.__name__ for w in workflows)
-                out.print(f"workflow worker on {task_queue}: {names}", highlight=False)
+                build = "compiled with mypyc" if scheduler_build() == "mypyc" else "uncompiled"
+                out.print(
+                    f"workflow worker on {task_queue}: {names} (scheduler {build})",
+                    highlight=False,
+                )
                 await worker.run()
         finally:
             await ledger.close()
