@@ -160,8 +160,7 @@ class GpuGenerationAxis:
             low = roofline.prefill_s_per_token / clamp
             prefill = min(max(prefill, low), roofline.prefill_s_per_token * clamp)
         if decode_s is not None and decode_s > 0 and output_tokens >= 2:
-            slowdown = 1.0 + self.config.decode_batch_slowdown * min(load_fraction, 1.0)
-            decode = decode_s / (output_tokens - 1) / slowdown
+            decode = decode_s / (output_tokens - 1) / self.decode_slowdown(load_fraction)
             low = roofline.decode_s_per_token / clamp
             decode = min(max(decode, low), roofline.decode_s_per_token * clamp)
         alpha = self.config.ewma_alpha
@@ -189,8 +188,6 @@ class QueueLoad:
     """
 
     def __init__(self, weights: WeightsConfig, speed: SpeedConfig) -> None:
-        self.weights = weights
-        self.speed = speed
         self._default_service_s = speed.default_service_s
         self._weight = weights.queue
 
@@ -219,8 +216,6 @@ class MemoryHeadroom:
     """
 
     def __init__(self, config: MemoryConfig, weights: WeightsConfig) -> None:
-        self.config = config
-        self.weights = weights
         self._reserve = config.reserve_fraction
         self._weight = weights.kv_usage
 
@@ -327,7 +322,6 @@ class TenantPriority:
     """
 
     def __init__(self, config: AdmissionConfig) -> None:
-        self.config = config
         self._saturation = tuple(config.saturation_by_tier)
         self._budget_micros: dict[str, int | None] = {}
 
@@ -363,7 +357,6 @@ class LatencyBudget:
     """
 
     def __init__(self, config: LatencyConfig) -> None:
-        self.config = config
         self._share = config.step_share_multiplier
         self._shape = config.deadline_shape
         self._margin_s = config.schedule_to_start_margin_s
@@ -417,7 +410,6 @@ class WorkflowContext:
     """
 
     def __init__(self, weights: WeightsConfig) -> None:
-        self.weights = weights
         self._sunk_cost = weights.sunk_cost
         self._sticky_factor = 1.0 - weights.sticky
 
