@@ -248,6 +248,7 @@ class _Request:
         "excluded",
         "levels",
         "model",
+        "most_cached",
         "now",
         "output",
         "previous",
@@ -296,6 +297,8 @@ class _Request:
         self.can_load: list[bool]
         """Per pool: whether a cold replica there may load the model."""
         self.cold_load_s: float
+        self.most_cached: int
+        """The most prompt tokens any replica has cached: the deepest holder's."""
 
 
 class Scheduler:
@@ -370,6 +373,7 @@ class Scheduler:
         self._rendezvous_tolerance = 1.0 + config.prefix.rendezvous_tolerance
         self._rendezvous_prefix_blocks = config.prefix.rendezvous_prefix_blocks
         self._bounded_load_factor = config.prefix.bounded_load_factor
+        self._remembered_workflows = config.prefix.remembered_workflows
         self._tenant_keys = {t.name: self.tenants.keys(t) for t in fleet.tenants}
         self._search_width = config.prefix.search_width or max(16, len(self._replicas) // 16)
         self._load_s = {m.name: self.warm.load_s(m) for m in fleet.models}
@@ -695,7 +699,10 @@ class Scheduler:
         """Set the model-dependent constants of a request."""
         ctx.spec = spec
         ctx.model = model = spec.name
-        ctx.levels = self.indexes[model].match_levels(ctx.block_hashes, ctx.now)
+        ctx.levels = levels = self.indexes[model].match_levels(ctx.block_hashes, ctx.now)
+        # vLLM always computes the prompt's last token.
+        longest = ctx.prompt - 1 if ctx.prompt > 0 else 0
+        ctx.most_cached = min(levels[0][0] * self._entry_tokens, longest) if levels else 0
         if self._allow_cold_start:
             ctx.can_load = self._can_load[model]
         else:
@@ -787,11 +794,11 @@ class Scheduler:
             self.indexes[booking.model].record_placement(
                 booking.rid, booking.block_hashes, booking.now, held_depth=booking.held_depth
             )
-            if booking.workflow_id and self.config.prefix.remembered_workflows:
+            if booking.workflow_id and self._remembered_workflows:
                 remembered = self._last_replica
                 remembered[booking.workflow_id] = booking.rid
                 remembered.move_to_end(booking.workflow_id)
-                if len(remembered) > self.config.prefix.remembered_workflows:
+                if len(remembered) > self._remembered_workflows:
                     remembered.popitem(last=False)
             self._tenant_retries[booking.tenant].record(booking.retry, booking.now)
             self._refresh_load(state)
@@ -1010,8 +1017,6 @@ class Scheduler:
         sunk = self._sunk_cost * ctx.spent
         deadline = ctx.budget_s is not None
         longest = prompt - 1 if prompt > 0 else 0  # vLLM always computes the prompt's last token
-        # No replica has more of the prompt cached than the deepest holder.
-        most_cached = min(ctx.levels[0][0] * block, longest) if ctx.levels else 0
         heap: list[tuple[float, int, int, list[tuple[float, int]] | None, float]] = []
         bulk_depth = 0
         if not cold:
@@ -1060,18 +1065,16 @@ class Scheduler:
             if best and state.objective_bound(cost, sunk) >= best[0].objective:
                 continue
             if deadline:
-                floor = self._objective_floor(state, ctx, cost, most_cached)
+                floor = self._objective_floor(state, ctx, cost)
                 if floor == math.inf or (best and floor >= best[0].objective):
                     continue
             consider(rid)
 
-    def _objective_floor(
-        self, state: ReplicaState, ctx: _Request, cost: float, most_cached: int
-    ) -> float:
+    def _objective_floor(self, state: ReplicaState, ctx: _Request, cost: float) -> float:
         """A lower bound on the objective `_evaluate` would give the replica; inf if late.
 
-        `cost` is at most the call's cost there and `most_cached` at least its cached tokens.
-        The quickest the call could finish (its queue, no cold load, `most_cached` tokens
+        `cost` is at most the call's cost there, and `ctx.most_cached` is at least its cached
+        tokens. The quickest the call could finish (its queue, no cold load, that many tokens
         cached) bounds P(on time) from above, so the objective from below; a replica that
         misses the step's budget even then cannot be placed at all. Cheaper than scoring, and
         it never rules out a replica `_evaluate` would rank below the bound.
@@ -1083,7 +1086,7 @@ class Scheduler:
             speed = gpu.speed(state.name, state.pool, ctx.spec)
             quickest = (
                 state.wait_s
-                + gpu.prefill_s(speed, ctx.prompt - most_cached)
+                + gpu.prefill_s(speed, ctx.prompt - ctx.most_cached)
                 + ctx.output * speed.decode_s_per_token * state.decode_slowdown
             )
             if quickest > budget:

@@ -769,14 +769,12 @@ def test_the_searchs_shortcuts_never_hide_a_replica_that_could_win(
     # A step budget close to some replica's estimate: the deadline decides for some replicas.
     ctx.budget_s = random.Random(seed).choice(scored).duration_s * tightness if scored else 1.0
     sunk = scheduler.config.weights.sunk_cost * spent
-    longest = max(0, tokens - 1)
-    most_cached = min(ctx.levels[0][0] * scheduler._entry_tokens, longest) if ctx.levels else 0
     for state in scheduler._replicas:
         verdict = scheduler._evaluate(state.rid, ctx)
         price = scheduler._prices[state.pool_position]
-        cached = verdict.cached_tokens if isinstance(verdict, _Candidate) else most_cached
+        cached = verdict.cached_tokens if isinstance(verdict, _Candidate) else ctx.most_cached
         cost = price.cost(tokens, cached, 200)
-        floor = scheduler._objective_floor(state, ctx, cost, most_cached)
+        floor = scheduler._objective_floor(state, ctx, cost)
         if floor == math.inf:
             assert not isinstance(verdict, _Candidate), state.name
         if isinstance(verdict, _Candidate):
