@@ -1,5 +1,6 @@
 # The two commands of the README: `make demo` and `make test`. Both create the virtual
-# environment from nothing on a fresh machine (Python 3.11+ is all they need).
+# environment from nothing on a fresh machine (Python 3.11+; `make test` also needs a C
+# compiler and the Python headers for the compiled scheduler, see `compiled`).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin

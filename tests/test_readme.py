@@ -271,7 +271,8 @@ def test_readme_walkthrough_runs_a_sample_end_to_end(
             tmp_path / "workflow-module.log",
         )
         started.append(module_worker)
-        module_worker.wait_for("workflow worker on other: ResearchAssistant")
+        # It says which scheduler build it runs: this environment runs the source.
+        module_worker.wait_for("workflow worker on other: ResearchAssistant (scheduler uncompiled)")
     finally:
         codes = [p.stop() for p in reversed(started)]
     assert all(code == 0 for code in codes), codes

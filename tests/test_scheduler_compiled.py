@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 from scheduler.build import scheduler_build
@@ -22,6 +23,12 @@ COMPILED_MODULES = ["axes", "core", "prefix_index", "reliability", "rendezvous",
 
 
 def test_compiled_build_runs_the_scheduler_tests(tmp_path: Path) -> None:
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    assert shutil.which("cc") and headers.exists(), (
+        "make test builds the scheduler compiled with mypyc: install a C compiler and the "
+        f"Python headers ({headers} is {'there' if headers.exists() else 'missing'}; on "
+        "Debian: apt install gcc python3-dev)"
+    )
     build = subprocess.run(
         ["make", "compiled"], cwd=ROOT, capture_output=True, text=True, timeout=900
     )
