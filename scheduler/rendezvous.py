@@ -41,11 +41,6 @@ def rendezvous_key(block_hashes: Sequence[int], workflow_id: str, prefix_blocks:
     return hash_block(0, list(workflow_id.encode()))
 
 
-def rendezvous_weight(key: int, seed: int) -> int:
-    """SplitMix64 finalizer of key XOR seed: the replica's weight for this key."""
-    return rendezvous_weights(key, (seed,))[0]
-
-
 def rendezvous_weights(key: int, seeds: Sequence[int]) -> list[int]:
     """The weight of every seed for `key`: the SplitMix64 finalizer of key XOR seed.
 

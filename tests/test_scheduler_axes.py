@@ -34,7 +34,7 @@ from scheduler.rendezvous import (
     bounded_capacity,
     rendezvous_key,
     rendezvous_order,
-    rendezvous_weight,
+    rendezvous_weights,
     replica_seed,
 )
 
@@ -364,12 +364,12 @@ def test_dollar_amounts_beyond_micro_dollars_pad_with_zeros() -> None:
 
 def test_rendezvous_weights_are_stable_across_processes() -> None:
     # Fixed values: a change here would make old and new workers disagree on placements.
-    assert replica_seed("h200/0") == replica_seed("h200/0")
-    assert rendezvous_weight(0, 0) == 0
-    assert rendezvous_weight(1, 0) == 0x5692161D100B05E5
+    assert replica_seed("h200/0") == 0x4936DE71405D38
+    assert rendezvous_weights(0, [0, 1]) == [0, 0x5692161D100B05E5]
+    assert rendezvous_weights(1, [0]) == [0x5692161D100B05E5]
     assert rendezvous_key([5, 6, 7, 8, 9], "wf", 4) == 8
     assert rendezvous_key([5, 6], "wf", 4) == 6
-    assert rendezvous_key([], "wf", 4) == rendezvous_key([], "wf", 4)
+    assert rendezvous_key([], "wf", 4) == 0x9DD2CDBB9A02B059
 
 
 @given(
