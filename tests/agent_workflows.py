@@ -6,8 +6,8 @@ from pydantic import BaseModel
 from temporalio import activity, workflow
 
 with workflow.unsafe.imports_passed_through():
-    from activities.inference import ChatMessage, Sampling
-    from workflows.agent import Agent, TaskSpec
+    from kvflow.activities.inference import ChatMessage, Sampling
+    from kvflow.workflows.agent import Agent, TaskSpec
 
 
 class StepsInput(BaseModel):

@@ -9,8 +9,8 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from workers.devserver import dynamic_config_args, find_temporal_binary
-from workflows.search_attributes import ALL as SEARCH_ATTRIBUTES
+from kvflow.workers.devserver import dynamic_config_args, find_temporal_binary
+from kvflow.workflows.search_attributes import ALL as SEARCH_ATTRIBUTES
 
 # Fixture modules of the parts of kvflow (simulated and real vLLM servers, databases).
 pytest_plugins: list[str] = ["tests.fixtures_vllm", "tests.fixtures_ledger", "tests.fixtures_sim"]

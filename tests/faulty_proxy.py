@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from workers.devserver import free_port
+from kvflow.workers.devserver import free_port
 
 
 class CutConnection(Exception):

@@ -26,9 +26,16 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from psycopg import sql
 
-from ledger import AttemptOutcome, AttemptRecord, Ledger, TaskOutcome, TaskRecord, open_ledger
-from ledger.metrics import METER_NAME
-from scheduler.fleet import TokenPrices
+from kvflow.ledger import (
+    AttemptOutcome,
+    AttemptRecord,
+    Ledger,
+    TaskOutcome,
+    TaskRecord,
+    open_ledger,
+)
+from kvflow.ledger.metrics import METER_NAME
+from kvflow.scheduler.fleet import TokenPrices
 
 POSTGRES_URL_ENV = "KVFLOW_TEST_POSTGRES_URL"
 DEFAULT_POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from scheduler.gpus import GpuGeneration
-from simulator import BUILTIN_MODELS, EngineConfig, ServerSettings, SimServer
+from kvflow.scheduler.gpus import GpuGeneration
+from kvflow.simulator import BUILTIN_MODELS, EngineConfig, ServerSettings, SimServer
 from tests.servers import ServedModel
 
 SIM_MODEL = "llama-3.2-1b"

@@ -2,7 +2,7 @@
 
 `make vllm-env` (scripts/vllm_env.sh) builds vLLM's CPU build in its own virtual environment
 and the tiny model, both under `KVFLOW_VLLM_HOME` (default `~/.cache/kvflow/vllm`). The
-`vllm_server` fixture starts the server (with `workers.vllm_server.VllmServer`) only when a
+`vllm_server` fixture starts the server (with `kvflow.workers.vllm_server.VllmServer`) only when a
 test asks for it, once per session, and stops it with its engine processes at the end. Without
 the environment the tests that need it are skipped with a message saying how to build it;
 under `CI=true` they fail instead.
@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import ServedModel
-from workers.vllm_server import (
+from kvflow.workers.vllm_server import (
     CPU_BLOCK_SIZE,
     DEFAULT_KV_TOPIC,
     READY_TIMEOUT_S,
@@ -29,6 +28,7 @@ from workers.vllm_server import (
     VllmServerError,
     vllm_install,
 )
+from tests.servers import ServedModel
 
 SERVED_MODEL_NAME = "tiny-llama"
 BLOCK_SIZE = CPU_BLOCK_SIZE

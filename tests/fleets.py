@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler.fleet import Fleet
+from kvflow.scheduler.fleet import Fleet
 
 
 def one_pool_fleet(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from workers.devserver import free_port, port_is_free
+from kvflow.workers.devserver import free_port, port_is_free
 
 KVFLOW = Path(sys.executable).parent / "kvflow"
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.fleet import ModelSpec
-from simulator import SimServer, resolve_models
+from kvflow.scheduler.fleet import ModelSpec
+from kvflow.simulator import SimServer, resolve_models
+from kvflow.workers.config import load_fleet
+from kvflow.workers.devserver import free_port, port_is_free
+from kvflow.workers.vllm_server import vllm_install
 from tests.fixtures_vllm import skip_or_fail
-from workers.config import load_fleet
-from workers.devserver import free_port, port_is_free
-from workers.vllm_server import vllm_install
 
 KVFLOW = Path(sys.executable).parent / "kvflow"
 ROOT = Path(__file__).resolve().parent.parent

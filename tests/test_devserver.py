@@ -14,11 +14,11 @@ from temporalio.client import Client
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.worker import Worker
 
-from workflows.search_attributes import OUTCOME, SPEND_MICROS, TENANT
+from kvflow.workflows.search_attributes import OUTCOME, SPEND_MICROS, TENANT
 
 # This file defines a workflow, so the sandbox re-imports it; pass the process code through.
 with workflow.unsafe.imports_passed_through():
-    from workers.devserver import EmbeddedTemporal, PortInUse, free_port
+    from kvflow.workers.devserver import EmbeddedTemporal, PortInUse, free_port
 
 
 @activity.defn

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from scheduler.fleet import TokenPrices, task_queue_for
-from workers.cli import app
-from workers.config import FleetConfigError, load_fleet
+from kvflow.cli.main import app
+from kvflow.scheduler.fleet import TokenPrices, task_queue_for
+from kvflow.workers.config import FleetConfigError, load_fleet
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "fleet.toml"

@@ -15,11 +15,11 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 from typer.testing import CliRunner
 
-from ledger import AsyncLedger, AttemptOutcome, Ledger, ReportQuery, TaskOutcome
-from ledger.reconcile import CLOSED_QUERY, reconcile
+from kvflow.cli.main import app
+from kvflow.ledger import AsyncLedger, AttemptOutcome, Ledger, ReportQuery, TaskOutcome
+from kvflow.ledger.reconcile import CLOSED_QUERY, reconcile
+from kvflow.workflows.search_attributes import TENANT
 from tests.fixtures_ledger import attempt_record, task_record
-from workers.cli import app
-from workflows.search_attributes import TENANT
 
 VISIBILITY_WAIT_S = 30.0
 

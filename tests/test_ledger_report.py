@@ -40,7 +40,8 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from ledger import (
+from kvflow.cli.main import app
+from kvflow.ledger import (
     AttemptOutcome,
     Ledger,
     ReportQuery,
@@ -48,9 +49,8 @@ from ledger import (
     TaskOutcome,
     connect_ledger,
 )
-from ledger.export import report_csv, report_html, report_json
+from kvflow.ledger.export import report_csv, report_html, report_json
 from tests.fixtures_ledger import attempt_record, task_record
-from workers.cli import app
 
 DAY1 = datetime(2025, 3, 3, 12, 0, tzinfo=UTC)
 DAY2 = datetime(2025, 3, 4, 12, 0, tzinfo=UTC)

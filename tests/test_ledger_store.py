@@ -13,7 +13,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader, NumberDataPoint, Sum
 from pydantic import ValidationError
 
-from ledger import (
+from kvflow.ledger import (
     AsyncLedger,
     AttemptOutcome,
     AttemptRecord,
@@ -28,10 +28,10 @@ from ledger import (
     open_async_ledger,
     open_ledger,
 )
-from ledger.metrics import METER_NAME
-from ledger.migrations import LATEST_VERSION
-from ledger.store import postgres_conninfo, redact_url, sqlite_path
-from scheduler.fleet import TokenPrices
+from kvflow.ledger.metrics import METER_NAME
+from kvflow.ledger.migrations import LATEST_VERSION
+from kvflow.ledger.store import postgres_conninfo, redact_url, sqlite_path
+from kvflow.scheduler.fleet import TokenPrices
 from tests.fixtures_ledger import PRICES, T0, attempt_record, task_record, with_schema
 
 WRITERS = 8

@@ -26,15 +26,15 @@ from temporalio.worker import Replayer
 import samples.code_review as code_review
 import samples.research_assistant as research
 import samples.support_triage as support
-from activities.context_store import DirectoryContextStore
-from ledger.records import AttemptRecord, TaskOutcome, TaskRecord
-from ledger.store import AsyncLedger, open_async_ledger
+from kvflow.activities.context_store import DirectoryContextStore
+from kvflow.ledger.records import AttemptRecord, TaskOutcome, TaskRecord
+from kvflow.ledger.store import AsyncLedger, open_async_ledger
+from kvflow.workers.config import load_fleet
+from kvflow.workers.embedded import EmbeddedFleet
+from kvflow.workflows import errors
+from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
+from kvflow.workflows.context import INLINE_LIMIT_BYTES
 from samples.support_triage import activities as desk
-from workers.config import load_fleet
-from workers.embedded import EmbeddedFleet
-from workflows import errors
-from workflows.agent import SPEND_QUERY, SpendBreakdown
-from workflows.context import INLINE_LIMIT_BYTES
 
 FLEET_FILE = Path(__file__).resolve().parent.parent / "fleet.toml"
 SAMPLES = [research, support, code_review]
@@ -196,7 +196,7 @@ async def test_rejected_reply_reverses_the_refund_and_the_task_is_compensated(st
         await handle.result()
 
     cause = failed.value.cause
-    assert isinstance(cause, ApplicationError) and cause.type == errors.TOOL_FAILED
+    assert isinstance(cause, ApplicationError) and cause.type == errors.TaskErrorType.TOOL_FAILED
     assert "'send reply'" in cause.message and "rejected" in cause.message
     refund = desk.REFUNDS[f"{handle.id}/refund"]
     assert refund.reversed and desk.ACCOUNTS[account.id].credit_cents == 0
@@ -283,7 +283,9 @@ async def test_code_review_with_an_unmeetable_deadline_fails_fast_without_spendi
         await handle.result()
 
     cause = failed.value.cause
-    assert isinstance(cause, ApplicationError) and cause.type == errors.DEADLINE_EXCEEDED
+    assert (
+        isinstance(cause, ApplicationError) and cause.type == errors.TaskErrorType.DEADLINE_EXCEEDED
+    )
     assert f"step 1/{len(task.files) + 1} 'review {task.files[0]}'" in cause.message
     assert "llama-3.2-1b" in cause.message  # the fallback was tried too
     run_id = (await handle.describe()).run_id or ""

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scheduler.axes import (
+from kvflow.scheduler.axes import (
     GpuGenerationAxis,
     KvCacheAxis,
     LatencyBudget,
@@ -21,16 +21,16 @@ from scheduler.axes import (
     WarmWeights,
     WorkflowContext,
 )
-from scheduler.config import (
+from kvflow.scheduler.config import (
     AdmissionConfig,
     LatencyConfig,
     MemoryConfig,
     SpeedConfig,
     WeightsConfig,
 )
-from scheduler.fleet import ModelSpec, Pool, Tenant, TokenPrices, format_usd
-from scheduler.gpus import GpuGeneration
-from scheduler.rendezvous import (
+from kvflow.scheduler.fleet import ModelSpec, Pool, Tenant, TokenPrices, format_usd
+from kvflow.scheduler.gpus import GpuGeneration
+from kvflow.scheduler.rendezvous import (
     bounded_capacity,
     rendezvous_key,
     rendezvous_order,

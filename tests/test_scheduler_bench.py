@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scheduler.build import scheduler_build
+from kvflow.scheduler.build import scheduler_build
 
 KVFLOW = str(Path(sys.executable).with_name("kvflow"))
 

@@ -15,7 +15,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from scheduler.build import scheduler_build
+from kvflow.scheduler.build import scheduler_build
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = ROOT / ".kvflow" / "compiled" / "site"
@@ -49,8 +49,8 @@ def test_compiled_build_runs_the_scheduler_tests(tmp_path: Path) -> None:
         [
             sys.executable,
             "-c",
-            "import scheduler.core, scheduler.build;"
-            "print(scheduler.core.__file__, scheduler.build.scheduler_build())",
+            "import kvflow.scheduler.core, kvflow.scheduler.build;"
+            "print(kvflow.scheduler.core.__file__, kvflow.scheduler.build.scheduler_build())",
         ],
         cwd=tmp_path,
         env=env,

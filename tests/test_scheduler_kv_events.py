@@ -12,16 +12,16 @@ import msgspec
 import pytest
 import zmq
 
-from scheduler.blocks import block_hashes
-from scheduler.core import Scheduler
-from scheduler.fleet import Fleet
-from scheduler.kv_events import (
+from kvflow.scheduler.blocks import block_hashes
+from kvflow.scheduler.core import Scheduler
+from kvflow.scheduler.fleet import Fleet
+from kvflow.scheduler.kv_events import (
     KvEventDecodeError,
     KvEventSubscriber,
     decode_event_batch,
 )
-from scheduler.placement import Placement, PlacementRequest
-from scheduler.prefix_index import AllBlocksCleared, BlockRemoved, BlockStored
+from kvflow.scheduler.placement import Placement, PlacementRequest
+from kvflow.scheduler.prefix_index import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.fleets import one_pool_fleet
 
 MODEL = "tiny-llama"

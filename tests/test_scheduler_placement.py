@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import TypeAdapter, ValidationError
 
-from scheduler.blocks import block_hashes
-from scheduler.config import SchedulerConfig, WeightsConfig
-from scheduler.core import Scheduler, _Candidate
-from scheduler.fleet import Fleet, task_queue_for
-from scheduler.placement import (
+from kvflow.scheduler.blocks import block_hashes
+from kvflow.scheduler.config import SchedulerConfig, WeightsConfig
+from kvflow.scheduler.core import Scheduler, _Candidate
+from kvflow.scheduler.fleet import Fleet, task_queue_for
+from kvflow.scheduler.placement import (
     Observation,
     Placement,
     PlacementInputError,
@@ -24,8 +24,8 @@ from scheduler.placement import (
     Refusal,
     RefusalReason,
 )
-from scheduler.prefix_index import BlockStored
-from scheduler.state import ReplicaMetrics
+from kvflow.scheduler.prefix_index import BlockStored
+from kvflow.scheduler.state import ReplicaMetrics
 
 BIG, SMALL, SOLO = "llama-3.1-8b", "llama-3.2-1b", "qwen-3b"
 

@@ -7,8 +7,8 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scheduler.blocks import block_hashes
-from scheduler.prefix_index import AllBlocksCleared, BlockRemoved, BlockStored, PrefixIndex
+from kvflow.scheduler.blocks import block_hashes
+from kvflow.scheduler.prefix_index import AllBlocksCleared, BlockRemoved, BlockStored, PrefixIndex
 
 
 def tokens(seed: int, count: int) -> list[int]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scheduler.config import CircuitBreakerConfig, RetryBudgetConfig
-from scheduler.reliability import (
+from kvflow.scheduler.config import CircuitBreakerConfig, RetryBudgetConfig
+from kvflow.scheduler.reliability import (
     CircuitBreaker,
     CircuitState,
     TenantRetryBudget,

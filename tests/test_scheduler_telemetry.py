@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from scheduler.core import Scheduler
-from scheduler.fleet import Fleet
-from scheduler.placement import Placement, PlacementRequest
-from scheduler.telemetry import (
+from kvflow.scheduler.core import Scheduler
+from kvflow.scheduler.fleet import Fleet
+from kvflow.scheduler.placement import Placement, PlacementRequest
+from kvflow.scheduler.telemetry import (
     MetricsParseError,
     MetricsScraper,
     fleet_endpoints,

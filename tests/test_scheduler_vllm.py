@@ -13,12 +13,12 @@ import uuid
 import httpx
 import pytest
 
-from scheduler.blocks import block_hashes
-from scheduler.core import Scheduler
-from scheduler.fleet import Fleet
-from scheduler.kv_events import KvEventSubscriber
-from scheduler.placement import Placement, PlacementRequest
-from scheduler.telemetry import MetricsScraper, fleet_endpoints
+from kvflow.scheduler.blocks import block_hashes
+from kvflow.scheduler.core import Scheduler
+from kvflow.scheduler.fleet import Fleet
+from kvflow.scheduler.kv_events import KvEventSubscriber
+from kvflow.scheduler.placement import Placement, PlacementRequest
+from kvflow.scheduler.telemetry import MetricsScraper, fleet_endpoints
 from tests.fixtures_vllm import VllmServedModel
 from tests.fleets import one_pool_fleet
 

@@ -9,9 +9,9 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from simulator import SimProcess
-from simulator.faults import CRASH_EXIT_CODE
-from workers.cli import app
+from kvflow.cli.main import app
+from kvflow.simulator import SimProcess
+from kvflow.simulator.faults import CRASH_EXIT_CODE
 
 ROOT = Path(__file__).resolve().parent.parent
 FLEET = ROOT / "fleet.toml"
@@ -77,7 +77,7 @@ def test_bad_serve_options_exit_2_saying_what_to_fix(args: list[str], message: s
 
 
 def test_every_router_the_bench_offers_exists() -> None:
-    from simulator.bench import ROUTERS
-    from simulator.cli import ROUTER_NAMES
+    from kvflow.cli.sim import ROUTER_NAMES
+    from kvflow.simulator.bench import ROUTERS
 
     assert set(ROUTER_NAMES) == set(ROUTERS)

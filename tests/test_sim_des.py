@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from scheduler.gpus import GpuGeneration
-from simulator import (
+from kvflow.scheduler.gpus import GpuGeneration
+from kvflow.simulator import (
     BUILTIN_MODELS,
     AgentWorkload,
     DiscreteEventFleet,
@@ -20,7 +20,7 @@ from simulator import (
     SimulationResult,
     simulate,
 )
-from simulator.kv_events import BlockStored
+from kvflow.simulator.kv_events import BlockStored
 
 MODEL = BUILTIN_MODELS["llama-3.1-8b"]
 CONFIG = EngineConfig(max_model_len=16384)

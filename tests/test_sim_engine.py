@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.blocks import block_hashes
-from scheduler.fleet import ModelSpec
-from simulator import BUILTIN_MODELS, EngineConfig, EngineCore, SimReplica, SimRequest
-from simulator.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvflow.scheduler.blocks import block_hashes
+from kvflow.scheduler.fleet import ModelSpec
+from kvflow.simulator import BUILTIN_MODELS, EngineConfig, EngineCore, SimReplica, SimRequest
+from kvflow.simulator.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 MODEL = BUILTIN_MODELS["llama-3.1-8b"]
 SMALL = BUILTIN_MODELS["llama-3.2-1b"]

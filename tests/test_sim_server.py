@@ -20,9 +20,9 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field
 
-from scheduler.blocks import block_hashes
-from simulator import SimRequest, SimServer
-from simulator.kv_events import END_SEQ, KV_EVENT_DECODER, BlockStored
+from kvflow.scheduler.blocks import block_hashes
+from kvflow.simulator import SimRequest, SimServer
+from kvflow.simulator.kv_events import END_SEQ, KV_EVENT_DECODER, BlockStored
 from tests.servers import ServedModel
 
 Factory = Callable[..., SimServer]

@@ -18,7 +18,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 with workflow.unsafe.imports_passed_through():
-    from activities.inference import (
+    from kvflow.activities.inference import (
         INFER_ACTIVITY,
         ChatMessage,
         InferenceRequest,
@@ -26,9 +26,9 @@ with workflow.unsafe.imports_passed_through():
         ReplicaBinding,
         Sampling,
     )
-    from scheduler.fleet import Pool, TokenPrices
+    from kvflow.scheduler.fleet import Pool, TokenPrices
+    from kvflow.workers.gpu_worker import GpuWorker
     from tests.servers import ServedModel
-    from workers.gpu_worker import GpuWorker
 
 
 @workflow.defn

@@ -35,22 +35,28 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer
 
-from activities.context_store import DirectoryContextStore
-from ledger.records import TaskOutcome
-from ledger.store import AsyncLedger, open_async_ledger
-from scheduler.config import LatencyConfig, SchedulerConfig
-from scheduler.core import Scheduler
-from scheduler.fleet import Fleet, Pool, Tenant, TokenPrices, task_queue_for
-from scheduler.placement import Observation, Placement, PlacementRequest, Refusal, RefusalReason
-from simulator import BUILTIN_MODELS, EngineConfig, ServerSettings, SimServer
-from simulator.faults import FaultSpec
+from kvflow.activities.context_store import DirectoryContextStore
+from kvflow.ledger.records import TaskOutcome
+from kvflow.ledger.store import AsyncLedger, open_async_ledger
+from kvflow.scheduler.config import LatencyConfig, SchedulerConfig
+from kvflow.scheduler.core import Scheduler
+from kvflow.scheduler.fleet import Fleet, Pool, Tenant, TokenPrices, task_queue_for
+from kvflow.scheduler.placement import (
+    Observation,
+    Placement,
+    PlacementRequest,
+    Refusal,
+    RefusalReason,
+)
+from kvflow.simulator import BUILTIN_MODELS, EngineConfig, ServerSettings, SimServer
+from kvflow.simulator.faults import FaultSpec
+from kvflow.workers.config import load_fleet
+from kvflow.workers.embedded import EmbeddedFleet
+from kvflow.workers.gpu_worker import GpuWorker
+from kvflow.workers.workflow_worker import ControlPlane
+from kvflow.workflows import errors, search_attributes
+from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown, TaskSpec
 from tests import agent_workflows as wf
-from workers.config import load_fleet
-from workers.embedded import EmbeddedFleet
-from workers.gpu_worker import GpuWorker
-from workers.workflow_worker import ControlPlane
-from workflows import errors, search_attributes
-from workflows.agent import SPEND_QUERY, SpendBreakdown, TaskSpec
 
 MODEL = "llama-3.2-1b"
 
@@ -283,7 +289,7 @@ async def test_deadline_too_tight_fails_fast_and_runs_the_compensation(
             await handle.result()
         cause = failed.value.cause
         assert isinstance(cause, ApplicationError)
-        assert cause.type == errors.DEADLINE_EXCEEDED and cause.non_retryable
+        assert cause.type == errors.TaskErrorType.DEADLINE_EXCEEDED and cause.non_retryable
         assert "step 2/2 'reply'" in cause.message
         assert [refund] == wf.REFUNDS and [refund] == wf.REVERSED
         run_id = (await handle.describe()).run_id or ""
@@ -308,7 +314,10 @@ async def test_exhausted_retry_budget_fails_with_its_own_error_and_bills_every_a
         with pytest.raises(WorkflowFailureError) as failed:
             await handle.result()
         cause = failed.value.cause
-        assert isinstance(cause, ApplicationError) and cause.type == errors.RETRY_BUDGET_EXHAUSTED
+        assert (
+            isinstance(cause, ApplicationError)
+            and cause.type == errors.TaskErrorType.RETRY_BUDGET_EXHAUSTED
+        )
         assert "2 re-placements are used up" in cause.message
         attempts = await _attempts(s, handle)
         assert len(attempts) == 3 and all(a.cost_micros > 0 for a in attempts)
@@ -422,7 +431,10 @@ async def test_admission_wait_that_would_pass_the_deadline_fails_fast(
         with pytest.raises(WorkflowFailureError) as failed:
             await handle.result()
         cause = failed.value.cause
-        assert isinstance(cause, ApplicationError) and cause.type == errors.PLACEMENT_REFUSED
+        assert (
+            isinstance(cause, ApplicationError)
+            and cause.type == errors.TaskErrorType.PLACEMENT_REFUSED
+        )
         assert "saturated" in cause.message
 
 

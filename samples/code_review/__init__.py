@@ -8,11 +8,11 @@ from typing import Any
 
 from temporalio.workflow import unsafe
 
-from samples.code_review.workflow import CodeReview, ReviewReport, ReviewTask
+from .workflow import CodeReview, ReviewReport, ReviewTask
 
 with unsafe.imports_passed_through():
     # The workflow's sandbox imports this package too: share these modules with it.
-    from workflows.agent import TaskSpec
+    from kvflow.workflows.agent import TaskSpec
 
 WORKFLOW = CodeReview
 """The workflow class to register on the workflow worker."""

@@ -11,10 +11,11 @@ import uuid
 from rich.console import Console
 from temporalio.client import WorkflowFailureError
 
-from samples.code_review import CodeReview, example_input
-from samples.starter import arguments, connect, run
-from scheduler.fleet import format_usd
-from workflows.agent import SPEND_QUERY, SpendBreakdown
+from kvflow.scheduler.fleet import format_usd
+from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
+
+from ..starter import arguments, connect, run
+from . import CodeReview, example_input
 
 
 async def start(

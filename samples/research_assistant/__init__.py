@@ -8,11 +8,11 @@ from typing import Any
 
 from temporalio.workflow import unsafe
 
-from samples.research_assistant.workflow import ResearchAssistant, ResearchTask
+from .workflow import ResearchAssistant, ResearchTask
 
 with unsafe.imports_passed_through():
     # The workflow's sandbox imports this package too: share these modules with it.
-    from workflows.agent import TaskSpec
+    from kvflow.workflows.agent import TaskSpec
 
 WORKFLOW = ResearchAssistant
 """The workflow class to register on the workflow worker."""

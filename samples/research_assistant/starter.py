@@ -10,10 +10,11 @@ import uuid
 
 from rich.console import Console
 
-from samples.research_assistant import ResearchAssistant, example_input
-from samples.starter import arguments, connect, run
-from scheduler.fleet import format_usd
-from workflows.agent import SPEND_QUERY, SpendBreakdown
+from kvflow.scheduler.fleet import format_usd
+from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
+
+from ..starter import arguments, connect, run
+from . import ResearchAssistant, example_input
 
 
 async def start(address: str, task_queue: str, tenant: str, seed: int) -> None:

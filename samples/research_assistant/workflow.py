@@ -14,8 +14,8 @@ from pydantic import BaseModel, Field
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from activities.inference import ChatMessage
-    from workflows.agent import Agent, TaskSpec
+    from kvflow.activities.inference import ChatMessage
+    from kvflow.workflows.agent import Agent, TaskSpec
 
 MODEL = "llama-3.1-8b"
 INSTRUCTIONS = (

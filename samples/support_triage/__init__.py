@@ -9,12 +9,13 @@ from typing import Any
 
 from temporalio.workflow import unsafe
 
-from samples.support_triage.workflow import SupportTask, SupportTriage, Ticket
+from .workflow import SupportTask, SupportTriage, Ticket
 
 with unsafe.imports_passed_through():
     # The workflow's sandbox imports this package too: share these modules with it.
-    from samples.support_triage import activities
-    from workflows.agent import TaskSpec
+    from kvflow.workflows.agent import TaskSpec
+
+    from . import activities
 
 WORKFLOW = SupportTriage
 """The workflow class to register on the workflow worker."""

@@ -14,10 +14,11 @@ import uuid
 from rich.console import Console
 from temporalio.client import WorkflowFailureError
 
-from samples.starter import arguments, connect, run
-from samples.support_triage import SupportTriage, example_input
-from scheduler.fleet import format_usd
-from workflows.agent import SPEND_QUERY, SpendBreakdown
+from kvflow.scheduler.fleet import format_usd
+from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
+
+from ..starter import arguments, connect, run
+from . import SupportTriage, example_input
 
 
 async def start(address: str, task_queue: str, tenant: str, seed: int) -> None:

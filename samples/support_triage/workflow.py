@@ -16,8 +16,10 @@ from pydantic import BaseModel, Field
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from activities.inference import ChatMessage
-    from samples.support_triage.activities import (
+    from kvflow.activities.inference import ChatMessage
+    from kvflow.workflows.agent import Agent, TaskSpec
+
+    from .activities import (
         Account,
         Refund,
         RefundRequest,
@@ -27,7 +29,6 @@ with workflow.unsafe.imports_passed_through():
         reverse_refund,
         send_reply,
     )
-    from workflows.agent import Agent, TaskSpec
 
 MODEL = "llama-3.1-8b"
 SYSTEM = "You are a support agent for a software company. Be brief, friendly and exact."

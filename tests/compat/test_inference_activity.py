@@ -25,7 +25,7 @@ with workflow.unsafe.imports_passed_through():
     import httpx
     import pytest
 
-    from activities.inference import (
+    from kvflow.activities.inference import (
         INFER_ACTIVITY,
         ChatMessage,
         Checkpoint,
@@ -34,11 +34,11 @@ with workflow.unsafe.imports_passed_through():
         ReplicaBinding,
         Sampling,
     )
-    from ledger.records import AttemptRecord
-    from scheduler.fleet import Pool, TokenPrices
+    from kvflow.ledger.records import AttemptRecord
+    from kvflow.scheduler.fleet import Pool, TokenPrices
+    from kvflow.workers.gpu_worker import GpuWorker, GpuWorkerError, check_endpoint
     from tests.faulty_proxy import Fault, FaultyProxy
     from tests.servers import ServedModel
-    from workers.gpu_worker import GpuWorker, GpuWorkerError, check_endpoint
 
 
 class Call(BaseModel):
@@ -330,7 +330,7 @@ async def test_cancelled_call_stops_within_one_heartbeat_interval(
 
 
 async def test_gpu_worker_refuses_to_start_when_vllm_is_down(openai_server: ServedModel):
-    from workers.devserver import free_port
+    from kvflow.workers.devserver import free_port
 
     binding = ReplicaBinding(
         pool=_pool(openai_server.model), index=0, base_url=f"http://127.0.0.1:{free_port()}"

@@ -1,0 +1,239 @@
+"""The activities the workflow worker runs for the step API: place, observe, bill, store.
+
+`place` and `observe` are local activities: the scheduler lives in the workflow worker's
+process, answers from memory in microseconds, and its answer is recorded in history as a
+marker, so a replay takes the same decision without asking again. Their inputs are not written
+to history, which is why `place` can receive the whole conversation (as context references)
+and compute the prompt's block hashes itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from pydantic import AwareDatetime, BaseModel, Field
+from temporalio import activity
+
+from kvflow.activities.context_store import DirectoryContextStore
+from kvflow.activities.inference import AttemptSink, ChatMessage
+from kvflow.ledger.records import AttemptOutcome, AttemptRecord, TaskRecord
+from kvflow.scheduler.blocks import block_hashes
+from kvflow.scheduler.fleet import Fleet
+from kvflow.scheduler.placement import Observation, Placement, PlacementRequest, Refusal
+from kvflow.simulator.tokenizer import Tokenizer, apply_chat_template
+from kvflow.workflows.context import ContextRef
+
+log = logging.getLogger(__name__)
+
+PLACE_ACTIVITY = "kvflow.place"
+OBSERVE_ACTIVITY = "kvflow.observe"
+RECORD_TASK_ACTIVITY = "kvflow.record_task"
+CONTEXT_PUT_ACTIVITY = "kvflow.context_put"
+CONTEXT_GET_ACTIVITY = "kvflow.context_get"
+RECORD_LOST_ATTEMPT_ACTIVITY = "kvflow.record_lost_attempt"
+
+
+class PlacementPolicy(Protocol):
+    """The scheduler, as the control plane uses it."""
+
+    def place(self, request: PlacementRequest) -> Placement | Refusal:
+        """Choose a replica for one call, or refuse and say why."""
+        ...
+
+    def observe(self, observation: Observation) -> None:
+        """Learn from how a call ended."""
+        ...
+
+    def settle(self) -> None:
+        """Apply what answered placements changed; called right after each answer."""
+        ...
+
+
+class LedgerSink(AttemptSink, Protocol):
+    """Stores task rows, and attempt rows a dead GPU worker could not (`AsyncLedger` does)."""
+
+    async def record_task(self, record: TaskRecord) -> bool:
+        """Store the task's row; idempotent on (workflow id, run id)."""
+        ...
+
+
+class LostAttempt(BaseModel):
+    """An attempt whose GPU worker died (heartbeat timeout), as the workflow saw it last."""
+
+    workflow_id: str
+    run_id: str
+    activity_id: str
+    attempt: int
+    workflow_type: str
+    step: str
+    tenant: str
+    model: str
+    replica: str
+    started_at: AwareDatetime
+    ended_at: AwareDatetime
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    cost_micros: int = 0
+    error_type: str
+
+
+class PlaceInput(BaseModel):
+    """What the step API knows about a call when it asks for a placement."""
+
+    request: PlacementRequest
+    """Everything but the prompt's size and block hashes, which `place` computes."""
+    messages: list[ChatMessage] | None = None
+    prompt: str | ContextRef | None = None
+    checkpoint_text: str = ""
+    """Partial output a resume will send as well (it is part of the prompt then)."""
+
+
+class PlaceAnswer(BaseModel):
+    """A placement, or a refusal; and the prompt size it was computed for."""
+
+    placement: Placement | None = None
+    refusal: Refusal | None = None
+    prompt_tokens: int = Field(ge=0)
+
+
+_tokenizer = Tokenizer()
+
+
+def _token_ids(text: str) -> list[int]:
+    # The tokenizer remembers long messages, so a shared context is not tokenized every step.
+    return _tokenizer.encode(text, add_special_tokens=False)
+
+
+class ControlPlaneActivities:
+    """Activities of the workflow worker, bound to its scheduler, ledger and context store.
+
+    Prompt sizes and block hashes come from kvflow's deterministic tokenizer: they estimate the
+    engine's token counts, and they are the same in every workflow worker, which is what the
+    approximate prefix index and rendezvous hashing need to agree.
+    """
+
+    def __init__(
+        self,
+        scheduler: PlacementPolicy,
+        *,
+        fleet: Fleet,
+        block_size: int,
+        ledger: LedgerSink | None = None,
+        store: DirectoryContextStore | None = None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.fleet = fleet
+        self.block_size = block_size
+        self.ledger = ledger
+        self.store = store or DirectoryContextStore()
+
+    async def _text(self, content: str | ContextRef) -> str:
+        return content if isinstance(content, str) else await self.store.aget(content)
+
+    async def prompt_tokens(self, place: PlaceInput) -> list[int]:
+        """The prompt's token ids as kvflow's tokenizer renders it."""
+        if place.messages is not None:
+            messages = [
+                {"role": m.role, "content": await self._text(m.content)} for m in place.messages
+            ]
+            if place.checkpoint_text:
+                messages.append({"role": "assistant", "content": place.checkpoint_text})
+            rendered = apply_chat_template(
+                messages,
+                add_generation_prompt=not place.checkpoint_text,
+                continue_final_message=bool(place.checkpoint_text),
+            )
+        else:
+            assert place.prompt is not None
+            rendered = await self._text(place.prompt) + place.checkpoint_text
+        # Tokenizing a long conversation takes milliseconds: keep it off the event loop.
+        return await asyncio.to_thread(_token_ids, rendered)
+
+    @activity.defn(name=PLACE_ACTIVITY)
+    async def place(self, place: PlaceInput) -> PlaceAnswer:
+        """Ask the scheduler where the call should run (a local activity)."""
+        ids = await self.prompt_tokens(place)
+        request = place.request.model_copy(
+            update={
+                "prompt_tokens": len(ids),
+                "block_hashes": block_hashes(ids, self.block_size),
+            }
+        )
+        answer = self.scheduler.place(request)
+        # The placement's bookkeeping runs once this answer is on its way, not before.
+        asyncio.get_running_loop().call_soon(self.scheduler.settle)
+        if isinstance(answer, Placement):
+            return PlaceAnswer(placement=answer, prompt_tokens=len(ids))
+        return PlaceAnswer(refusal=answer, prompt_tokens=len(ids))
+
+    @activity.defn(name=OBSERVE_ACTIVITY)
+    async def observe(self, observation: Observation) -> None:
+        """Tell the scheduler how a call ended (a local activity)."""
+        self.scheduler.observe(observation)
+
+    @activity.defn(name=RECORD_TASK_ACTIVITY)
+    async def record_task(self, record: TaskRecord) -> bool:
+        """Write the task's ledger row (idempotent); False if it was already there."""
+        if self.ledger is None:
+            log.warning("no ledger configured; task %s not recorded", record.key)
+            return False
+        return await self.ledger.record_task(record)
+
+    @activity.defn(name=RECORD_LOST_ATTEMPT_ACTIVITY)
+    async def record_lost_attempt(self, lost: LostAttempt) -> bool:
+        """Write the ledger row of an attempt whose GPU worker died before writing it.
+
+        Billed from its last heartbeat, at the prices of the replica's pool. If the worker did
+        write the row after all, the idempotent write changes nothing.
+        """
+        if self.ledger is None:
+            return False
+        pool = self.fleet.pool(lost.replica.split("/")[0])
+        record = AttemptRecord(
+            workflow_id=lost.workflow_id,
+            run_id=lost.run_id,
+            activity_id=lost.activity_id,
+            attempt=lost.attempt,
+            step=lost.step,
+            tenant=lost.tenant,
+            workflow_type=lost.workflow_type,
+            model=lost.model,
+            pool=pool.name,
+            replica=lost.replica,
+            gpu=pool.gpu.value,
+            started_at=lost.started_at,
+            ended_at=max(lost.ended_at, lost.started_at),
+            outcome=AttemptOutcome.FAILED,
+            prompt_tokens=lost.prompt_tokens,
+            cached_tokens=min(lost.cached_tokens, lost.prompt_tokens),
+            completion_tokens=lost.completion_tokens,
+            prices=pool.token_prices,
+            cost_micros=lost.cost_micros,
+            error_type=lost.error_type,
+        )
+        return await self.ledger.record_attempt(record)
+
+    @activity.defn(name=CONTEXT_PUT_ACTIVITY)
+    async def context_put(self, text: str) -> ContextRef:
+        """Store content; as a local activity its input (the text) stays out of history."""
+        return await self.store.aput(text)
+
+    @activity.defn(name=CONTEXT_GET_ACTIVITY)
+    async def context_get(self, ref: ContextRef) -> str:
+        """Read content back (the result is recorded: use it for small contents)."""
+        return await self.store.aget(ref)
+
+    def all(self) -> list[Callable[..., Any]]:
+        """Every activity of the control plane, to register on the workflow worker."""
+        return [
+            self.place,
+            self.observe,
+            self.record_task,
+            self.record_lost_attempt,
+            self.context_put,
+            self.context_get,
+        ]

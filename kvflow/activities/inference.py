@@ -1,0 +1,480 @@
+"""The inference activity: one model call, streamed from one vLLM replica.
+
+A GPU worker binds `InferenceActivities` to its replica and registers `infer` on the replica's
+task queue, so the queue a workflow dispatches to decides where the call runs. The activity
+streams (SSE) so that it can heartbeat its partial output; a call that dies mid-stream carries
+that output in its error details (and last heartbeat), and the next attempt, on any replica,
+continues from it instead of decoding it again: chat calls send the partial answer as the last
+assistant message with `continue_final_message`, completion calls append it to the prompt.
+
+Calls with a JSON schema never resume: guided decoding restarts its grammar at the start of the
+continuation, so a partial JSON document cannot be continued safely; they start over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal, Protocol, Self
+
+import httpx
+from opentelemetry import trace
+from pydantic import BaseModel, Field, TypeAdapter, model_validator
+from temporalio import activity
+
+from kvflow.activities.context_store import DirectoryContextStore
+from kvflow.activities.errors import (
+    InferenceError,
+    ReplicaShuttingDown,
+    StreamCut,
+    from_status,
+    from_transport,
+)
+from kvflow.ledger.records import AttemptOutcome, AttemptRecord
+from kvflow.scheduler.fleet import Pool, replica_name
+from kvflow.workflows.context import ContextRef, needs_store
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("kvflow.inference")
+
+INFER_ACTIVITY = "kvflow.infer"
+"""The activity name every GPU worker registers; the task queue picks the replica."""
+
+
+class ChatMessage(BaseModel):
+    """One message of a chat conversation; large contents travel as a `ContextRef`."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | ContextRef
+
+
+CONVERSATION = TypeAdapter(list[ChatMessage])
+"""How a stored run of messages (`InferenceRequest.earlier_messages`) is encoded."""
+
+
+class Sampling(BaseModel):
+    """Sampling parameters, passed to vLLM as they are."""
+
+    temperature: float = Field(default=0.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+
+class Checkpoint(BaseModel):
+    """Output an earlier attempt already produced, to continue from."""
+
+    text: str = ""
+    completion_tokens: int = Field(default=0, ge=0)
+
+
+class InferenceRequest(BaseModel):
+    """One model call: what to send, and who it is for (for the ledger and the UI)."""
+
+    model: str
+    messages: list[ChatMessage] | None = None
+    earlier_messages: ContextRef | None = None
+    """The conversation before `messages`, stored as a JSON list of `ChatMessage`: a long
+    conversation then costs history one reference per call, not one per message."""
+    prompt: str | ContextRef | None = None
+    max_tokens: int = Field(ge=1)
+    sampling: Sampling = Field(default_factory=Sampling)
+    json_schema: dict[str, Any] | None = None
+    tenant: str = "default"
+    step: str = "infer"
+    deadline: datetime | None = None
+    checkpoint: Checkpoint | None = None
+
+    @model_validator(mode="after")
+    def _messages_or_prompt(self) -> Self:
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("give exactly one of `messages` (chat) or `prompt` (completion)")
+        return self
+
+
+class Usage(BaseModel):
+    """Tokens of one attempt, as the server counted them."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Timings(BaseModel):
+    """Where the time of one attempt went, in seconds."""
+
+    queue_wait_s: float = 0.0
+    """From Temporal scheduling the attempt to a worker starting it."""
+    ttft_s: float | None = None
+    """From sending the request to the first output token."""
+    total_s: float = 0.0
+    """From sending the request to the end of the stream."""
+
+
+class InferenceResult(BaseModel):
+    """The answer of one model call and what it cost."""
+
+    text: str
+    """The whole answer, including any text reused from a checkpoint; when it is larger than
+    `INLINE_LIMIT_BYTES` only its preview, and the answer itself is in the context store."""
+    text_ref: ContextRef | None = None
+    """Where the whole answer is when it was too large to return inline."""
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+    model: str
+    replica: str
+    pool: str
+    gpu: str
+    cost_micros: int
+    reused_tokens: int = 0
+    """Output tokens taken from a checkpoint instead of decoded again."""
+
+
+@dataclass
+class Progress:
+    """What the current attempt has produced so far; heartbeated and put in error details."""
+
+    text: str = ""
+    """The answer so far, including text reused from a checkpoint."""
+    reused_tokens: int = 0
+    """Output tokens taken from a checkpoint."""
+    completion_tokens: int = 0
+    """Output tokens this attempt decoded."""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    first_token_at: float | None = None
+    finish_reason: str | None = None
+
+    def usage(self) -> Usage:
+        """Tokens of the current attempt so far."""
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=min(self.cached_tokens, self.prompt_tokens),
+            completion_tokens=self.completion_tokens,
+        )
+
+    def checkpoint(self) -> dict[str, Any]:
+        """The partial output as `Checkpoint` fields (plain data for Temporal payloads)."""
+        return {"text": self.text, "completion_tokens": self.reused_tokens + self.completion_tokens}
+
+
+class AttemptSink(Protocol):
+    """Receives one record per attempt, success or failure (`ledger.AsyncLedger` is one)."""
+
+    async def record_attempt(self, record: AttemptRecord) -> bool:
+        """Store the attempt; idempotent on (workflow, run, activity, attempt)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ReplicaBinding:
+    """The replica a GPU worker serves: its pool (prices, GPU), index and vLLM base URL."""
+
+    pool: Pool
+    index: int
+    base_url: str
+
+    @property
+    def name(self) -> str:
+        """`pool/index`."""
+        return replica_name(self.pool.name, self.index)
+
+
+def default_http_client(stall_timeout_s: float = 30.0) -> httpx.AsyncClient:
+    """The worker's one pooled client: timeouts set, no client-side retries.
+
+    The read timeout is the longest silence tolerated between two streamed chunks, so a
+    stalled replica becomes a retryable `ReplicaTimeout` instead of a hung call.
+    """
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=5.0, read=stall_timeout_s, write=10.0, pool=10.0),
+        limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
+        transport=httpx.AsyncHTTPTransport(retries=0),
+    )
+
+
+class InferenceActivities:
+    """The inference activity bound to one replica."""
+
+    def __init__(
+        self,
+        replica: ReplicaBinding,
+        http: httpx.AsyncClient,
+        ledger: AttemptSink | None = None,
+        store: DirectoryContextStore | None = None,
+        heartbeat_interval_s: float = 0.5,
+    ) -> None:
+        self.replica = replica
+        self.http = http
+        self.ledger = ledger
+        self.store = store or DirectoryContextStore()
+        self.heartbeat_interval_s = heartbeat_interval_s
+
+    @activity.defn(name=INFER_ACTIVITY)
+    async def infer(self, request: InferenceRequest) -> InferenceResult:
+        """Run one model call on this replica, streaming, heartbeating and billing it."""
+        info = activity.info()
+        checkpoint = request.checkpoint or _checkpoint_from_heartbeat(info.heartbeat_details)
+        if request.json_schema is not None:
+            checkpoint = None
+        started_at = datetime.now(UTC)
+        queue_wait = max(
+            0.0, (info.started_time - info.current_attempt_scheduled_time).total_seconds()
+        )
+        reused = checkpoint.completion_tokens if checkpoint else 0
+        progress = Progress(text=checkpoint.text if checkpoint else "", reused_tokens=reused)
+        heartbeats = asyncio.create_task(self._heartbeat(progress))
+        sent = time.monotonic()
+        outcome = AttemptOutcome.FAILED
+        error_type: str | None = None
+        with tracer.start_as_current_span(
+            "kvflow.infer",
+            attributes={
+                "kvflow.model": request.model,
+                "kvflow.replica": self.replica.name,
+                "kvflow.step": request.step,
+                "kvflow.tenant": request.tenant,
+            },
+        ) as span:
+            try:
+                await self._stream(request, checkpoint, progress)
+                outcome = AttemptOutcome.OK
+            except asyncio.CancelledError:
+                if not activity.is_worker_shutdown():
+                    outcome = AttemptOutcome.CANCELLED
+                    raise
+                # The GPU worker is going away: hand the call back with what it produced, so
+                # the workflow re-places it and continues instead of decoding it again.
+                handed_back = ReplicaShuttingDown(
+                    "the GPU worker shut down before the call finished",
+                    replica=self.replica.name,
+                    details={**progress.checkpoint(), **self._billing(progress)},
+                )
+                error_type = handed_back.error_type
+                raise handed_back.to_application_error() from None
+            except InferenceError as exc:
+                error_type = exc.error_type
+                span.record_exception(exc)
+                # The workflow's spend meter bills the failed attempt from these details.
+                exc.details = {**exc.details, **self._billing(progress)}
+                raise exc.to_application_error() from exc
+            finally:
+                heartbeats.cancel()
+                usage = progress.usage()
+                cost = self._cost(usage)
+                ttft = (progress.first_token_at - sent) if progress.first_token_at else None
+                span.set_attributes(
+                    {
+                        "kvflow.prompt_tokens": usage.prompt_tokens,
+                        "kvflow.cached_tokens": usage.cached_tokens,
+                        "kvflow.completion_tokens": usage.completion_tokens,
+                        "kvflow.cost_micros": cost,
+                        "kvflow.outcome": outcome.value,
+                        **({"kvflow.ttft_s": ttft} if ttft is not None else {}),
+                    }
+                )
+                await self._record(
+                    AttemptRecord(
+                        workflow_id=info.workflow_id or "-",
+                        run_id=info.workflow_run_id or "-",
+                        activity_id=info.activity_id,
+                        attempt=info.attempt,
+                        step=request.step,
+                        tenant=request.tenant,
+                        workflow_type=info.workflow_type or "-",
+                        model=request.model,
+                        pool=self.replica.pool.name,
+                        replica=self.replica.name,
+                        gpu=self.replica.pool.gpu.value,
+                        started_at=started_at,
+                        ended_at=datetime.now(UTC),
+                        outcome=outcome,
+                        prompt_tokens=usage.prompt_tokens,
+                        cached_tokens=usage.cached_tokens,
+                        completion_tokens=usage.completion_tokens,
+                        reused_tokens=reused,
+                        prices=self.replica.pool.token_prices,
+                        cost_micros=cost,
+                        error_type=error_type,
+                    )
+                )
+        text, text_ref = progress.text, None
+        if needs_store(text):
+            text_ref = await self.store.aput(text)
+            text = text_ref.preview
+        return InferenceResult(
+            text=text,
+            text_ref=text_ref,
+            finish_reason=progress.finish_reason or "stop",
+            usage=usage,
+            timings=Timings(queue_wait_s=queue_wait, ttft_s=ttft, total_s=time.monotonic() - sent),
+            model=request.model,
+            replica=self.replica.name,
+            pool=self.replica.pool.name,
+            gpu=self.replica.pool.gpu.value,
+            cost_micros=cost,
+            reused_tokens=reused,
+        )
+
+    async def _record(self, record: AttemptRecord) -> None:
+        if self.ledger is None:
+            return
+        try:
+            await self.ledger.record_attempt(record)
+        except Exception:
+            # Billing must not turn a good answer into a failure; the workflow's spend meter
+            # still counts this attempt, and the log says which row is missing.
+            log.exception("could not record attempt %s", record.key)
+
+    def _cost(self, usage: Usage) -> int:
+        return self.replica.pool.token_prices.cost_micros(
+            usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens
+        )
+
+    def _billing(self, progress: Progress) -> dict[str, Any]:
+        """What this attempt has cost so far, and where it ran, as plain data."""
+        usage = progress.usage()
+        return {
+            "replica": self.replica.name,
+            "usage": usage.model_dump(),
+            "cost_micros": self._cost(usage),
+        }
+
+    async def _heartbeat(self, progress: Progress) -> None:
+        # Heartbeats deliver cancellation too, so they run even before the first token.
+        while True:
+            activity.heartbeat({**progress.checkpoint(), **self._billing(progress)})
+            await asyncio.sleep(self.heartbeat_interval_s)
+
+    async def _stream(
+        self, request: InferenceRequest, checkpoint: Checkpoint | None, progress: Progress
+    ) -> None:
+        url, body = _request_body(await self._resolve(request), checkpoint)
+        replica = self.replica.name
+        try:
+            async with self.http.stream("POST", self.replica.base_url + url, json=body) as response:
+                if response.status_code >= 400:
+                    raw = await response.aread()
+                    raise from_status(response.status_code, raw, replica=replica)
+                async for chunk in _sse_chunks(response, replica):
+                    _apply_chunk(chunk, progress, chat=request.messages is not None)
+        except httpx.TransportError as exc:
+            raise from_transport(exc, replica=replica, details=progress.checkpoint()) from exc
+        except InferenceError as exc:
+            # An error event in the middle of a stream still leaves usable partial output.
+            if progress.text and not exc.details:
+                exc.details = progress.checkpoint()
+            raise
+        if progress.finish_reason is None:
+            raise StreamCut(
+                f"stream ended after {progress.completion_tokens} tokens without a finish reason",
+                replica=replica,
+                details=progress.checkpoint(),
+            )
+
+    async def _resolve(self, request: InferenceRequest) -> InferenceRequest:
+        """The request with every `ContextRef` replaced by the content it names."""
+        if isinstance(request.prompt, ContextRef):
+            return request.model_copy(update={"prompt": await self.store.aget(request.prompt)})
+        if request.messages is None:
+            return request
+        messages = list(request.messages)
+        if request.earlier_messages is not None:
+            earlier = await self.store.aget(request.earlier_messages)
+            messages = [*CONVERSATION.validate_json(earlier), *messages]
+        resolved = [
+            m.model_copy(update={"content": await self.store.aget(m.content)})
+            if isinstance(m.content, ContextRef)
+            else m
+            for m in messages
+        ]
+        return request.model_copy(update={"messages": resolved, "earlier_messages": None})
+
+
+def _checkpoint_from_heartbeat(details: Any) -> Checkpoint | None:
+    # Heartbeat details come back as plain dicts: rebuild the type.
+    if details and isinstance(details[0], dict) and details[0].get("text"):
+        return Checkpoint.model_validate(
+            {"text": details[0]["text"], "completion_tokens": details[0]["completion_tokens"]}
+        )
+    return None
+
+
+def _request_body(
+    request: InferenceRequest, checkpoint: Checkpoint | None
+) -> tuple[str, dict[str, Any]]:
+    reused = checkpoint.completion_tokens if checkpoint else 0
+    body: dict[str, Any] = {
+        "model": request.model,
+        "max_tokens": max(1, request.max_tokens - reused),
+        "stream": True,
+        # Usage in every chunk, so a cut stream still knows what was processed (and billed).
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "temperature": request.sampling.temperature,
+        "top_p": request.sampling.top_p,
+    }
+    if request.sampling.seed is not None:
+        body["seed"] = request.sampling.seed
+    if request.sampling.stop:
+        body["stop"] = request.sampling.stop
+    if request.sampling.ignore_eos:
+        body["ignore_eos"] = True
+    if request.json_schema is not None:
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "output", "schema": request.json_schema},
+        }
+    if request.messages is not None:
+        messages = [m.model_dump() for m in request.messages]
+        if checkpoint and checkpoint.text:
+            messages.append({"role": "assistant", "content": checkpoint.text})
+            # vLLM refuses continue_final_message unless add_generation_prompt is off.
+            body["continue_final_message"] = True
+            body["add_generation_prompt"] = False
+        body["messages"] = messages
+        return "/v1/chat/completions", body
+    assert isinstance(request.prompt, str), "context references are resolved before this"
+    body["prompt"] = request.prompt + (checkpoint.text if checkpoint else "")
+    return "/v1/completions", body
+
+
+async def _sse_chunks(response: httpx.Response, replica: str) -> AsyncIterator[dict[str, Any]]:
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        chunk = json.loads(data)
+        if isinstance(chunk, dict) and "error" in chunk:
+            error = chunk["error"]
+            status = int(error.get("code") or 500) if isinstance(error, dict) else 500
+            raise from_status(status, data, replica=replica)
+        yield chunk
+
+
+def _apply_chunk(chunk: dict[str, Any], progress: Progress, *, chat: bool) -> None:
+    usage = chunk.get("usage")
+    for choice in chunk.get("choices") or []:
+        piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+        if piece:
+            if progress.first_token_at is None:
+                progress.first_token_at = time.monotonic()
+            progress.text += piece
+            if not usage:
+                progress.completion_tokens += 1
+        if choice.get("finish_reason"):
+            progress.finish_reason = choice["finish_reason"]
+    if usage:
+        progress.prompt_tokens = usage.get("prompt_tokens") or progress.prompt_tokens
+        progress.completion_tokens = usage.get("completion_tokens") or progress.completion_tokens
+        details = usage.get("prompt_tokens_details") or {}
+        if details.get("cached_tokens") is not None:
+            progress.cached_tokens = details["cached_tokens"]

@@ -1,0 +1,202 @@
+"""`kvflow demo`: parse and check the options, start Temporal (and vLLM), run the demo.
+
+The run itself (fleet, workload, display, reports) is `kvflow.workers.demo.run_demo`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvflow.workers.console import (
+    PortOption,
+    StateDirOption,
+    UiPortOption,
+    fail,
+    load_fleet_or_exit,
+    out,
+)
+from kvflow.workers.devserver import DEFAULT_STATE_DIR, DevServerError, EmbeddedTemporal
+from kvflow.workers.vllm_server import Engine
+
+
+def demo(
+    fleet: Annotated[Path, typer.Option("--fleet", help="fleet file")] = Path("fleet.toml"),
+    tasks: Annotated[int, typer.Option("--tasks", min=1, max=10_000, help="tasks to run")] = 60,
+    seed: Annotated[
+        int, typer.Option("--seed", help="seed of the workload and the simulators")
+    ] = 7,
+    keep_running: Annotated[
+        bool, typer.Option("--keep-running", help="leave the stack up after the report")
+    ] = False,
+    engine: Annotated[
+        Engine,
+        typer.Option(
+            "--engine",
+            help="sim: a simulated replica per replica of the fleet; vllm: start real vLLM "
+            "servers on --model (from `make vllm-env`)",
+        ),
+    ] = Engine.SIM,
+    model: Annotated[
+        Path | None,
+        typer.Option("--model", help="model folder the vLLM servers serve (--engine vllm)"),
+    ] = None,
+    replicas: Annotated[
+        int | None,
+        typer.Option(
+            "--replicas", min=1, max=16, help="vLLM servers to start (--engine vllm; default 2)"
+        ),
+    ] = None,
+    endpoints: Annotated[
+        str | None,
+        typer.Option(
+            "--endpoints",
+            help="URL[,URL...]: vLLM servers that already run, one replica each",
+        ),
+    ] = None,
+    port: PortOption = 7233,
+    ui_port: UiPortOption = 8233,
+    state_dir: StateDirOption = DEFAULT_STATE_DIR,
+) -> None:
+    """Run agent tasks of three tenants on a simulated fleet, then show what they cost.
+
+    With --endpoints or --engine vllm they run on real vLLM servers (one pool, `vllm`).
+    """
+    from kvflow.workers.demo import (
+        DemoOptions,
+        EndpointError,
+        check_endpoints,
+        connect_local,
+        fleet_on_endpoints,
+        local_vllm_servers,
+        log_to_file,
+        parse_endpoints,
+        run_demo,
+        sample_models,
+    )
+    from kvflow.workers.vllm_server import VllmServerError, model_max_positions, vllm_install
+
+    if engine is Engine.VLLM and endpoints is not None:
+        fail(
+            "--endpoints uses vLLM servers that already run, --engine vllm starts its own: "
+            "give one of them"
+        )
+    if engine is Engine.VLLM and model is None:
+        fail(
+            "--engine vllm needs --model DIR, the model folder the vLLM servers serve "
+            f"(after `make vllm-env`: --model {vllm_install().model_dir})"
+        )
+    if engine is Engine.SIM and (model is not None or replicas is not None):
+        fail(
+            "--model and --replicas are for --engine vllm; the simulated fleet's replicas "
+            "come from --fleet"
+        )
+    config = load_fleet_or_exit(fleet)
+    urls: list[str] = []
+    if endpoints is not None:
+        try:
+            urls = parse_endpoints(endpoints)
+            names = [m.name for m in config.models]
+            served = check_endpoints(urls, sample_models(), names_to_serve=names)
+            config = fleet_on_endpoints(config, served)
+        except EndpointError as exc:
+            fail(str(exc))
+    install = vllm_install()
+    if engine is Engine.VLLM:
+        assert model is not None
+        missing = install.missing()
+        if missing is not None:
+            fail(missing)
+        if model_max_positions(model) is None:
+            fail(
+                f"--model {model}: no Hugging Face model there (its config.json is missing "
+                "or unreadable); give the folder that holds config.json and the weights"
+            )
+    log_file = log_to_file(state_dir / "demo.log")
+    temporal = EmbeddedTemporal(port=port, ui_port=ui_port, state_dir=state_dir)
+    if engine is Engine.SIM and not urls:
+        where = (
+            f"fleet {fleet}: {len(config.pools)} pools, "
+            f"{sum(p.replicas for p in config.pools)} replicas"
+        )
+    else:
+        where = f"{len(urls) or replicas or 2} vLLM server(s), prices of fleet {fleet}"
+    # SIGTERM stops the stack as Ctrl-C does (as a SIGINT, which asyncio.run turns into a
+    # clean cancellation), so no vLLM or Temporal process is left behind.
+    signal.signal(signal.SIGTERM, lambda signum, frame: os.kill(os.getpid(), signal.SIGINT))
+
+    async def run() -> None:
+        client = await connect_local(temporal.address)
+        await run_demo(
+            client,
+            config,
+            state_dir=state_dir,
+            options=DemoOptions(tasks=tasks, seed=seed),
+            console=out,
+            ui_url=temporal.ui_url,
+            keep_running=keep_running,
+            # Simulators in processes of their own (their file is the fleet's own file).
+            fleet_file=fleet if engine is Engine.SIM and not urls else None,
+        )
+
+    with contextlib.ExitStack() as stack:
+        try:
+            if engine is Engine.VLLM:
+                assert model is not None
+                names = [m.name for m in config.models]
+                started = time.monotonic()
+                servers = stack.enter_context(
+                    local_vllm_servers(
+                        install,
+                        model,
+                        served_model_names=names,
+                        replicas=replicas or 2,
+                        log_dir=state_dir,
+                    )
+                )
+                out.print(
+                    f"Starting {len(servers)} vLLM server(s) on {model} serving "
+                    f"{', '.join(names)} (logs: {state_dir}/vllm-*.log)",
+                    highlight=False,
+                    soft_wrap=True,
+                )
+            stack.callback(temporal.stop)
+            temporal.start()
+            if engine is Engine.VLLM:
+                for server in servers:
+                    server.wait_ready()
+                urls = [server.base_url for server in servers]
+                config = fleet_on_endpoints(config, check_endpoints(urls, sample_models()))
+                out.print(
+                    f"vLLM servers ready at {', '.join(urls)} after "
+                    f"{time.monotonic() - started:.0f} s",
+                    highlight=False,
+                )
+                if model is not None and model.resolve() == install.model_dir.resolve():
+                    out.print(
+                        "Note: the tiny test model writes random text, so steps that ask "
+                        "for JSON (plans, triage, critiques) often fail validation, and their "
+                        "tasks with them.",
+                        highlight=False,
+                    )
+            out.print(
+                f"Temporal dev server at {temporal.address}, UI {temporal.ui_url}; {where}, "
+                f"{len(config.tenants)} tenants; {tasks} tasks. Logs: {log_file}",
+                highlight=False,
+                soft_wrap=True,
+            )
+            asyncio.run(run())
+        except KeyboardInterrupt:
+            out.print("Interrupted.")
+        except DevServerError as exc:
+            fail(str(exc))
+        except (VllmServerError, EndpointError) as exc:
+            fail(str(exc), code=1)
+    out.print("Embedded stack stopped.")

@@ -1,0 +1,330 @@
+"""`kvflow report` and `kvflow ledger migrate|reconcile`.
+
+Exit codes follow the `kvflow` CLI: 0 success, 1 a runtime failure (Temporal unreachable),
+2 bad input (unknown group-by field, bad or empty date range, a ledger that does not exist,
+is unreachable or has an old schema), always with a message and never a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import sys
+from datetime import datetime
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.measure import Measurement
+from rich.table import Table
+from temporalio.client import Client
+from temporalio.service import RPCError
+
+from kvflow.ledger.errors import LedgerError
+from kvflow.ledger.export import (
+    HEADINGS,
+    report_csv,
+    report_html,
+    report_json,
+    report_notes,
+    row_values,
+)
+from kvflow.ledger.migrations import LATEST_VERSION
+from kvflow.ledger.reconcile import ReconcileResult, reconcile
+from kvflow.ledger.report import (
+    METRIC_COLUMNS,
+    RATIO_COLUMNS,
+    Report,
+    ReportQuery,
+)
+from kvflow.ledger.store import (
+    DEFAULT_LEDGER_URL,
+    LEDGER_URL_ENV,
+    AsyncLedger,
+    connect_ledger,
+    open_ledger,
+)
+from kvflow.scheduler.fleet import format_usd
+from kvflow.workers.config import TemporalConnection
+from kvflow.workers.console import err, fail, load_fleet_or_exit, out
+
+ledger_app = typer.Typer(
+    help="The spend ledger: create or upgrade its schema, fill task rows from Temporal.",
+    no_args_is_help=True,
+)
+
+
+class ReportFormat(StrEnum):
+    """Output formats of `kvflow report`."""
+
+    TABLE = "table"
+    CSV = "csv"
+    JSON = "json"
+    HTML = "html"
+
+
+DbOption = Annotated[
+    str,
+    typer.Option(
+        "--db",
+        envvar=LEDGER_URL_ENV,
+        help="ledger URL: sqlite:///path/to/ledger.db or postgresql://user@host:5432/db",
+    ),
+]
+
+
+_TABLE_HEADINGS: dict[str, str] = {
+    **HEADINGS,
+    "succeeded": "ok",
+    "success_rate": "success",
+    "total_spend_usd": "spend",
+    "wasted_spend_usd": "wasted",
+    "cost_per_successful_task_usd": "per success",
+    "p50_cost_per_succeeded_task_usd": "p50",
+    "p95_cost_per_succeeded_task_usd": "p95",
+    "cached_token_share": "cached",
+    "tokens_saved_by_resume": "saved by resume",
+}
+"""Short headings for the terminal, where width is scarce (the caption explains them)."""
+
+
+def _percent(value: object) -> str:
+    return "–" if value is None else f"{float(str(value)) * 100:.1f}%"
+
+
+def print_whole(console: Console, table: Table) -> None:
+    """Print `table` at its natural width, even if wider than the terminal.
+
+    Rich would cut figures short to fit; a wrapped line is better than a wrong-looking number.
+    """
+    # Measure against an unbounded width: a measurement never exceeds the width it is given.
+    needed = Measurement.get(console, console.options.update_width(10_000), table).maximum
+    if needed <= console.width:
+        console.print(table)
+        return
+    width = console.width
+    console.width = needed
+    try:
+        console.print(table)
+    finally:
+        console.width = width
+
+
+def report_table(report: Report) -> Table:
+    """The report as a rich table with a totals row; money cells are never cut."""
+    table = Table(
+        title="Cost per successful task",
+        caption="Money in US dollars. ok: succeeded tasks; per success: spend / ok; "
+        "p50, p95: cost of a succeeded task; cached: cached share of prompt tokens.",
+    )
+    keys = [f.value for f in report.query.group_by]
+    for column in (*keys, *METRIC_COLUMNS):
+        table.add_column(
+            _TABLE_HEADINGS[column],
+            justify="left" if column in keys else "right",
+            # Figures and group names must be read whole; headings may wrap instead.
+            no_wrap=True,
+        )
+
+    def cells(values: dict[str, object]) -> list[str]:
+        shown: list[str] = []
+        for column in (*keys, *METRIC_COLUMNS):
+            value = values.get(column)
+            if column in RATIO_COLUMNS:
+                shown.append(_percent(value))
+            elif value is None:
+                shown.append("–")
+            elif isinstance(value, int):
+                shown.append(f"{value:,}")
+            else:
+                shown.append(str(value))
+        return shown
+
+    for row in report.rows:
+        table.add_row(*cells(dict(row_values(row))))
+    if keys:  # without group keys the one row is the total
+        table.add_section()
+        total = cells({**dict.fromkeys(keys, ""), **report.totals.metrics()})
+        total[0] = "total"
+        table.add_row(*total, style="bold")
+    return table
+
+
+def report_command(
+    db: DbOption = DEFAULT_LEDGER_URL,
+    group_by: Annotated[
+        str,
+        typer.Option(
+            "--group-by",
+            help="comma-separated: tenant, workflow_type, model, pool, day (empty: one row)",
+        ),
+    ] = "tenant,workflow_type",
+    since: Annotated[
+        str | None,
+        typer.Option("--since", help="first UTC day (YYYY-MM-DD, inclusive) or ISO date-time"),
+    ] = None,
+    until: Annotated[
+        str | None,
+        typer.Option("--until", help="last UTC day (YYYY-MM-DD, inclusive) or ISO date-time"),
+    ] = None,
+    tenant: Annotated[str | None, typer.Option("--tenant", help="only this tenant")] = None,
+    output_format: Annotated[
+        ReportFormat, typer.Option("--format", help="table, csv, json or html")
+    ] = ReportFormat.TABLE,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="write to this file instead of stdout")
+    ] = None,
+) -> None:
+    """Cost per successful task, with every failed attempt and retry counted.
+
+    Tasks are selected by when they closed. Money is in US dollars; JSON is {"rows": [...]}.
+    """
+    try:
+        query = ReportQuery.parse(group_by, since, until, tenant)
+    except LedgerError as exc:
+        fail(str(exc))
+    try:
+        with open_ledger(db) as ledger:
+            report = ledger.report(query)
+    except LedgerError as exc:
+        fail(str(exc))
+
+    if output_format is ReportFormat.TABLE:
+        if output is None:
+            print_whole(out, report_table(report))
+            for note in report_notes(report):
+                out.print(note, style="dim", highlight=False)
+            return
+        text = _render_table_text(report)
+    elif output_format is ReportFormat.CSV:
+        text = report_csv(report)
+    elif output_format is ReportFormat.JSON:
+        text = report_json(report)
+    else:
+        text = report_html(report)
+
+    if output is None:
+        sys.stdout.write(text)
+        return
+    try:
+        output.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        fail(f"cannot write {output}: {exc.strerror or exc}")
+    err.print(
+        f"wrote {output} ({len(report.rows)} row{'s' if len(report.rows) != 1 else ''}, "
+        f"{output_format.value})",
+        highlight=False,
+    )
+
+
+def _render_table_text(report: Report) -> str:
+    buffer = io.StringIO()
+    # A file gets plain text (no colour codes) at a width that fits every column.
+    console = Console(file=buffer, width=100)
+    print_whole(console, report_table(report))
+    for note in report_notes(report):
+        console.print(note, highlight=False)
+    return buffer.getvalue()
+
+
+@ledger_app.command("migrate")
+def migrate_command(db: DbOption = DEFAULT_LEDGER_URL) -> None:
+    """Create the ledger (a SQLite file, a PostgreSQL schema) or upgrade it to this kvflow."""
+    try:
+        with connect_ledger(db, create=True) as ledger:
+            applied = ledger.migrate()
+    except LedgerError as exc:
+        fail(str(exc))
+    if applied:
+        versions = ", ".join(str(v) for v in applied)
+        out.print(
+            f"[green]✓[/] {ledger.url}: applied migration(s) {versions}; "
+            f"schema version {LATEST_VERSION}",
+            highlight=False,
+        )
+    else:
+        out.print(
+            f"[green]✓[/] {ledger.url}: already at schema version {LATEST_VERSION}",
+            highlight=False,
+        )
+
+
+def _print_reconcile(result: ReconcileResult) -> None:
+    if result.written:
+        table = Table(title="Task rows written")
+        for column in ("workflow id", "run id", "type", "tenant", "outcome", "attempts", "spend"):
+            table.add_column(column)
+        for task in result.written:
+            table.add_row(
+                task.workflow_id,
+                task.run_id,
+                task.workflow_type,
+                task.tenant,
+                task.outcome.value,
+                str(task.attempts),
+                f"${format_usd(task.spend_micros)}",
+            )
+        out.print(table)
+    out.print(
+        f"{result.examined} closed run(s) examined: {len(result.written)} task row(s) written, "
+        f"{result.already_recorded} already recorded, {result.skipped} skipped "
+        "(not kvflow tasks, or continued as new)",
+        highlight=False,
+    )
+
+
+@ledger_app.command("reconcile")
+def reconcile_command(
+    db: DbOption = DEFAULT_LEDGER_URL,
+    fleet: Annotated[
+        Path | None,
+        typer.Option("--fleet", help="take the Temporal connection from this fleet file"),
+    ] = None,
+    address: Annotated[
+        str | None, typer.Option("--address", help="Temporal frontend HOST:PORT")
+    ] = None,
+    namespace: Annotated[str | None, typer.Option("--namespace", help="Temporal namespace")] = None,
+    query: Annotated[
+        str | None,
+        typer.Option("--query", help="extra visibility filter, e.g. \"WorkflowType = 'X'\""),
+    ] = None,
+    since: Annotated[
+        datetime | None,
+        typer.Option("--since", help="only runs closed at or after this (ISO date or date-time)"),
+    ] = None,
+) -> None:
+    """Write task rows for closed workflows that have none (terminated, timed out).
+
+    The Temporal connection is the fleet file's [temporal] table (or 127.0.0.1:7233, namespace
+    default), then TEMPORAL_ADDRESS / TEMPORAL_NAMESPACE, then --address / --namespace.
+    """
+    connection = load_fleet_or_exit(fleet).temporal if fleet is not None else TemporalConnection()
+    config = connection.connect_config()
+    if address:
+        config["target_host"] = address
+    if namespace:
+        config["namespace"] = namespace
+    try:
+        ledger = open_ledger(db)
+    except LedgerError as exc:
+        fail(str(exc))
+
+    async def run() -> ReconcileResult:
+        try:
+            client = await Client.connect(**config)
+        except RuntimeError as exc:
+            fail(f"cannot reach Temporal at {config.get('target_host')}: {exc}", code=1)
+        try:
+            return await reconcile(AsyncLedger(ledger), client, query=query, closed_since=since)
+        except RPCError as exc:
+            fail(f"Temporal refused the visibility query: {exc}")
+
+    try:
+        result = asyncio.run(run())
+    except LedgerError as exc:
+        fail(str(exc), code=1)
+    finally:
+        ledger.close()
+    _print_reconcile(result)

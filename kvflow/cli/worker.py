@@ -1,0 +1,193 @@
+"""`kvflow worker ...`: the long-running worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvflow.activities.context_store import DEFAULT_CONTEXT_DIR, DirectoryContextStore
+from kvflow.ledger.errors import LedgerError
+from kvflow.ledger.store import open_async_ledger
+from kvflow.scheduler.build import scheduler_build
+from kvflow.workers.console import fail, load_fleet_or_exit, out
+from kvflow.workers.gpu_worker import (
+    GpuWorker,
+    GpuWorkerError,
+    connect,
+    resolve_replica,
+)
+from kvflow.workers.search_attributes import SearchAttributesMissing
+from kvflow.workers.tracing import TRACES_ENV, TraceExport, TracingError, configure_tracing
+from kvflow.workers.workflow_worker import DEFAULT_WORKFLOW_QUEUE, ControlPlane, workflow_worker
+
+worker_app = typer.Typer(help="Run kvflow's worker processes.", no_args_is_help=True)
+
+
+TracesOption = Annotated[
+    TraceExport | None,
+    typer.Option("--traces", help=f"span export (default: ${TRACES_ENV} or console)"),
+]
+
+
+def _tracing(traces: TraceExport | None, service: str) -> None:
+    try:
+        configure_tracing(traces, service=service)
+    except (TracingError, ValueError) as exc:
+        fail(f"tracing: {exc}; set {TRACES_ENV} to console, otlp or off")
+
+
+def _shutdown_on_signals(shutdown: Callable[[], Awaitable[None]]) -> None:
+    """Ctrl-C or SIGTERM starts a graceful shutdown instead of killing in-flight work."""
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, lambda: asyncio.ensure_future(shutdown()))
+
+
+@worker_app.command("gpu")
+def gpu(
+    replica: Annotated[str, typer.Option("--replica", help="POOL/INDEX, e.g. h200/0")],
+    fleet: Annotated[Path, typer.Option("--fleet", help="fleet file")] = Path("fleet.toml"),
+    endpoint: Annotated[
+        str | None,
+        typer.Option("--endpoint", help="vLLM base URL (default: the pool's endpoints entry)"),
+    ] = None,
+    graceful_shutdown_s: Annotated[
+        float, typer.Option("--graceful-shutdown", help="seconds in-flight calls may finish")
+    ] = 10.0,
+    ledger_url: Annotated[
+        str | None, typer.Option("--ledger", help="ledger URL (default: $KVFLOW_LEDGER_URL)")
+    ] = None,
+    context_dir: Annotated[
+        Path, typer.Option("--context-dir", help="the context store shared with the workflows")
+    ] = DEFAULT_CONTEXT_DIR,
+    traces: TracesOption = None,
+) -> None:
+    """Serve one vLLM replica's task queue until Ctrl-C / SIGTERM."""
+    config = load_fleet_or_exit(fleet)
+    _tracing(traces, "kvflow-gpu-worker")
+    try:
+        binding = resolve_replica(config, replica, endpoint)
+    except GpuWorkerError as exc:
+        fail(str(exc))
+
+    async def serve() -> None:
+        client = await connect(config)
+        ledger = await open_async_ledger(ledger_url, migrate=True)
+        try:
+            worker = GpuWorker(
+                client,
+                binding,
+                ledger=ledger,
+                store=DirectoryContextStore(context_dir),
+                graceful_shutdown_s=graceful_shutdown_s,
+            )
+            _shutdown_on_signals(worker.shutdown)
+            await worker.run(
+                on_ready=lambda: out.print(
+                    f"GPU worker for {binding.name} ({binding.base_url}) polls {worker.task_queue}"
+                )
+            )
+        finally:
+            await ledger.close()
+
+    try:
+        asyncio.run(serve())
+    except (GpuWorkerError, LedgerError) as exc:
+        fail(str(exc), code=1)
+    except RuntimeError as exc:
+        # Client.connect raises RuntimeError when the Temporal server cannot be reached.
+        fail(f"cannot reach Temporal at {config.temporal.address}: {exc}", code=1)
+    out.print(f"GPU worker for {binding.name} stopped.")
+
+
+DEFAULT_MODULES = [
+    "kvflow.samples.research_assistant",
+    "kvflow.samples.support_triage",
+    "kvflow.samples.code_review",
+]
+
+
+@worker_app.command("workflow")
+def workflow_command(
+    fleet: Annotated[Path, typer.Option("--fleet", help="fleet file")] = Path("fleet.toml"),
+    module: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--module",
+            help="a module exporting WORKFLOW and ACTIVITIES (repeatable; default: the samples)",
+        ),
+    ] = None,
+    endpoint: Annotated[
+        list[str] | None,
+        typer.Option("--endpoint", help="REPLICA=URL for a simulated pool's replica (repeatable)"),
+    ] = None,
+    task_queue: Annotated[str, typer.Option("--task-queue")] = DEFAULT_WORKFLOW_QUEUE,
+    ledger_url: Annotated[
+        str | None, typer.Option("--ledger", help="ledger URL (default: $KVFLOW_LEDGER_URL)")
+    ] = None,
+    context_dir: Annotated[
+        Path, typer.Option("--context-dir", help="the context store shared with GPU workers")
+    ] = DEFAULT_CONTEXT_DIR,
+    traces: TracesOption = None,
+) -> None:
+    """Run agent workflows and the control plane (scheduler, ledger, context store)."""
+    config = load_fleet_or_exit(fleet)
+    _tracing(traces, "kvflow-workflow-worker")
+    endpoints: dict[str, str] = {}
+    for item in endpoint or []:
+        name, _, url = item.partition("=")
+        if not url.startswith(("http://", "https://")):
+            fail(f"--endpoint {item!r}: write REPLICA=URL, e.g. h100/0=http://10.0.0.5:8000")
+        endpoints[name] = url
+    try:
+        modules = [importlib.import_module(m) for m in module or DEFAULT_MODULES]
+        workflows = [m.WORKFLOW for m in modules]
+        activities = [a for m in modules for a in m.ACTIVITIES]
+    except (ImportError, AttributeError) as exc:
+        fail(f"--module: {exc}; a module must export WORKFLOW and ACTIVITIES")
+
+    async def serve() -> None:
+        client = await connect(config)
+        ledger = await open_async_ledger(ledger_url, migrate=True)
+        try:
+            async with ControlPlane(
+                config,
+                endpoints=endpoints,
+                ledger=ledger,
+                store=DirectoryContextStore(context_dir),
+            ) as control:
+                worker = await workflow_worker(
+                    client,
+                    control,
+                    workflows=workflows,
+                    activities=activities,
+                    task_queue=task_queue,
+                )
+                loop = asyncio.get_running_loop()
+                for signum in (signal.SIGINT, signal.SIGTERM):
+                    loop.add_signal_handler(
+                        signum, lambda: asyncio.ensure_future(worker.shutdown())
+                    )
+                names = ", ".join(w.__name__ for w in workflows)
+                build = "compiled with mypyc" if scheduler_build() == "mypyc" else "uncompiled"
+                out.print(
+                    f"workflow worker on {task_queue}: {names} (scheduler {build})",
+                    highlight=False,
+                )
+                await worker.run()
+        finally:
+            await ledger.close()
+
+    try:
+        asyncio.run(serve())
+    except (SearchAttributesMissing, LedgerError, ValueError) as exc:
+        fail(str(exc), code=1)
+    except RuntimeError as exc:
+        fail(f"cannot reach Temporal at {config.temporal.address}: {exc}", code=1)
+    out.print("workflow worker stopped.")

@@ -1,0 +1,165 @@
+"""Task rows for workflows that closed without writing their own.
+
+A workflow writes its task row when its code reaches the end. A terminated or timed-out
+workflow never does, so its spend would be missing from the cost per successful task.
+`reconcile` lists closed workflows from Temporal visibility and, for each one that has no task
+row, writes one from its attempt rows (`source = "reconcile"`):
+
+- outcome: from the execution status (terminated, timed_out, cancelled, failed); for a
+  completed or failed workflow, the `KvflowOutcome` search attribute when it names a final
+  outcome (e.g. `compensated`), else `succeeded` for completed;
+- tenant: the `KvflowTenant` search attribute, else the tenant of its attempts; a workflow with
+  neither is not a kvflow task and is skipped;
+- steps: the `KvflowSteps` search attribute, else the number of activities with an `ok` attempt;
+- attempts and spend: counted and summed from its attempt rows.
+
+Runs that continued as new are skipped: their task goes on in the next run. Running it twice
+writes nothing the second time.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from temporalio.client import Client, WorkflowExecution, WorkflowExecutionStatus
+
+from kvflow.ledger.records import AttemptOutcome, TaskOutcome, TaskRecord
+from kvflow.ledger.store import AsyncLedger
+from kvflow.workflows import search_attributes
+
+log = logging.getLogger(__name__)
+
+CLOSED_QUERY = "ExecutionStatus != 'Running'"
+"""The visibility query for closed workflows."""
+
+_STATUS_OUTCOMES: dict[WorkflowExecutionStatus, TaskOutcome] = {
+    WorkflowExecutionStatus.COMPLETED: TaskOutcome.SUCCEEDED,
+    WorkflowExecutionStatus.FAILED: TaskOutcome.FAILED,
+    WorkflowExecutionStatus.CANCELED: TaskOutcome.CANCELLED,
+    WorkflowExecutionStatus.TERMINATED: TaskOutcome.TERMINATED,
+    WorkflowExecutionStatus.TIMED_OUT: TaskOutcome.TIMED_OUT,
+}
+# Statuses whose own code ran to the end, so the outcome it set is trustworthy.
+_SELF_REPORTED = {WorkflowExecutionStatus.COMPLETED, WorkflowExecutionStatus.FAILED}
+_BATCH = 200
+
+
+@dataclass
+class ReconcileResult:
+    """What a reconcile pass found and wrote."""
+
+    examined: int = 0
+    """Closed workflow runs listed from visibility."""
+    already_recorded: int = 0
+    """Runs that had a task row already."""
+    skipped: int = 0
+    """Runs that are not kvflow tasks (no tenant, no attempts) or continued as new."""
+    written: list[TaskRecord] = field(default_factory=list)
+    """Task rows written by this pass."""
+
+
+def closed_query(extra: str | None = None, closed_since: datetime | None = None) -> str:
+    """The visibility query: closed runs, optionally since a time and with an extra filter."""
+    clauses = [CLOSED_QUERY]
+    if closed_since is not None:
+        if closed_since.tzinfo is None:  # a bare date or time from the command line means UTC
+            closed_since = closed_since.replace(tzinfo=UTC)
+        moment = closed_since.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        clauses.append(f"CloseTime >= '{moment}'")
+    if extra:
+        clauses.append(f"({extra})")
+    return " AND ".join(clauses)
+
+
+def outcome_for(execution: WorkflowExecution) -> TaskOutcome | None:
+    """The task outcome of a closed run (see the module docstring); None to skip it."""
+    status = execution.status
+    if status is None or status not in _STATUS_OUTCOMES:
+        return None
+    if status in _SELF_REPORTED:
+        reported = execution.typed_search_attributes.get(search_attributes.OUTCOME)
+        if reported in {o.value for o in TaskOutcome}:
+            return TaskOutcome(reported)
+    return _STATUS_OUTCOMES[status]
+
+
+async def _task_for(ledger: AsyncLedger, execution: WorkflowExecution) -> TaskRecord | None:
+    outcome = outcome_for(execution)
+    if outcome is None:
+        return None
+    attempts = await ledger.attempts_for(execution.id, execution.run_id or "")
+    attrs = execution.typed_search_attributes
+    tenant = attrs.get(search_attributes.TENANT) or (attempts[0].tenant if attempts else None)
+    if not tenant:
+        return None
+    steps = attrs.get(search_attributes.STEPS)
+    if steps is None:
+        steps = len({a.activity_id for a in attempts if a.outcome is AttemptOutcome.OK})
+    started_at = execution.start_time
+    closed_at = execution.close_time or datetime.now(UTC)
+    return TaskRecord(
+        workflow_id=execution.id,
+        run_id=execution.run_id or "",
+        tenant=tenant,
+        workflow_type=execution.workflow_type,
+        started_at=min(started_at, closed_at),
+        closed_at=closed_at,
+        outcome=outcome,
+        steps=steps,
+        attempts=len(attempts),
+        spend_micros=sum(a.cost_micros for a in attempts),
+        source="reconcile",
+    )
+
+
+async def reconcile(
+    ledger: AsyncLedger,
+    client: Client,
+    *,
+    query: str | None = None,
+    closed_since: datetime | None = None,
+) -> ReconcileResult:
+    """Write the missing task rows of closed workflows in `client`'s namespace.
+
+    `query` is an extra visibility filter AND-ed to the closed-workflow query (for example
+    `WorkflowType = 'ResearchAgent'`); `closed_since` limits the pass to recent closes.
+    """
+    result = ReconcileResult()
+    batch: list[WorkflowExecution] = []
+
+    async def flush() -> None:
+        keys = [(e.id, e.run_id or "") for e in batch]
+        missing = set(await ledger.tasks_missing(keys))
+        for execution in batch:
+            if (execution.id, execution.run_id or "") not in missing:
+                result.already_recorded += 1
+                continue
+            task = await _task_for(ledger, execution)
+            if task is None:
+                result.skipped += 1
+                continue
+            if await ledger.record_task(task):
+                result.written.append(task)
+                log.info(
+                    "reconciled %s/%s: %s, %d attempts, %d micro-dollars",
+                    task.workflow_id,
+                    task.run_id,
+                    task.outcome.value,
+                    task.attempts,
+                    task.spend_micros,
+                )
+            else:
+                # The workflow wrote its own row between our check and our write.
+                result.already_recorded += 1
+        batch.clear()
+
+    async for execution in client.list_workflows(closed_query(query, closed_since)):
+        result.examined += 1
+        batch.append(execution)
+        if len(batch) >= _BATCH:
+            await flush()
+    if batch:
+        await flush()
+    return result

@@ -1,0 +1,149 @@
+"""The two rows of the ledger: one per attempt of a model call, one per task.
+
+An `AttemptRecord` is written by the GPU worker when an attempt ends, whatever its outcome:
+a failed attempt is billed too, because the input was processed. A `TaskRecord` is written by
+the workflow when it closes, or by `kvflow ledger reconcile` for a workflow that closed without
+running its own code (terminated, timed out).
+
+Both are idempotent by their natural key: writing the same record twice changes nothing.
+Money is integer micro-dollars; prices are the `Decimal` dollar prices the cost was computed
+with, stored with the attempt so that a later price change does not rewrite history.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Literal, Self
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, model_validator
+
+from kvflow.scheduler.fleet import TokenPrices
+
+
+class AttemptOutcome(StrEnum):
+    """How one attempt of a model call ended."""
+
+    OK = "ok"
+    """It returned its answer."""
+    FAILED = "failed"
+    """It raised (server error, timeout, bad output); the call may be re-placed."""
+    CANCELLED = "cancelled"
+    """The workflow cancelled it (deadline, task cancelled)."""
+    RESUMED_ELSEWHERE = "resumed_elsewhere"
+    """It was cut mid-stream and its partial output continued on another replica."""
+
+
+class TaskOutcome(StrEnum):
+    """How a task (one workflow run) ended."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    COMPENSATED = "compensated"
+    """It failed and its saga's compensations ran."""
+    CANCELLED = "cancelled"
+    TERMINATED = "terminated"
+    """An operator or a parent terminated it; its own code did not run to the end."""
+    TIMED_OUT = "timed_out"
+    """Its workflow execution or run timeout expired."""
+
+
+TaskSource = Literal["workflow", "reconcile"]
+"""Who wrote a task row: the workflow itself, or `kvflow ledger reconcile`."""
+
+
+class _Record(BaseModel):
+    # Unknown fields are bugs in the writer; refusing them keeps the wire type stable.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AttemptRecord(_Record):
+    """One attempt of one model call, as billed.
+
+    Key: `(workflow_id, run_id, activity_id, attempt)`. `cost_micros` is computed once, on the
+    GPU worker, usually as `prices.cost_micros(prompt_tokens, cached_tokens,
+    completion_tokens)`; the ledger stores it as given.
+    """
+
+    workflow_id: str = Field(min_length=1)
+    run_id: str = Field(min_length=1)
+    activity_id: str = Field(min_length=1)
+    attempt: int = Field(ge=1, description="1 for the first attempt of this activity id")
+    step: str = Field(min_length=1, description="the step name in the workflow, e.g. `plan`")
+    tenant: str = Field(min_length=1)
+    workflow_type: str = Field(min_length=1)
+    model: str = Field(min_length=1)
+    pool: str = Field(min_length=1)
+    replica: str = Field(min_length=1, description="`pool/index`")
+    gpu: str = Field(min_length=1, description="GPU generation, e.g. `H100`")
+    started_at: AwareDatetime
+    ended_at: AwareDatetime
+    outcome: AttemptOutcome
+    prompt_tokens: int = Field(ge=0)
+    cached_tokens: int = Field(ge=0, description="part of prompt_tokens served from KV cache")
+    completion_tokens: int = Field(ge=0)
+    reused_tokens: int = Field(
+        default=0, ge=0, description="output tokens carried over from an earlier cut attempt"
+    )
+    prices: TokenPrices
+    cost_micros: int = Field(ge=0)
+    error_type: str | None = Field(default=None, description="the error's type when not ok")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.cached_tokens > self.prompt_tokens:
+            raise ValueError(
+                f"cached_tokens ({self.cached_tokens}) cannot exceed prompt_tokens "
+                f"({self.prompt_tokens}): cached tokens are part of the prompt"
+            )
+        if self.ended_at < self.started_at:
+            raise ValueError("ended_at is before started_at")
+        return self
+
+    @property
+    def key(self) -> tuple[str, str, str, int]:
+        """The idempotency key `(workflow_id, run_id, activity_id, attempt)`."""
+        return (self.workflow_id, self.run_id, self.activity_id, self.attempt)
+
+
+class TaskRecord(_Record):
+    """One task (one workflow run) once it has closed.
+
+    Key: `(workflow_id, run_id)`. `spend_micros` is the total the writer saw; the report
+    recomputes every figure from the attempt rows, so both reconcile to the micro-dollar when
+    the writer saw every attempt. `compensation_micros` is the part of that spend made by saga
+    compensations (informational: it is already inside `spend_micros`).
+    """
+
+    workflow_id: str = Field(min_length=1)
+    run_id: str = Field(min_length=1)
+    tenant: str = Field(min_length=1)
+    workflow_type: str = Field(min_length=1)
+    started_at: AwareDatetime
+    closed_at: AwareDatetime
+    outcome: TaskOutcome
+    steps: int = Field(ge=0, description="model and tool calls that completed")
+    attempts: int = Field(ge=0, description="model call attempts, failed ones included")
+    spend_micros: int = Field(ge=0)
+    compensation_micros: int = Field(default=0, ge=0)
+    source: TaskSource = "workflow"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.closed_at < self.started_at:
+            raise ValueError("closed_at is before started_at")
+        if self.compensation_micros > self.spend_micros:
+            raise ValueError("compensation_micros cannot exceed spend_micros (it is part of it)")
+        return self
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """The idempotency key `(workflow_id, run_id)`."""
+        return (self.workflow_id, self.run_id)
+
+
+def utc(moment: datetime) -> datetime:
+    """`moment` in UTC; naive datetimes are refused because their zone is unknown."""
+    if moment.tzinfo is None:
+        raise ValueError(f"{moment.isoformat()} has no time zone; give an aware datetime")
+    return moment.astimezone(UTC)

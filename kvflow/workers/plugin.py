@@ -1,0 +1,189 @@
+"""`KvflowPlugin`: the whole of kvflow's integration with a Temporal client and its workers.
+
+One plugin class plays three roles, chosen by what it is given:
+
+- **client** (`KvflowPlugin()`): on `Client.connect(plugins=[...])` it sets the pydantic data
+  converter (kvflow's records are pydantic models; the default converter fails on `Decimal`)
+  and the OpenTelemetry tracing interceptor.
+- **workflow worker** (`KvflowPlugin(fleet)`): on a `Worker` it registers the control plane's
+  activities (placement, observation, ledger task rows, the context store), runs the fleet's
+  scheduler with its telemetry for as long as the worker runs, makes sure kvflow's search
+  attributes exist before the first task, and lets workflow code import `kvflow` inside the
+  sandbox. The worker hosts any number of the user's workflows.
+- **GPU worker** (`KvflowPlugin(fleet, replica="h100/0")`): on a `Worker` polling that replica's
+  task queue (`kvflow.gpu.<pool>.<index>`, see `task_queue_for`) it registers the inference
+  activity bound to the replica's vLLM server and checks that the server answers before the
+  worker polls.
+
+Both worker roles also apply the client role when the client was connected without it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+from temporalio.client import Client
+from temporalio.contrib.opentelemetry import TracingInterceptor
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.plugin import SimplePlugin
+from temporalio.worker import WorkerConfig, WorkflowRunner
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
+
+from kvflow.activities.context_store import DEFAULT_CONTEXT_DIR, DirectoryContextStore
+from kvflow.activities.control_plane import LedgerSink
+from kvflow.activities.inference import InferenceActivities, default_http_client
+from kvflow.ledger.store import AsyncLedger, open_ledger
+from kvflow.scheduler.config import SchedulerConfig
+from kvflow.scheduler.fleet import task_queue_for
+from kvflow.workers.config import FleetConfig, load_fleet
+from kvflow.workers.gpu_worker import check_endpoint, resolve_replica
+from kvflow.workers.search_attributes import ensure_search_attributes
+from kvflow.workers.workflow_worker import ControlPlane
+
+log = logging.getLogger(__name__)
+
+PLUGIN_NAME = "kvflow"
+
+
+def _sandbox_passes_kvflow(existing: WorkflowRunner | None) -> WorkflowRunner:
+    """The sandbox, with `kvflow` passed through: workflow code may `from kvflow import ...`.
+
+    kvflow's workflow-side modules are deterministic and import-safe; passing them through
+    shares one copy with the worker instead of re-importing them for every workflow run.
+    """
+    runner = existing if isinstance(existing, SandboxedWorkflowRunner) else None
+    if runner is None:
+        return existing if existing is not None else SandboxedWorkflowRunner()
+    return SandboxedWorkflowRunner(
+        restrictions=runner.restrictions.with_passthrough_modules("kvflow"),
+        runner_class=runner.runner_class,
+    )
+
+
+class KvflowPlugin(SimplePlugin):
+    """kvflow's Temporal plugin; see the module docstring for its three roles.
+
+    Args:
+        fleet: the fleet (a `FleetConfig`, or the path of its TOML file). Without it the plugin
+            only configures clients.
+        replica: `POOL/INDEX`: makes this a GPU worker's plugin for that replica.
+        endpoint: the GPU worker's vLLM base URL (default: the pool's `endpoints` entry).
+        endpoints: for a workflow worker, the vLLM URL of each replica (`POOL/INDEX`) of a
+            simulated pool, whose URLs the fleet cannot know.
+        ledger: where attempt and task rows go: a ledger URL (`sqlite:///...`,
+            `postgresql://...`, created and migrated if needed) or an open ledger; `None`
+            keeps no ledger.
+        context_dir: the content-addressed context store, shared by every worker.
+        scheduler_config: weights and thresholds of the scheduler (workflow worker).
+        tracing: add the OpenTelemetry tracing interceptor.
+
+    """
+
+    def __init__(
+        self,
+        fleet: FleetConfig | Path | str | None = None,
+        *,
+        replica: str | None = None,
+        endpoint: str | None = None,
+        endpoints: Mapping[str, str] | None = None,
+        ledger: str | LedgerSink | None = None,
+        context_dir: Path | str = DEFAULT_CONTEXT_DIR,
+        scheduler_config: SchedulerConfig | None = None,
+        scrape_interval_s: float = 1.0,
+        heartbeat_interval_s: float = 0.5,
+        http: httpx.AsyncClient | None = None,
+        tracing: bool = True,
+    ) -> None:
+        if isinstance(fleet, str | Path):
+            fleet = load_fleet(fleet)
+        if replica is not None and fleet is None:
+            raise ValueError(f"KvflowPlugin(replica={replica!r}) needs the fleet it belongs to")
+        self.fleet = fleet
+        self._owned_ledger: AsyncLedger | None = None
+        if isinstance(ledger, str):
+            self._owned_ledger = AsyncLedger(open_ledger(ledger, migrate=True))
+            ledger = self._owned_ledger
+        store = DirectoryContextStore(Path(context_dir))
+        self.control_plane: ControlPlane | None = None
+        self.inference: InferenceActivities | None = None
+        self.task_queue: str | None = None
+        """The task queue a GPU worker with this plugin must poll."""
+        self._client: Client | None = None
+        activities = None
+        if fleet is not None and replica is not None:
+            binding = resolve_replica(fleet, replica, endpoint)
+            self.inference = InferenceActivities(
+                binding,
+                http or default_http_client(),
+                ledger,
+                store=store,
+                heartbeat_interval_s=heartbeat_interval_s,
+            )
+            self.task_queue = task_queue_for(binding.pool.name, binding.index)
+            activities = [self.inference.infer]
+        elif fleet is not None:
+            self.control_plane = ControlPlane(
+                fleet,
+                endpoints=endpoints,
+                ledger=ledger,
+                store=store,
+                config=scheduler_config,
+                scrape_interval_s=scrape_interval_s,
+            )
+            activities = self.control_plane.activities.all()
+        super().__init__(
+            PLUGIN_NAME,
+            data_converter=pydantic_data_converter,
+            interceptors=[TracingInterceptor()] if tracing else None,
+            activities=activities,
+            workflow_runner=_sandbox_passes_kvflow if self.control_plane else None,
+            run_context=self._running if fleet is not None else None,
+        )
+
+    def configure_worker(self, config: WorkerConfig) -> WorkerConfig:
+        """Register this role's activities; a GPU worker must poll its replica's queue."""
+        self._client = config["client"]
+        client_interceptors = self._client.config(active_config=True).get("interceptors", [])
+        if any(isinstance(i, TracingInterceptor) for i in client_interceptors):
+            self.interceptors = None  # the client traces already: one span per operation
+        if self.inference is not None:
+            queue = config.get("task_queue")
+            if queue != self.task_queue:
+                raise ValueError(
+                    f"the GPU worker for {self.inference.replica.name} must poll "
+                    f"{self.task_queue!r}, not {queue!r}: Worker(client, "
+                    f"task_queue=task_queue_for({self.inference.replica.pool.name!r}, "
+                    f"{self.inference.replica.index}), ...)"
+                )
+            config.setdefault(
+                "max_concurrent_activities", self.inference.replica.pool.max_concurrency
+            )
+        return super().configure_worker(config)
+
+    @asynccontextmanager
+    async def _running(self) -> AsyncIterator[None]:
+        """What runs around the worker: the control plane, or the GPU worker's checks."""
+        try:
+            if self.control_plane is not None:
+                assert self._client is not None  # configure_worker ran first
+                added = await ensure_search_attributes(self._client)
+                if added:
+                    log.info("registered search attributes %s", ", ".join(added))
+                async with self.control_plane:
+                    yield
+            elif self.inference is not None:
+                await check_endpoint(self.inference.replica, self.inference.http)
+                log.info("GPU worker for %s polls %s", self.inference.replica.name, self.task_queue)
+                try:
+                    yield
+                finally:
+                    await self.inference.http.aclose()
+            else:
+                yield
+        finally:
+            if self._owned_ledger is not None:
+                await self._owned_ledger.close()

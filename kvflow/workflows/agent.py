@@ -1,0 +1,901 @@
+"""The step API: `Agent`, what an agent workflow calls for every model call and tool call.
+
+    @workflow.defn
+    class Research:
+        @workflow.run
+        async def run(self, task: ResearchTask) -> str:
+            agent = Agent(task.spec)
+            async with agent:
+                plan = await agent.infer(
+                    [ChatMessage(role="user", content=task.question)],
+                    model="llama-3.1-8b", max_tokens=300, output=Plan, step="plan",
+                )
+                ...
+                return answer
+
+One `infer` call does what the control plane needs, durably:
+
+1. **place**: a local activity asks the scheduler; the placement is a marker in history;
+2. **dispatch**: the inference activity runs on the placement's task queue with Temporal
+   priority and fairness from the tenant, a schedule-to-start limit from the placement, a
+   start-to-close limit from the remaining latency budget, a heartbeat timeout, a summary for
+   the UI, and no Temporal retries;
+3. **re-place** on a retryable failure or a schedule-to-start timeout: the scheduler hears of
+   it, one unit of the task's retry budget is spent, the failed replica is excluded, and the
+   call resumes from the partial output the failure carried;
+4. **fail** with one `ApplicationError` type per cause (see `kvflow.workflows.errors`) when the
+   failure is permanent, the retry budget is empty or the deadline cannot be met;
+5. **return** the parsed pydantic model when `output` is given, re-asking a bounded number of
+   times when the answer does not match the schema.
+
+`async with agent:` brackets the task: on success it records the task as succeeded; on failure
+or cancellation it runs the saga's compensations in reverse and records the outcome. Every
+attempt's cost is summed (failed ones included); after each step the search attributes and the
+workflow's current details show spend, steps and retries, and the `kvflow_spend` query returns
+the whole breakdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from types import TracebackType
+from typing import Any, TypeVar, cast, overload
+
+from pydantic import BaseModel, Field, ValidationError
+from temporalio import workflow
+from temporalio.common import Priority, RetryPolicy
+from temporalio.exceptions import (
+    ActivityError,
+    ApplicationError,
+    CancelledError,
+    TimeoutError,
+    TimeoutType,
+)
+
+from kvflow.workflows import errors
+from kvflow.workflows import search_attributes as attrs
+from kvflow.workflows.context import ContextRef, digest_of, needs_store
+
+with workflow.unsafe.imports_passed_through():
+    from kvflow.activities.control_plane import (
+        CONTEXT_GET_ACTIVITY,
+        CONTEXT_PUT_ACTIVITY,
+        OBSERVE_ACTIVITY,
+        PLACE_ACTIVITY,
+        RECORD_LOST_ATTEMPT_ACTIVITY,
+        RECORD_TASK_ACTIVITY,
+        LostAttempt,
+        PlaceAnswer,
+        PlaceInput,
+    )
+    from kvflow.activities.errors import RETRYABLE_TYPES
+    from kvflow.activities.inference import (
+        CONVERSATION,
+        INFER_ACTIVITY,
+        ChatMessage,
+        Checkpoint,
+        InferenceRequest,
+        InferenceResult,
+        Sampling,
+    )
+    from kvflow.ledger.records import TaskOutcome, TaskRecord
+    from kvflow.scheduler.fleet import format_usd
+    from kvflow.scheduler.placement import (
+        Observation,
+        Placement,
+        PlacementRequest,
+        Refusal,
+        RefusalReason,
+    )
+
+T = TypeVar("T", bound=BaseModel)
+
+HEARTBEAT_TIMEOUT = timedelta(seconds=2)
+"""How long a silent GPU worker is trusted: a crashed replica is noticed after this, and a
+cancellation reaches a running call within 0.8 x this (the SDK's heartbeat interval)."""
+DEFAULT_CALL_TIMEOUT = timedelta(minutes=10)
+"""The start-to-close limit of a call when the task has no latency budget."""
+LOCAL_TIMEOUT = timedelta(seconds=10)
+MAX_ADMISSION_WAITS = 60
+"""How many times one step waits for admission before it fails (without a deadline)."""
+KEEP_INLINE_MESSAGES = 2
+"""The newest messages of a conversation sent inline; earlier ones travel as one reference."""
+SPEND_QUERY = "kvflow_spend"
+"""The query that returns the task's `SpendBreakdown`."""
+
+
+class TaskSpec(BaseModel):
+    """The budgets of one agent task; put it in the workflow's input."""
+
+    tenant: str = Field(min_length=1)
+    latency_budget_s: float | None = Field(
+        default=None, gt=0, description="seconds from the workflow's start to its deadline"
+    )
+    retry_budget: int = Field(default=3, ge=0, description="re-placements the task may use")
+    expected_steps: int = Field(default=1, ge=1, description="model calls the task will make")
+    schema_repairs: int = Field(default=2, ge=0, description="re-asks for schema-invalid output")
+    budget_micros: int | None = Field(
+        default=None, ge=0, description="the most the task may spend, in micro-dollars"
+    )
+
+
+class AttemptSpend(BaseModel):
+    """One attempt of one step, as the spend meter saw it."""
+
+    replica: str
+    model: str = ""
+    """The model the attempt ran (the fallback when the scheduler degraded the call)."""
+    outcome: str
+    """`ok`, an error type (`StreamCut`, `ReplicaServerError`...), or `ScheduleToStart`."""
+    cost_micros: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    reused_tokens: int = 0
+
+
+class StepSpend(BaseModel):
+    """One step of the task: a model call, a tool call or a compensation."""
+
+    index: int
+    name: str
+    kind: str
+    """`infer`, `tool` or `compensation`."""
+    model: str | None = None
+    reason: str | None = None
+    """The placement's reason, for model calls."""
+    outcome: str = "running"
+    attempts: list[AttemptSpend] = Field(default_factory=list)
+    admission_waits: int = 0
+    """Times the scheduler said "not now" (fleet saturated for this tier) and the step waited."""
+
+    @property
+    def cost_micros(self) -> int:
+        """Everything this step spent, failed attempts included."""
+        return sum(a.cost_micros for a in self.attempts)
+
+
+class SpendBreakdown(BaseModel):
+    """What the `kvflow_spend` query returns."""
+
+    tenant: str
+    outcome: str
+    spend_micros: int
+    steps: list[StepSpend]
+    retries: int
+    attempts: int
+
+
+@dataclass
+class _Call:
+    """One model call while it is placed, dispatched and re-placed."""
+
+    record: StepSpend
+    model: str
+    chat: list[ChatMessage] | None
+    prompt: str | ContextRef | None
+    max_tokens: int
+    schema: dict[str, Any] | None
+    sampling: Sampling
+    exclude: list[str] = field(default_factory=list)
+    """Replicas that failed this call."""
+    checkpoint: Checkpoint | None = None
+    """Partial output to continue from."""
+    attempt: int = 1
+
+
+class _Failure(BaseModel):
+    """A failed attempt, reduced to what the step API decides on."""
+
+    error_type: str
+    message: str
+    retryable: bool
+    checkpoint: Checkpoint | None = None
+    attempt: AttemptSpend
+
+
+class Agent:
+    """The step API of one agent task. Create it inside `@workflow.run`."""
+
+    def __init__(self, spec: TaskSpec) -> None:
+        self.spec = spec
+        info = workflow.info()
+        self._started_at = info.start_time
+        self._deadline = (
+            info.start_time + timedelta(seconds=spec.latency_budget_s)
+            if spec.latency_budget_s
+            else None
+        )
+        self.steps: list[StepSpend] = []
+        self.retries = 0
+        self.outcome = "running"
+        self._compensations: list[tuple[str, Callable[..., Any] | str, Any]] = []
+        self._refs: dict[str, ContextRef] = {}
+        self._last_replica: str | None = None
+        workflow.set_query_handler(SPEND_QUERY, self.breakdown)
+        workflow.upsert_search_attributes(
+            [attrs.TENANT.value_set(spec.tenant), attrs.OUTCOME.value_set("running")]
+        )
+
+    # ---- the task's bracket ------------------------------------------------------------------
+
+    async def __aenter__(self) -> Agent:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            await self._close(TaskOutcome.SUCCEEDED)
+            return
+        cancelled = _is_cancellation(exc)
+        compensated = await self.compensate()
+        if cancelled:
+            outcome = TaskOutcome.CANCELLED
+        elif compensated:
+            outcome = TaskOutcome.COMPENSATED
+        else:
+            outcome = TaskOutcome.FAILED
+        await self._close(outcome)
+        if cancelled and not isinstance(exc, asyncio.CancelledError):
+            # End the workflow as cancelled, not failed: the cancellation reached us wrapped
+            # in the activity's error.
+            raise asyncio.CancelledError from exc
+
+    # ---- model calls -------------------------------------------------------------------------
+
+    @overload
+    async def infer(
+        self,
+        messages: Sequence[ChatMessage] | None = None,
+        *,
+        model: str,
+        max_tokens: int,
+        output: type[T],
+        step: str = ...,
+        prompt: str | None = None,
+        sampling: Sampling | None = None,
+    ) -> T: ...
+
+    @overload
+    async def infer(
+        self,
+        messages: Sequence[ChatMessage] | None = None,
+        *,
+        model: str,
+        max_tokens: int,
+        output: None = None,
+        step: str = ...,
+        prompt: str | None = None,
+        sampling: Sampling | None = None,
+    ) -> InferenceResult: ...
+
+    async def infer(
+        self,
+        messages: Sequence[ChatMessage] | None = None,
+        *,
+        model: str,
+        max_tokens: int,
+        output: type[T] | None = None,
+        step: str = "infer",
+        prompt: str | None = None,
+        sampling: Sampling | None = None,
+    ) -> T | InferenceResult:
+        """Run one model call on the best replica; see the module docstring for the steps.
+
+        Give `messages` (chat) or `prompt` (completion). With `output`, the answer is asked for
+        as JSON matching that model's schema and returned parsed.
+        """
+        record = StepSpend(index=len(self.steps) + 1, name=step, kind="infer", model=model)
+        self.steps.append(record)
+        chat = await self._externalize(list(messages)) if messages is not None else None
+        text_prompt: str | ContextRef | None = None
+        if prompt is not None:
+            text_prompt = await self._store_if_large(prompt)
+        schema = output.model_json_schema() if output is not None else None
+        repairs_left = self.spec.schema_repairs
+        while True:
+            call = _Call(
+                record, model, chat, text_prompt, max_tokens, schema, sampling or Sampling()
+            )
+            result = await self._call(call)
+            if output is None:
+                return self._step_done(record, result)
+            try:
+                parsed = output.model_validate_json(await self.text_of(result))
+            except ValidationError as invalid:
+                if repairs_left == 0 or chat is None:
+                    record.outcome = errors.TaskErrorType.SCHEMA_INVALID_OUTPUT
+                    raise self._error(
+                        errors.TaskErrorType.SCHEMA_INVALID_OUTPUT,
+                        record,
+                        f"the answer did not match {output.__name__} after "
+                        f"{self.spec.schema_repairs} repairs: {_first_error(invalid)}",
+                    ) from None
+                repairs_left -= 1
+                # Show the model its answer and what was wrong with it, and ask again.
+                chat = [
+                    *chat,
+                    ChatMessage(role="assistant", content=result.text),
+                    ChatMessage(
+                        role="user",
+                        content=f"That answer is not valid JSON for the schema: "
+                        f"{_first_error(invalid)}. Answer again with JSON only.",
+                    ),
+                ]
+                continue
+            self._step_done(record, result)
+            return parsed
+
+    async def _call(self, call: _Call) -> InferenceResult:
+        record = call.record
+        while True:
+            remaining = self._remaining_s()
+            if remaining is not None and remaining <= 0:
+                raise self._error(
+                    errors.TaskErrorType.DEADLINE_EXCEEDED,
+                    record,
+                    f"the task's {self.spec.latency_budget_s:g} s latency budget is spent",
+                )
+            placement = await self._place(call)
+            remaining = self._remaining_s()
+            record.reason = placement.reason
+            record.model = placement.model
+            request = InferenceRequest(
+                model=placement.model,
+                **(await self._compact(call.chat)),
+                prompt=call.prompt,
+                max_tokens=call.max_tokens,
+                sampling=call.sampling,
+                json_schema=call.schema,
+                tenant=self.spec.tenant,
+                step=record.name,
+                deadline=self._deadline,
+                checkpoint=call.checkpoint,
+            )
+            dispatched_at = workflow.now()
+            try:
+                result: InferenceResult = await workflow.execute_activity(
+                    INFER_ACTIVITY,
+                    request,
+                    result_type=InferenceResult,
+                    task_queue=placement.task_queue,
+                    schedule_to_start_timeout=timedelta(seconds=placement.schedule_to_start_s),
+                    start_to_close_timeout=_call_timeout(remaining),
+                    heartbeat_timeout=HEARTBEAT_TIMEOUT,
+                    retry_policy=RetryPolicy(maximum_attempts=1),
+                    priority=Priority(
+                        priority_key=placement.priority_key,
+                        fairness_key=placement.fairness_key,
+                        fairness_weight=placement.fairness_weight,
+                    ),
+                    summary=self._summary(record, placement),
+                )
+            except ActivityError as err:
+                failure = _failure_of(err, placement)
+                failure.attempt.model = placement.model
+                record.attempts.append(failure.attempt)
+                if _is_cancellation(err):
+                    # The task was cancelled: not a failure to classify or re-place.
+                    record.outcome = "cancelled"
+                    raise
+                if _worker_went_silent(err):
+                    await self._record_lost_attempt(err, call, placement, failure, dispatched_at)
+                await self._observe(placement, failure)
+                self._publish()
+                if not failure.retryable:
+                    record.outcome = failure.error_type
+                    raise self._error(
+                        errors.TaskErrorType.STEP_FAILED,
+                        record,
+                        f"{failure.error_type} on {placement.replica}: {failure.message}",
+                        cause=failure.error_type,
+                    ) from None
+                if self.retries >= self.spec.retry_budget:
+                    record.outcome = errors.TaskErrorType.RETRY_BUDGET_EXHAUSTED
+                    raise self._error(
+                        errors.TaskErrorType.RETRY_BUDGET_EXHAUSTED,
+                        record,
+                        f"{failure.error_type} on {placement.replica} and the task's "
+                        f"{self.spec.retry_budget} re-placements are used up",
+                        last_error=failure.error_type,
+                    ) from None
+                self.retries += 1
+                call.attempt += 1
+                call.exclude.append(placement.replica)
+                if failure.checkpoint is not None and call.schema is None:
+                    call.checkpoint = failure.checkpoint
+                continue
+            record.attempts.append(
+                AttemptSpend(
+                    replica=result.replica,
+                    model=result.model,
+                    outcome="ok",
+                    cost_micros=result.cost_micros,
+                    prompt_tokens=result.usage.prompt_tokens,
+                    cached_tokens=result.usage.cached_tokens,
+                    completion_tokens=result.usage.completion_tokens,
+                    reused_tokens=result.reused_tokens,
+                )
+            )
+            await self._observe(placement, None, result)
+            self._last_replica = result.replica
+            return result
+
+    async def _place(self, call: _Call) -> Placement:
+        """Ask the scheduler; wait out admission refusals (saturated fleet, circuits open)."""
+        record, checkpoint = call.record, call.checkpoint
+        done = sum(1 for s in self.steps if s.kind == "infer" and s.outcome == "ok")
+        while True:
+            remaining = self._remaining_s()
+            request = PlacementRequest(
+                model=call.model,
+                block_hashes=[],
+                prompt_tokens=0,
+                max_output_tokens=call.max_tokens
+                - (checkpoint.completion_tokens if checkpoint else 0),
+                tenant=self.spec.tenant,
+                deadline_s_remaining=remaining,
+                steps_remaining=max(1, self.spec.expected_steps - done),
+                previous_replica=self._last_replica,
+                spent_micros=self.spend_micros,
+                budget_micros=self.spec.budget_micros,
+                exclude=call.exclude,
+                workflow_id=workflow.info().workflow_id,
+                attempt=call.attempt,
+                task_retries=self.retries,
+            )
+            answer: PlaceAnswer = await workflow.execute_local_activity(
+                PLACE_ACTIVITY,
+                PlaceInput(
+                    request=request,
+                    messages=call.chat,
+                    prompt=call.prompt,
+                    checkpoint_text=checkpoint.text if checkpoint else "",
+                ),
+                result_type=PlaceAnswer,
+                start_to_close_timeout=LOCAL_TIMEOUT,
+            )
+            if answer.placement is not None:
+                return answer.placement
+            assert answer.refusal is not None
+            refusal: Refusal = answer.refusal
+            wait = refusal.retry_after_s
+            if (
+                refusal.retryable
+                and wait is not None
+                and record.admission_waits < MAX_ADMISSION_WAITS
+                and (remaining is None or wait < remaining)
+            ):
+                # Admission: under saturation low tiers wait before high tiers do. A durable
+                # timer, so a worker restart does not lose the place in line.
+                record.admission_waits += 1
+                record.outcome = f"waiting: {refusal.reason.value}"
+                self._publish()
+                await workflow.sleep(wait)
+                continue
+            record.outcome = f"refused: {refusal.reason.value}"
+            error_type = {
+                RefusalReason.DEADLINE: errors.TaskErrorType.DEADLINE_EXCEEDED,
+                RefusalReason.RETRY_BUDGET_EXHAUSTED: errors.TaskErrorType.RETRY_BUDGET_EXHAUSTED,
+            }.get(refusal.reason, errors.TaskErrorType.PLACEMENT_REFUSED)
+            raise self._error(
+                error_type, record, refusal.message, refusal=refusal.model_dump(mode="json")
+            )
+
+    async def _record_lost_attempt(
+        self,
+        err: ActivityError,
+        call: _Call,
+        placement: Placement,
+        failure: _Failure,
+        dispatched_at: datetime,
+    ) -> None:
+        """Bill an attempt whose GPU worker died: it cannot write its own ledger row."""
+        info = workflow.info()
+        spent = failure.attempt
+        await workflow.execute_activity(
+            RECORD_LOST_ATTEMPT_ACTIVITY,
+            LostAttempt(
+                workflow_id=info.workflow_id,
+                run_id=info.run_id,
+                activity_id=err.activity_id or "",
+                attempt=1,
+                workflow_type=info.workflow_type,
+                step=call.record.name,
+                tenant=self.spec.tenant,
+                model=placement.model,
+                replica=placement.replica,
+                started_at=dispatched_at,
+                ended_at=workflow.now(),
+                prompt_tokens=spent.prompt_tokens,
+                cached_tokens=spent.cached_tokens,
+                completion_tokens=spent.completion_tokens,
+                cost_micros=spent.cost_micros,
+                error_type=failure.error_type,
+            ),
+            start_to_close_timeout=timedelta(seconds=30),
+            retry_policy=RetryPolicy(maximum_attempts=10),
+            summary=f"ledger: attempt lost on {placement.replica}",
+        )
+
+    async def _observe(
+        self,
+        placement: Placement,
+        failure: _Failure | None,
+        result: InferenceResult | None = None,
+    ) -> None:
+        if failure is not None:
+            observation = Observation(
+                replica=placement.replica,
+                model=placement.model,
+                tenant=self.spec.tenant,
+                ok=False,
+                # A request the replica rejected as invalid says nothing about the replica.
+                replica_fault=failure.retryable,
+                error=failure.error_type,
+                prompt_tokens=failure.attempt.prompt_tokens,
+                cached_tokens=failure.attempt.cached_tokens,
+                completion_tokens=failure.attempt.completion_tokens,
+                cost_micros=failure.attempt.cost_micros,
+                probe=placement.probe,
+                cold_start=placement.cold_start,
+            )
+        else:
+            assert result is not None
+            observation = Observation(
+                replica=placement.replica,
+                model=placement.model,
+                tenant=self.spec.tenant,
+                ok=True,
+                queue_s=result.timings.queue_wait_s,
+                ttft_s=(result.timings.ttft_s or 0.0) + result.timings.queue_wait_s,
+                duration_s=result.timings.total_s + result.timings.queue_wait_s,
+                prompt_tokens=result.usage.prompt_tokens,
+                cached_tokens=result.usage.cached_tokens,
+                completion_tokens=result.usage.completion_tokens,
+                cost_micros=result.cost_micros,
+                probe=placement.probe,
+                cold_start=placement.cold_start,
+            )
+        await workflow.execute_local_activity(
+            OBSERVE_ACTIVITY, observation, start_to_close_timeout=LOCAL_TIMEOUT
+        )
+
+    # ---- tools and the saga ------------------------------------------------------------------
+
+    async def tool(
+        self,
+        activity: Callable[..., Any] | str,
+        arg: Any,
+        *,
+        compensation: Callable[..., Any] | str | None = None,
+        compensation_arg: Any = None,
+        step: str | None = None,
+        result_type: type | None = None,
+        start_to_close: timedelta = timedelta(seconds=60),
+        retry_policy: RetryPolicy | None = None,
+    ) -> Any:
+        """Run a tool activity; when it succeeds, remember its compensation for the saga.
+
+        The compensation receives `compensation_arg` (default: the tool's own argument) and
+        runs, newest first, if the task later fails or is cancelled. `retry_policy` defaults to
+        Temporal's (retry until the timeout): a tool that fails for good should raise a
+        non-retryable `ApplicationError`, or pass a policy with `maximum_attempts`.
+        """
+        name = step or (activity if isinstance(activity, str) else activity.__name__)
+        record = StepSpend(index=len(self.steps) + 1, name=name, kind="tool")
+        self.steps.append(record)
+        try:
+            result = await workflow.execute_activity(
+                cast(Any, activity),
+                arg,
+                start_to_close_timeout=start_to_close,
+                retry_policy=retry_policy,
+                result_type=result_type,
+                summary=f"tool {name}",
+            )
+        except ActivityError as err:
+            record.outcome = "cancelled" if _is_cancellation(err) else "failed"
+            self._publish()
+            if _is_cancellation(err):
+                raise
+            cause = err.cause
+            message = cause.message if isinstance(cause, ApplicationError) else str(cause)
+            raise self._error(errors.TaskErrorType.TOOL_FAILED, record, message) from None
+        record.outcome = "ok"
+        if compensation is not None:
+            self._compensations.append(
+                (name, compensation, arg if compensation_arg is None else compensation_arg)
+            )
+        self._publish()
+        return result
+
+    async def compensate(self) -> bool:
+        """Run the registered compensations newest first; True if there were any."""
+        ran = bool(self._compensations)
+        while self._compensations:
+            name, compensation, arg = self._compensations.pop()
+            record = StepSpend(index=len(self.steps) + 1, name=f"undo {name}", kind="compensation")
+            self.steps.append(record)
+            try:
+                await workflow.execute_activity(
+                    cast(Any, compensation),
+                    arg,
+                    start_to_close_timeout=timedelta(seconds=60),
+                    retry_policy=RetryPolicy(maximum_attempts=5),
+                    summary=f"compensate {name}",
+                )
+                record.outcome = "ok"
+            except ActivityError as err:
+                # Keep undoing the rest; the failed compensation is on the record for an operator.
+                record.outcome = f"failed: {err.cause}"
+                workflow.logger.error("compensation for %s failed: %s", name, err.cause)
+        self._publish()
+        return ran
+
+    # ---- context -----------------------------------------------------------------------------
+
+    async def text_of(self, result: InferenceResult) -> str:
+        """The whole answer of `result`, from the context store when it was too large to inline.
+
+        The text is then recorded in history once, as a local activity's result.
+        """
+        if result.text_ref is None:
+            return result.text
+        return await self.read(result.text_ref)
+
+    async def read(self, ref: ContextRef) -> str:
+        """The content a `ContextRef` points at."""
+        text: str = await workflow.execute_local_activity(
+            CONTEXT_GET_ACTIVITY, ref, result_type=str, start_to_close_timeout=LOCAL_TIMEOUT
+        )
+        return text
+
+    async def _store_if_large(self, text: str) -> str | ContextRef:
+        if not needs_store(text):
+            return text
+        digest = digest_of(text)
+        ref = self._refs.get(digest)
+        if ref is None:
+            ref = await workflow.execute_local_activity(
+                CONTEXT_PUT_ACTIVITY,
+                text,
+                result_type=ContextRef,
+                start_to_close_timeout=LOCAL_TIMEOUT,
+            )
+            self._refs[digest] = ref
+        return ref
+
+    async def _compact(self, chat: list[ChatMessage] | None) -> dict[str, Any]:
+        """`messages` (and `earlier_messages`) for an inference request.
+
+        A long conversation's earlier messages go to the context store as one document, so
+        each call adds one reference to history instead of one per message.
+        """
+        if chat is None or len(chat) <= KEEP_INLINE_MESSAGES:
+            return {"messages": chat}
+        earlier = CONVERSATION.dump_json(chat[:-KEEP_INLINE_MESSAGES]).decode()
+        if not needs_store(earlier):
+            return {"messages": chat}
+        return {
+            "messages": chat[-KEEP_INLINE_MESSAGES:],
+            "earlier_messages": await self._store_if_large(earlier),
+        }
+
+    async def _externalize(self, messages: list[ChatMessage]) -> list[ChatMessage]:
+        out: list[ChatMessage] = []
+        for message in messages:
+            if isinstance(message.content, str) and needs_store(message.content):
+                message = message.model_copy(
+                    update={"content": await self._store_if_large(message.content)}
+                )
+            out.append(message)
+        return out
+
+    # ---- spend and what the UI shows ---------------------------------------------------------
+
+    @property
+    def spend_micros(self) -> int:
+        """Everything the task has spent so far, failed attempts included."""
+        return sum(step.cost_micros for step in self.steps)
+
+    @property
+    def attempts(self) -> int:
+        """Model call attempts so far, failed ones included."""
+        return sum(len(step.attempts) for step in self.steps)
+
+    def breakdown(self) -> SpendBreakdown:
+        """The full spend breakdown (also the `kvflow_spend` query)."""
+        return SpendBreakdown(
+            tenant=self.spec.tenant,
+            outcome=self.outcome,
+            spend_micros=self.spend_micros,
+            steps=self.steps,
+            retries=self.retries,
+            attempts=self.attempts,
+        )
+
+    def _step_done(self, record: StepSpend, result: InferenceResult) -> InferenceResult:
+        record.outcome = "ok"
+        self._publish()
+        return result
+
+    def _publish(self) -> None:
+        """Search attributes and current details after a step."""
+        done = sum(1 for s in self.steps if s.outcome == "ok")
+        workflow.upsert_search_attributes(
+            [
+                attrs.SPEND_MICROS.value_set(self.spend_micros),
+                attrs.STEPS.value_set(done),
+                attrs.RETRIES.value_set(self.retries),
+                attrs.OUTCOME.value_set(self.outcome),
+            ]
+        )
+        workflow.set_current_details(self._details_table())
+
+    def _details_table(self) -> str:
+        lines = [
+            f"**{self.spec.tenant}** · spent ${_usd(self.spend_micros)} · "
+            f"{self.attempts} attempts · {self.retries} re-placements",
+            "",
+            "| # | step | where | outcome | cost |",
+            "|---|---|---|---|---|",
+        ]
+        for step in self.steps:
+            where = " → ".join(a.replica for a in step.attempts) or step.kind
+            lines.append(
+                f"| {step.index} | {step.name} | {where} | {step.outcome} | "
+                f"${_usd(step.cost_micros)} |"
+            )
+        return "\n".join(lines)
+
+    def _summary(self, record: StepSpend, placement: Placement) -> str:
+        total = max(self.spec.expected_steps, record.index)
+        return (
+            f"step {record.index}/{total} '{record.name}' · {placement.model} · {placement.reason}"
+        )[:400]
+
+    def _remaining_s(self) -> float | None:
+        if self._deadline is None:
+            return None
+        return (self._deadline - workflow.now()).total_seconds()
+
+    def _error(
+        self, error_type: str, record: StepSpend, what: str, **details: Any
+    ) -> ApplicationError:
+        total = max(self.spec.expected_steps, record.index)
+        return errors.task_error(
+            error_type,
+            f"step {record.index}/{total} '{record.name}': {what}",
+            step=record.name,
+            spend_micros=self.spend_micros,
+            **details,
+        )
+
+    async def _close(self, outcome: TaskOutcome) -> None:
+        self.outcome = outcome.value
+        self._publish()
+        info = workflow.info()
+        compensation_micros = sum(s.cost_micros for s in self.steps if s.kind == "compensation")
+        record = TaskRecord(
+            workflow_id=info.workflow_id,
+            run_id=info.run_id,
+            tenant=self.spec.tenant,
+            workflow_type=info.workflow_type,
+            started_at=self._started_at,
+            closed_at=workflow.now(),
+            outcome=outcome,
+            steps=sum(1 for s in self.steps if s.outcome == "ok"),
+            attempts=self.attempts,
+            spend_micros=self.spend_micros,
+            compensation_micros=compensation_micros,
+            source="workflow",
+        )
+        await workflow.execute_activity(
+            RECORD_TASK_ACTIVITY,
+            record,
+            start_to_close_timeout=timedelta(seconds=30),
+            retry_policy=RetryPolicy(maximum_attempts=10),
+            summary=f"ledger: task {outcome.value}",
+        )
+
+
+def _worker_went_silent(err: ActivityError) -> bool:
+    """The call started but its GPU worker stopped heartbeating or answering (it died)."""
+    cause = err.cause
+    return isinstance(cause, TimeoutError) and cause.type in (
+        TimeoutType.HEARTBEAT,
+        TimeoutType.START_TO_CLOSE,
+    )
+
+
+def _is_cancellation(exc: BaseException) -> bool:
+    """Whether `exc` is, or was caused by, the cancellation of the task."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, asyncio.CancelledError | CancelledError):
+            return True
+        seen = seen.cause if isinstance(seen, ActivityError) else seen.__cause__
+    return False
+
+
+def _usd(micros: int) -> str:
+    # Exact decimals, trailing zeros dropped: "0.0021", not "0.002100".
+    return format_usd(micros).rstrip("0").rstrip(".") if micros else "0"
+
+
+def _first_error(invalid: ValidationError) -> str:
+    first = invalid.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "the document"
+    return f"{where}: {first['msg']}"
+
+
+def _call_timeout(remaining: float | None) -> timedelta:
+    if remaining is None:
+        return DEFAULT_CALL_TIMEOUT
+    return timedelta(seconds=max(1.0, remaining))
+
+
+def _failure_of(err: ActivityError, placement: Placement) -> _Failure:
+    """Classify a failed inference attempt and recover its partial output and its cost."""
+    cause = err.cause
+    details: dict[str, Any] = {}
+    error_type = type(cause).__name__ if cause else "ActivityError"
+    message = str(cause or err)
+    retryable = False
+    if isinstance(cause, ApplicationError):
+        error_type = cause.type or "ApplicationError"
+        message = cause.message
+        retryable = error_type in RETRYABLE_TYPES
+        if cause.details and isinstance(cause.details[0], dict):
+            details = cause.details[0]
+    elif isinstance(cause, TimeoutError):
+        # The replica did not take the call in time, or stopped heartbeating (crashed): both
+        # are the replica's fault. A heartbeat timeout carries the last heartbeat's progress.
+        error_type = (
+            "ScheduleToStart"
+            if cause.type == TimeoutType.SCHEDULE_TO_START
+            else f"Timeout{cause.type.name.title().replace('_', '') if cause.type else ''}"
+        )
+        retryable = True
+        last = cause.last_heartbeat_details
+        if last and isinstance(last[0], dict):
+            details = last[0]
+    usage = details.get("usage") or {}
+    checkpoint = None
+    if details.get("text"):
+        checkpoint = Checkpoint(
+            text=str(details["text"]), completion_tokens=int(details.get("completion_tokens", 0))
+        )
+    return _Failure(
+        error_type=error_type,
+        message=message,
+        retryable=retryable,
+        checkpoint=checkpoint,
+        attempt=AttemptSpend(
+            replica=placement.replica,
+            outcome=error_type,
+            cost_micros=int(details.get("cost_micros", 0)),
+            prompt_tokens=int(usage.get("prompt_tokens", 0)),
+            cached_tokens=int(usage.get("cached_tokens", 0)),
+            completion_tokens=int(usage.get("completion_tokens", 0)),
+        ),
+    )
+
+
+__all__ = [
+    "SPEND_QUERY",
+    "Agent",
+    "AttemptSpend",
+    "ChatMessage",
+    "SpendBreakdown",
+    "StepSpend",
+    "TaskSpec",
+]

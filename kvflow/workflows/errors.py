@@ -1,0 +1,36 @@
+"""The errors an agent task fails with: one `ApplicationError` type per cause.
+
+Operators read these in the Temporal UI, so each message says which step failed, why, and what
+would have helped, e.g. "step 3/5 'critique': no replica can finish 2,100 tokens in the 1.4 s
+left; best h200/0 needs 2.3 s". All are non-retryable: the step API already re-placed what
+could be re-placed, and a Temporal retry would only multiply spend.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from temporalio.exceptions import ApplicationError
+
+
+class TaskErrorType(StrEnum):
+    """The `ApplicationError.type` of a failed task; compare it with `cause.type`."""
+
+    STEP_FAILED = "StepFailed"
+    """A model call failed for a reason no replica can fix (bad request, context too long...)."""
+    RETRY_BUDGET_EXHAUSTED = "RetryBudgetExhausted"
+    """The task used every re-placement its retry budget allowed."""
+    DEADLINE_EXCEEDED = "DeadlineExceeded"
+    """The task's latency budget cannot be met (no time left, or no replica fast enough)."""
+    PLACEMENT_REFUSED = "PlacementRefused"
+    """The scheduler refused the call: tenant over quota, model not served, all circuits open..."""
+    SCHEMA_INVALID_OUTPUT = "SchemaInvalidOutput"
+    """Structured output did not match the schema after the allowed repairs."""
+    TOOL_FAILED = "ToolFailed"
+    """A tool call failed."""
+
+
+def task_error(error_type: str, message: str, **details: Any) -> ApplicationError:
+    """A non-retryable task failure of `error_type` with structured details for tooling."""
+    return ApplicationError(message, details, type=error_type, non_retryable=True)
