@@ -23,8 +23,10 @@ KVFLOW = Path(sys.executable).parent / "kvflow"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_demo_runs_tasks_and_ends_with_the_finance_report(tmp_path: Path):
+def test_demo_in_an_empty_directory_ends_with_a_report_kvflow_report_repeats(tmp_path: Path):
+    # A newcomer's first run: no fleet file, no flags but ports, a directory of their own.
     port, ui_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k != "KVFLOW_LEDGER_URL"} | {"COLUMNS": "200"}
     done = subprocess.run(
         [
             str(KVFLOW),
@@ -37,14 +39,12 @@ def test_demo_runs_tasks_and_ends_with_the_finance_report(tmp_path: Path):
             str(port),
             "--ui-port",
             str(ui_port),
-            "--state-dir",
-            str(tmp_path),
         ],
         capture_output=True,
         text=True,
         timeout=300,
-        cwd=ROOT,
-        env={**os.environ, "COLUMNS": "200"},
+        cwd=tmp_path,
+        env=env,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
@@ -56,13 +56,15 @@ def test_demo_runs_tasks_and_ends_with_the_finance_report(tmp_path: Path):
     for tenant in ("acme", "globex", "initech"):
         assert tenant in out
     assert "Traceback" not in out + done.stderr
-    # It wrote a ledger that `kvflow report` reads, and left nothing running.
-    [ledger] = tmp_path.glob("demo-*.db")
+    assert "(`kvflow report`)" in out
+    # `kvflow report` in the same directory reads the demo's ledger; nothing is left running.
     report = subprocess.run(
-        [str(KVFLOW), "report", "--db", f"sqlite:///{ledger}", "--format", "json"],
+        [str(KVFLOW), "report", "--format", "json"],
         capture_output=True,
         text=True,
         timeout=60,
+        cwd=tmp_path,
+        env=env,
     )
     assert report.returncode == 0, report.stderr
     rows = json.loads(report.stdout)["rows"]
@@ -94,7 +96,7 @@ def run_demo(tmp_path: Path, *args: str, timeout: float = 300) -> subprocess.Com
 
 def tasks_per_pool(state_dir: Path) -> dict[str, int]:
     """Tasks per pool in the ledger the demo left in `state_dir` (`kvflow report`)."""
-    [ledger] = state_dir.glob("demo-*.db")
+    ledger = state_dir / "ledger.db"
     report = subprocess.run(
         [
             str(KVFLOW),

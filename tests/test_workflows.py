@@ -51,9 +51,9 @@ from kvflow.scheduler.placement import (
 from kvflow.simulator import BUILTIN_MODELS, EngineConfig, ServerSettings, SimServer
 from kvflow.simulator.faults import FaultSpec
 from kvflow.workers.config import load_fleet
+from kvflow.workers.control_plane import ControlPlane
 from kvflow.workers.embedded import EmbeddedFleet
 from kvflow.workers.gpu_worker import GpuWorker
-from kvflow.workers.workflow_worker import ControlPlane
 from kvflow.workflows import errors, search_attributes
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown, TaskSpec
 from tests import agent_workflows as wf

@@ -15,6 +15,7 @@ from typing import Annotated
 
 import typer
 
+from kvflow.workers.config import EXAMPLE_FLEET
 from kvflow.workers.console import (
     PortOption,
     StateDirOption,
@@ -28,7 +29,10 @@ from kvflow.workers.vllm_server import Engine
 
 
 def demo(
-    fleet: Annotated[Path, typer.Option("--fleet", help="fleet file")] = Path("fleet.toml"),
+    fleet: Annotated[
+        Path | None,
+        typer.Option("--fleet", help="fleet file (default: kvflow's example fleet)"),
+    ] = None,
     tasks: Annotated[int, typer.Option("--tasks", min=1, max=10_000, help="tasks to run")] = 60,
     seed: Annotated[
         int, typer.Option("--seed", help="seed of the workload and the simulators")
@@ -98,6 +102,7 @@ def demo(
             "--model and --replicas are for --engine vllm; the simulated fleet's replicas "
             "come from --fleet"
         )
+    fleet = fleet or EXAMPLE_FLEET
     config = load_fleet_or_exit(fleet)
     urls: list[str] = []
     if endpoints is not None:

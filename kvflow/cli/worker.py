@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib
 import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -15,23 +14,24 @@ from kvflow.activities.context_store import DEFAULT_CONTEXT_DIR, DirectoryContex
 from kvflow.ledger.errors import LedgerError
 from kvflow.ledger.store import open_async_ledger
 from kvflow.scheduler.build import scheduler_build
+from kvflow.workers.config import FleetConfig
 from kvflow.workers.console import fail, load_fleet_or_exit, out
-from kvflow.workers.gpu_worker import (
-    GpuWorker,
-    GpuWorkerError,
-    connect,
-    resolve_replica,
-)
+from kvflow.workers.control_plane import ControlPlane
+from kvflow.workers.gpu_worker import GpuWorker, connect
+from kvflow.workers.modules import WorkerModuleError, load_worker_modules
+from kvflow.workers.replica import GpuWorkerError, resolve_replica
 from kvflow.workers.search_attributes import SearchAttributesMissing
 from kvflow.workers.tracing import TRACES_ENV, TraceExport, TracingError, configure_tracing
-from kvflow.workers.workflow_worker import DEFAULT_WORKFLOW_QUEUE, ControlPlane, workflow_worker
+from kvflow.workers.workflow_worker import DEFAULT_WORKFLOW_QUEUE, workflow_worker
 
 worker_app = typer.Typer(help="Run kvflow's worker processes.", no_args_is_help=True)
 
 
 TracesOption = Annotated[
     TraceExport | None,
-    typer.Option("--traces", help=f"span export (default: ${TRACES_ENV} or console)"),
+    typer.Option(
+        "--traces", help=f"span export: console, otlp or off (default: ${TRACES_ENV} or off)"
+    ),
 ]
 
 
@@ -40,6 +40,13 @@ def _tracing(traces: TraceExport | None, service: str) -> None:
         configure_tracing(traces, service=service)
     except (TracingError, ValueError) as exc:
         fail(f"tracing: {exc}; set {TRACES_ENV} to console, otlp or off")
+
+
+def _unreachable(config: FleetConfig, exc: Exception) -> str:
+    """Which Temporal address was tried, and where that address came from."""
+    address = config.temporal.effective_address()
+    source = "TEMPORAL_ADDRESS" if address != config.temporal.address else "the fleet's [temporal]"
+    return f"cannot reach Temporal at {address} (from {source}): {exc}"
 
 
 def _shutdown_on_signals(shutdown: Callable[[], Awaitable[None]]) -> None:
@@ -102,7 +109,7 @@ def gpu(
         fail(str(exc), code=1)
     except RuntimeError as exc:
         # Client.connect raises RuntimeError when the Temporal server cannot be reached.
-        fail(f"cannot reach Temporal at {config.temporal.address}: {exc}", code=1)
+        fail(_unreachable(config, exc), code=1)
     out.print(f"GPU worker for {binding.name} stopped.")
 
 
@@ -120,7 +127,8 @@ def workflow_command(
         list[str] | None,
         typer.Option(
             "--module",
-            help="a module exporting WORKFLOW and ACTIVITIES (repeatable; default: the samples)",
+            help="a module whose workflows and activities the worker runs, e.g. workflows "
+            "(repeatable; looked up from the current directory; default: the samples)",
         ),
     ] = None,
     endpoint: Annotated[
@@ -146,11 +154,9 @@ def workflow_command(
             fail(f"--endpoint {item!r}: write REPLICA=URL, e.g. h100/0=http://10.0.0.5:8000")
         endpoints[name] = url
     try:
-        modules = [importlib.import_module(m) for m in module or DEFAULT_MODULES]
-        workflows = [m.WORKFLOW for m in modules]
-        activities = [a for m in modules for a in m.ACTIVITIES]
-    except (ImportError, AttributeError) as exc:
-        fail(f"--module: {exc}; a module must export WORKFLOW and ACTIVITIES")
+        workflows, activities = load_worker_modules(module or DEFAULT_MODULES)
+    except WorkerModuleError as exc:
+        fail(str(exc))
 
     async def serve() -> None:
         client = await connect(config)
@@ -189,5 +195,5 @@ def workflow_command(
     except (SearchAttributesMissing, LedgerError, ValueError) as exc:
         fail(str(exc), code=1)
     except RuntimeError as exc:
-        fail(f"cannot reach Temporal at {config.temporal.address}: {exc}", code=1)
+        fail(_unreachable(config, exc), code=1)
     out.print("workflow worker stopped.")

@@ -45,6 +45,10 @@ class TemporalConnection(BaseModel):
     api_key_env: str = Field(default="TEMPORAL_API_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     tls: TemporalTls | None = None
 
+    def effective_address(self) -> str:
+        """The address a client will dial: `TEMPORAL_ADDRESS` if set, else the file's."""
+        return os.environ.get("TEMPORAL_ADDRESS") or self.address
+
     def connect_config(self) -> ClientConnectConfig:
         """Keyword arguments for `temporalio.client.Client.connect`."""
         tls = None
@@ -57,7 +61,7 @@ class TemporalConnection(BaseModel):
                 client_private_key=self.tls.client_key_path,
             )
         profile = ClientConfigProfile(
-            address=os.environ.get("TEMPORAL_ADDRESS") or self.address,
+            address=self.effective_address(),
             namespace=os.environ.get("TEMPORAL_NAMESPACE") or self.namespace,
             api_key=os.environ.get(self.api_key_env) or None,
             tls=tls,
@@ -114,6 +118,10 @@ def _message(error: dict[str, object]) -> str:
     if error["type"] == "extra_forbidden":
         return "unknown key (check its spelling against fleet.toml's documented keys)"
     return message.removeprefix("Value error, ")
+
+
+EXAMPLE_FLEET = Path(__file__).resolve().parent.parent / "fleet.toml"
+"""The commented example fleet that ships with kvflow (3 simulated pools, 3 tenants)."""
 
 
 def load_fleet(path: Path | str) -> FleetConfig:

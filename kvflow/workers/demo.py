@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import importlib
 import logging
+import os
 import random
 import statistics
 import time
@@ -51,7 +52,13 @@ from temporalio.service import RPCError
 from kvflow.activities.context_store import DirectoryContextStore
 from kvflow.cli.ledger import print_whole, report_table
 from kvflow.ledger.report import GroupField, ReportQuery
-from kvflow.ledger.store import AsyncLedger, open_async_ledger
+from kvflow.ledger.store import (
+    LEDGER_URL_ENV,
+    AsyncLedger,
+    default_ledger_url,
+    open_async_ledger,
+    redact_url,
+)
 from kvflow.scheduler.fleet import Fleet, Pool, format_usd
 from kvflow.simulator import FaultSpec
 from kvflow.workers.embedded import EmbeddedFleet
@@ -319,9 +326,12 @@ async def run_demo(
     """
     samples = load_samples()
     started = time.monotonic()
-    run_id = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    ledger_path = state_dir / f"demo-{run_id}.db"
-    ledger = await open_async_ledger(f"sqlite:///{ledger_path}", migrate=True)
+    run_started = datetime.now(UTC)
+    run_id = run_started.strftime("%Y%m%d-%H%M%S")
+    # The ledger `kvflow report` reads by default (from this directory), so that the report
+    # after a demo shows its tasks; the demo's own reports cover this run only.
+    ledger_url = os.environ.get(LEDGER_URL_ENV) or f"sqlite:///{state_dir / 'ledger.db'}"
+    ledger = await open_async_ledger(ledger_url, migrate=True)
     faults = default_faults(fleet, options)
     if not any(isinstance(pool.endpoints, str) for pool in fleet.pools):
         console.print(
@@ -396,10 +406,13 @@ async def run_demo(
             failures = failed_tasks(runs)
             if failures is not None:
                 print_whole(console, failures)
-            print_whole(console, await finance_report(ledger))
-            print_whole(console, await placement_summary(ledger))
+            print_whole(console, await finance_report(ledger, since=run_started))
+            print_whole(console, await placement_summary(ledger, since=run_started))
+            report_command = "kvflow report" + (
+                "" if ledger_url == default_ledger_url() else f" --db {redact_url(ledger_url)}"
+            )
             console.print(
-                f"Ledger: {ledger_path} (`kvflow report --db sqlite:///{ledger_path}`)",
+                f"Ledger: {redact_url(ledger_url)} (`{report_command}`)",
                 highlight=False,
                 soft_wrap=True,
             )
@@ -490,9 +503,9 @@ def _progress(embedded: EmbeddedFleet, tally: Tally, fleet: Fleet) -> Group:
     return Group(tasks, load)
 
 
-async def placement_summary(ledger: AsyncLedger) -> Table:
-    """Per pool: calls, cached share of prompt tokens, spend."""
-    report = await ledger.report(ReportQuery(group_by=(GroupField.POOL,)))
+async def placement_summary(ledger: AsyncLedger, *, since: datetime | None = None) -> Table:
+    """Per pool, of the tasks closed since `since`: calls, cached share of prompt, spend."""
+    report = await ledger.report(ReportQuery(group_by=(GroupField.POOL,), since=since))
     table = Table(title="Where the model calls ran", title_justify="left")
     for column in ("pool", "tasks", "attempts", "cached share of prompt", "spend"):
         table.add_column(column)
@@ -527,9 +540,9 @@ def failed_tasks_url(ui_url: str) -> str:
     return f"{ui_url}/namespaces/default/workflows?query={urllib.parse.quote(query)}"
 
 
-async def finance_report(ledger: AsyncLedger) -> Table:
-    """The finance report of the demo's ledger, by tenant and workflow type."""
-    report = await ledger.report(ReportQuery())
+async def finance_report(ledger: AsyncLedger, *, since: datetime | None = None) -> Table:
+    """The finance report of the tasks closed since `since`, by tenant and workflow type."""
+    report = await ledger.report(ReportQuery(since=since))
     return report_table(report)
 
 

@@ -34,8 +34,9 @@ from kvflow.simulator import (
     SimServer,
     resolve_models,
 )
+from kvflow.workers.control_plane import ControlPlane
 from kvflow.workers.gpu_worker import GpuWorker
-from kvflow.workers.workflow_worker import DEFAULT_WORKFLOW_QUEUE, ControlPlane, workflow_worker
+from kvflow.workers.workflow_worker import DEFAULT_WORKFLOW_QUEUE, workflow_worker
 
 
 class EmbeddedFleet:

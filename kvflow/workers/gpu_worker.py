@@ -15,8 +15,6 @@ from types import TracebackType
 
 import httpx
 from temporalio.client import Client
-from temporalio.contrib.opentelemetry import TracingInterceptor
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Worker
 
 from kvflow.activities.context_store import DirectoryContextStore
@@ -28,51 +26,10 @@ from kvflow.activities.inference import (
 )
 from kvflow.scheduler.fleet import task_queue_for
 from kvflow.workers.config import FleetConfig
+from kvflow.workers.plugin import KvflowPlugin
+from kvflow.workers.replica import check_endpoint
 
 log = logging.getLogger(__name__)
-
-
-class GpuWorkerError(Exception):
-    """The GPU worker cannot start: bad replica name, no endpoint, or vLLM not answering."""
-
-
-def resolve_replica(fleet: FleetConfig, replica: str, endpoint: str | None) -> ReplicaBinding:
-    """Find `POOL/INDEX` in the fleet and the vLLM URL that serves it."""
-    pool_name, _, index_text = replica.partition("/")
-    try:
-        pool = fleet.pool(pool_name)
-    except KeyError:
-        known = ", ".join(p.name for p in fleet.pools)
-        raise GpuWorkerError(f"no pool {pool_name!r} in the fleet; pools: {known}") from None
-    if not index_text.isdigit() or int(index_text) >= pool.replicas:
-        raise GpuWorkerError(
-            f"replica {replica!r}: write POOL/INDEX with INDEX from 0 to {pool.replicas - 1}"
-        )
-    index = int(index_text)
-    if endpoint is None:
-        if isinstance(pool.endpoints, str):
-            raise GpuWorkerError(
-                f"pool {pool.name!r} is simulated: pass --endpoint with the URL of the simulator "
-                f"that serves {replica} (`kvflow sim serve --fleet FILE --replica {replica}`)"
-            )
-        endpoint = str(pool.endpoints[index])
-    return ReplicaBinding(pool=pool, index=index, base_url=endpoint.rstrip("/"))
-
-
-async def check_endpoint(binding: ReplicaBinding, http: httpx.AsyncClient) -> None:
-    """Raise `GpuWorkerError` unless the replica's vLLM server answers `/health` with 200."""
-    url = f"{binding.base_url}/health"
-    try:
-        response = await http.get(url, timeout=5.0)
-    except httpx.HTTPError as exc:
-        raise GpuWorkerError(
-            f"vLLM for {binding.name} is not answering at {url} ({type(exc).__name__}); "
-            "start it, or fix the endpoint in fleet.toml / --endpoint"
-        ) from None
-    if response.status_code != 200:
-        raise GpuWorkerError(
-            f"vLLM for {binding.name} at {url} answered {response.status_code}; it is not healthy"
-        )
 
 
 class GpuWorker:
@@ -98,8 +55,7 @@ class GpuWorker:
         self.worker = Worker(
             client,
             task_queue=self.task_queue,
-            activities=[self.activities.infer],
-            max_concurrent_activities=binding.pool.max_concurrency,
+            plugins=[KvflowPlugin(inference=self.activities)],
             graceful_shutdown_timeout=timedelta(seconds=graceful_shutdown_s),
         )
 
@@ -136,9 +92,5 @@ class GpuWorker:
 
 
 async def connect(fleet: FleetConfig) -> Client:
-    """A Temporal client for the fleet's connection, with pydantic payloads and tracing."""
-    return await Client.connect(
-        **fleet.temporal.connect_config(),
-        data_converter=pydantic_data_converter,
-        interceptors=[TracingInterceptor()],
-    )
+    """A Temporal client for the fleet's connection, configured by `KvflowPlugin`."""
+    return await Client.connect(**fleet.temporal.connect_config(), plugins=[KvflowPlugin()])

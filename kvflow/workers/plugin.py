@@ -21,9 +21,10 @@ Both worker roles also apply the client role when the client was connected witho
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 from temporalio.client import Client
@@ -40,9 +41,9 @@ from kvflow.ledger.store import AsyncLedger, open_ledger
 from kvflow.scheduler.config import SchedulerConfig
 from kvflow.scheduler.fleet import task_queue_for
 from kvflow.workers.config import FleetConfig, load_fleet
-from kvflow.workers.gpu_worker import check_endpoint, resolve_replica
+from kvflow.workers.control_plane import ControlPlane
+from kvflow.workers.replica import check_endpoint, resolve_replica
 from kvflow.workers.search_attributes import ensure_search_attributes
-from kvflow.workers.workflow_worker import ControlPlane
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,8 @@ class KvflowPlugin(SimplePlugin):
         heartbeat_interval_s: float = 0.5,
         http: httpx.AsyncClient | None = None,
         tracing: bool = True,
+        control_plane: ControlPlane | None = None,
+        inference: InferenceActivities | None = None,
     ) -> None:
         if isinstance(fleet, str | Path):
             fleet = load_fleet(fleet)
@@ -108,23 +111,18 @@ class KvflowPlugin(SimplePlugin):
             self._owned_ledger = AsyncLedger(open_ledger(ledger, migrate=True))
             ledger = self._owned_ledger
         store = DirectoryContextStore(Path(context_dir))
-        self.control_plane: ControlPlane | None = None
-        self.inference: InferenceActivities | None = None
-        self.task_queue: str | None = None
-        """The task queue a GPU worker with this plugin must poll."""
+        self.control_plane = control_plane
+        self.inference = inference
+        self._owns_control_plane = False
         self._client: Client | None = None
-        activities = None
         if fleet is not None and replica is not None:
-            binding = resolve_replica(fleet, replica, endpoint)
             self.inference = InferenceActivities(
-                binding,
+                resolve_replica(fleet, replica, endpoint),
                 http or default_http_client(),
                 ledger,
                 store=store,
                 heartbeat_interval_s=heartbeat_interval_s,
             )
-            self.task_queue = task_queue_for(binding.pool.name, binding.index)
-            activities = [self.inference.infer]
         elif fleet is not None:
             self.control_plane = ControlPlane(
                 fleet,
@@ -134,6 +132,15 @@ class KvflowPlugin(SimplePlugin):
                 config=scheduler_config,
                 scrape_interval_s=scrape_interval_s,
             )
+            self._owns_control_plane = True
+        activities: list[Callable[..., Any]] | None = None
+        self.task_queue: str | None = None
+        """The task queue a GPU worker with this plugin must poll."""
+        if self.inference is not None:
+            binding = self.inference.replica
+            self.task_queue = task_queue_for(binding.pool.name, binding.index)
+            activities = [self.inference.infer]
+        elif self.control_plane is not None:
             activities = self.control_plane.activities.all()
         super().__init__(
             PLUGIN_NAME,
@@ -141,7 +148,7 @@ class KvflowPlugin(SimplePlugin):
             interceptors=[TracingInterceptor()] if tracing else None,
             activities=activities,
             workflow_runner=_sandbox_passes_kvflow if self.control_plane else None,
-            run_context=self._running if fleet is not None else None,
+            run_context=self._running if activities else None,
         )
 
     def configure_worker(self, config: WorkerConfig) -> WorkerConfig:
@@ -173,7 +180,10 @@ class KvflowPlugin(SimplePlugin):
                 added = await ensure_search_attributes(self._client)
                 if added:
                     log.info("registered search attributes %s", ", ".join(added))
-                async with self.control_plane:
+                if self._owns_control_plane:
+                    async with self.control_plane:
+                        yield
+                else:
                     yield
             elif self.inference is not None:
                 await check_endpoint(self.inference.replica, self.inference.http)

@@ -1,4 +1,4 @@
-"""Where the processes' OpenTelemetry spans go: the console (default), OTLP, or nowhere.
+"""Where the processes' OpenTelemetry spans go: nowhere (default), the console, or OTLP.
 
 Clients and workers use `temporalio.contrib.opentelemetry.TracingInterceptor`, so one trace
 covers a task: the workflow, each placement, and each model call, whose `kvflow.infer` span
@@ -43,7 +43,7 @@ def _one_line(span: ReadableSpan) -> str:
 
 def configure_tracing(export: TraceExport | None = None, *, service: str = "kvflow") -> None:
     """Install the global tracer provider with the chosen exporter (once per process)."""
-    choice = export or TraceExport(os.environ.get(TRACES_ENV, TraceExport.CONSOLE.value))
+    choice = export or TraceExport(os.environ.get(TRACES_ENV, TraceExport.OFF.value))
     if choice == TraceExport.OFF:
         return
     exporter: SpanExporter

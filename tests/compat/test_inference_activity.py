@@ -36,7 +36,8 @@ with workflow.unsafe.imports_passed_through():
     )
     from kvflow.ledger.records import AttemptRecord
     from kvflow.scheduler.fleet import Pool, TokenPrices
-    from kvflow.workers.gpu_worker import GpuWorker, GpuWorkerError, check_endpoint
+    from kvflow.workers.gpu_worker import GpuWorker
+    from kvflow.workers.replica import GpuWorkerError, check_endpoint
     from tests.faulty_proxy import Fault, FaultyProxy
     from tests.servers import ServedModel
 
