@@ -16,7 +16,7 @@ from rich.console import Console
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
-from kvflow.workers.workflow_worker import DEFAULT_WORKFLOW_QUEUE
+from kvflow import DEFAULT_WORKFLOW_QUEUE
 
 
 def arguments(description: str, *, tenant: str, seed_help: str) -> argparse.ArgumentParser:

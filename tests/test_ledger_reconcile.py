@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from kvflow.cli.main import app
 from kvflow.ledger import AsyncLedger, AttemptOutcome, Ledger, ReportQuery, TaskOutcome
-from kvflow.ledger.reconcile import CLOSED_QUERY, reconcile
+from kvflow.workers.reconcile import CLOSED_QUERY, reconcile
 from kvflow.workflows.search_attributes import TENANT
 from tests.fixtures_ledger import attempt_record, task_record
 

@@ -32,7 +32,6 @@ from kvflow.ledger.export import (
     row_values,
 )
 from kvflow.ledger.migrations import LATEST_VERSION
-from kvflow.ledger.reconcile import ReconcileResult, reconcile
 from kvflow.ledger.report import (
     METRIC_COLUMNS,
     RATIO_COLUMNS,
@@ -49,6 +48,7 @@ from kvflow.ledger.store import (
 from kvflow.scheduler.fleet import format_usd
 from kvflow.workers.config import TemporalConnection
 from kvflow.workers.console import err, fail, load_fleet_or_exit, out
+from kvflow.workers.reconcile import ReconcileResult, reconcile
 
 ledger_app = typer.Typer(
     help="The spend ledger: create or upgrade its schema, fill task rows from Temporal.",

@@ -1,0 +1,1 @@
+"""The `kvflow` command: one module per command group, `main` puts them together."""
