@@ -13,10 +13,19 @@ from collections import Counter
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Annotated, Literal, NamedTuple, Self
 
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AnyHttpUrl,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from kvflow.scheduler.gpus import GpuGeneration
+from kvflow.scheduler.tokens import BUILTIN, VLLM, check_tokenizer_setting
 
 Name = Annotated[
     str,
@@ -143,6 +152,21 @@ class ModelSpec(_Strict):
     fallback: str | None = Field(
         default=None, description="a cheaper model to degrade to when this one cannot fit"
     )
+    tokenizer: str = Field(
+        default=BUILTIN,
+        min_length=1,
+        description=(
+            "where prompt token ids come from (they must equal vLLM's for prefix matching): "
+            "the path of the model's folder or its tokenizer.json, "
+            f'"{VLLM}" to ask a replica\'s /tokenize, or "{BUILTIN}" (the simulator\'s)'
+        ),
+    )
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_loads(cls, value: str) -> str:
+        # A wrong path must fail `kvflow fleet check`, not the first placement.
+        return check_tokenizer_setting(value)
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """Bytes of KV cache one token occupies: keys and values in every layer."""

@@ -51,6 +51,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvflow.scheduler.fleet import ModelSpec
 from kvflow.scheduler.gpus import GpuGeneration
+from kvflow.scheduler.tokens import message_text
 from kvflow.simulator.engine import EngineConfig, EngineCore, SimReplica, SimRequest
 from kvflow.simulator.faults import (
     CRASH_EXIT_CODE,
@@ -78,7 +79,7 @@ from kvflow.simulator.protocol import (
     TokenizeBody,
     validation_error,
 )
-from kvflow.simulator.tokenizer import Tokenizer, apply_chat_template, message_text
+from kvflow.simulator.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -386,10 +387,12 @@ class SimulatedVllm:
             engine = self._engine(body.model)
             if body.messages is not None:
                 self._check_chat_flags(body.add_generation_prompt, body.continue_final_message)
-                text = _render(
-                    body.messages, body.add_generation_prompt, body.continue_final_message
+                # The template writes <|bos|> itself: add_special_tokens adds no second one.
+                ids = self.tokenizer.encode_chat(
+                    body.messages,
+                    add_generation_prompt=body.add_generation_prompt,
+                    continue_final_message=body.continue_final_message,
                 )
-                ids = self.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
             elif body.prompt is not None:
                 add = True if body.add_special_tokens is None else body.add_special_tokens
                 ids = self.tokenizer.encode(body.prompt, add_special_tokens=add)
@@ -489,18 +492,20 @@ class SimulatedVllm:
         engine = self._engine(body.model)
         self._check_chat_flags(body.add_generation_prompt, body.continue_final_message)
         try:
-            text = _render(body.messages, body.add_generation_prompt, body.continue_final_message)
+            prompt_ids = self.tokenizer.encode_chat(
+                body.messages,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+            )
         except ValueError as exc:
             raise ApiError(str(exc), param="messages") from None
-        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         # A resumed structured answer continues the document the original prompt would get.
         base_ids, partial = prompt_ids, ""
         if body.continue_final_message and body.messages:
             last = body.messages[-1]
             if last.get("role") == "assistant":
                 partial = message_text(last.get("content"))
-                base_text = _render(body.messages[:-1], True, False)
-                base_ids = self.tokenizer.encode(base_text, add_special_tokens=False)
+                base_ids = self.tokenizer.encode_chat(body.messages[:-1])
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await self._generate(
             http,
@@ -934,16 +939,6 @@ def _parse(model: type[_Body], data: Any) -> _Body:
 def _param_error(message: str, param: str, value: object) -> ApiError:
     # vLLM's parameter checks end their message with the parameter and the value.
     return ApiError(f"{message} (parameter={param}, value={value})", param=param)
-
-
-def _render(
-    messages: list[dict[str, Any]], add_generation_prompt: bool, continue_final_message: bool
-) -> str:
-    return apply_chat_template(
-        messages,
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message,
-    )
 
 
 def _fault_message(status: int) -> str:

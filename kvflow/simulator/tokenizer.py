@@ -26,10 +26,10 @@ by the partial answer, token for token.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from functools import lru_cache
-from typing import Any
 
+from kvflow.scheduler.tokens import ChatMessages, message_text
 from kvflow.simulator.vocab import PUNCTUATION, WORDS
 
 BOS = "<|bos|>"
@@ -103,7 +103,11 @@ def _encode_long_segment(text: str) -> tuple[int, ...]:
 
 
 class Tokenizer:
-    """The simulator's tokenizer: `encode`, `decode`, token strings and the chat template."""
+    """The simulator's tokenizer: `encode`, `decode`, token strings and the chat template.
+
+    It is the `kvflow.scheduler.tokens.Tokenizer` of the simulator's built-in models, the
+    fleet's default (`tokenizer = "builtin"`).
+    """
 
     vocab_size = VOCAB_SIZE
     bos_token_id = BOS_ID
@@ -126,6 +130,21 @@ class Tokenizer:
         if add_special_tokens and (not ids or ids[0] != BOS_ID):
             ids.insert(0, BOS_ID)
         return ids
+
+    def encode_chat(
+        self,
+        messages: ChatMessages,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
+        """Ids of `messages` rendered with the simulator's chat template (`apply_chat_template`)."""
+        text = apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+        return self.encode(text, add_special_tokens=False)
 
     @staticmethod
     def _encode_ordinary(text: str) -> list[int]:
@@ -186,33 +205,8 @@ class Tokenizer:
         return _PIECE_IDS[piece]
 
 
-def message_text(content: Any) -> str:
-    """The text of a chat message's `content`: a string, or a list of `{"type": "text"}` parts.
-
-    Parts are joined with newlines, as vLLM's default "string" content format does.
-    """
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts: list[str] = []
-        for part in content:
-            if isinstance(part, Mapping) and part.get("type") == "text":
-                texts.append(str(part.get("text", "")))
-            elif isinstance(part, str):
-                texts.append(part)
-            else:
-                raise ValueError(
-                    "message content parts must be {'type': 'text', 'text': ...}; "
-                    "the simulator serves text only"
-                )
-        return "\n".join(texts)
-    raise ValueError("message content must be a string or a list of text parts")
-
-
 def apply_chat_template(
-    messages: Sequence[Mapping[str, Any]],
+    messages: ChatMessages,
     *,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,

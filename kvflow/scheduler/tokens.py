@@ -1,0 +1,414 @@
+"""Prompt token ids: the one tokenizer abstraction of kvflow, and the model's own tokenizer.
+
+The scheduler matches a prompt's block-hash chain (`kvflow.scheduler.blocks`) against what the
+replicas cache, including the blocks vLLM reports in its KV events. Those hashes only agree when
+kvflow cuts the prompt into the same token ids as the engine, so the ids must come from the
+served model's own tokenizer and chat template, not from an approximation.
+
+Two small protocols, with the same two methods:
+
+- `Tokenizer`: ids computed in this process (`encode` for a completion prompt, `encode_chat`
+  for chat messages). The simulator's built-in tokenizer is one
+  (`kvflow.simulator.tokenizer.Tokenizer`); `HfTokenizer` is another: a model's
+  `tokenizer.json`, read with the `tokenizers` library, and its chat template, rendered with
+  jinja2 the way `transformers` renders it for vLLM.
+- `AsyncTokenizer`: what the `place` activity awaits. `InThread` runs a `Tokenizer` off the
+  event loop; `kvflow.activities.tokenize.VllmTokenize` asks a replica's `POST /tokenize`.
+
+Tokenizing happens in the `place` activity, before the decision: nothing here runs on the
+scheduler's decision path, and nothing here touches the network (files are read once, when a
+fleet is loaded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import jinja2
+    import tokenizers
+
+ChatMessages = Sequence[Mapping[str, Any]]
+"""OpenAI-style chat messages: `{"role": ..., "content": str | [{"type": "text", ...}]}`."""
+
+
+class Tokenizer(Protocol):
+    """Token ids of prompts, computed in this process, exactly as the engine computes them."""
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of a completion prompt, with the special tokens the engine adds (e.g. BOS)."""
+        ...
+
+    def encode_chat(
+        self,
+        messages: ChatMessages,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
+        """Ids of chat `messages` rendered with the model's chat template.
+
+        With `continue_final_message` the last message is left open, so the model continues it.
+        """
+        ...
+
+
+class AsyncTokenizer(Protocol):
+    """`Tokenizer`'s two methods as coroutines: the form the `place` activity awaits."""
+
+    async def encode(self, text: str) -> list[int]:
+        """Ids of a completion prompt (see `Tokenizer.encode`)."""
+        ...
+
+    async def encode_chat(
+        self,
+        messages: ChatMessages,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
+        """Ids of chat `messages` (see `Tokenizer.encode_chat`)."""
+        ...
+
+
+class InThread:
+    """An `AsyncTokenizer` that runs a local `Tokenizer` in a worker thread.
+
+    Tokenizing a long conversation takes milliseconds: it must not stall the event loop that
+    also serves the worker's other activities.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    async def encode(self, text: str) -> list[int]:
+        """Ids of a completion prompt (see `Tokenizer.encode`)."""
+        return await asyncio.to_thread(self.tokenizer.encode, text)
+
+    async def encode_chat(
+        self,
+        messages: ChatMessages,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
+        """Ids of chat `messages` (see `Tokenizer.encode_chat`)."""
+        return await asyncio.to_thread(
+            lambda: self.tokenizer.encode_chat(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+            )
+        )
+
+
+def message_text(content: Any) -> str:
+    """The text of a chat message's `content`: a string, or a list of `{"type": "text"}` parts.
+
+    Parts are joined with newlines, as vLLM's default "string" content format does before it
+    renders a chat template.
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts: list[str] = []
+        for part in content:
+            if isinstance(part, Mapping) and part.get("type") == "text":
+                texts.append(str(part.get("text", "")))
+            elif isinstance(part, str):
+                texts.append(part)
+            else:
+                raise ValueError(
+                    "message content parts must be {'type': 'text', 'text': ...}; "
+                    "kvflow places text prompts only"
+                )
+        return "\n".join(texts)
+    raise ValueError("message content must be a string or a list of text parts")
+
+
+class TokenizerFileError(ValueError):
+    """A tokenizer path that is missing, unreadable, or has no chat template."""
+
+
+TOKENIZER_FILE = "tokenizer.json"
+_CONFIG_FILE = "tokenizer_config.json"
+_SPECIAL_TOKENS_FILE = "special_tokens_map.json"
+_TEMPLATE_FILE = "chat_template.jinja"
+# The special tokens transformers passes to every chat template by name (its
+# SPECIAL_TOKENS_ATTRIBUTES); templates write `{{ bos_token }}`, `{{ eos_token }}`.
+_SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+# transformers marks the end of the final message with this tag to cut the rendered chat there
+# when the message is continued; rendering the same way gives the same text.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+class HfTokenizer:
+    """A model's own tokenizer: its `tokenizer.json` and its chat template.
+
+    Ids equal those vLLM computes for the same request (checked against a real vLLM server in
+    `tests/test_tokens_vllm.py`): a completion prompt is encoded with the tokenizer's special
+    tokens (its post-processor adds BOS where the model wants it); chat messages are rendered
+    with the model's chat template in jinja2's sandbox with `transformers`' settings
+    (`trim_blocks`, `lstrip_blocks`, the `tojson`, `raise_exception` and `strftime_now`
+    helpers, the special tokens as variables), then encoded without special tokens, since the
+    template writes them. `transformers` itself is not needed: it is a large dependency for a
+    control plane, and rendering its way takes a page of code.
+
+    Not covered: multimodal content, tool schemas, and vLLM's rewriting of a `developer` role
+    to `system` for templates that do not know it.
+    """
+
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        chat_template: str | None,
+        special_tokens: Mapping[str, str] | None = None,
+        *,
+        source: str = "",
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})
+        self.source = source
+        self._template = _compile_template(chat_template) if chat_template is not None else None
+
+    @classmethod
+    def from_path(cls, path: Path | str) -> HfTokenizer:
+        """Load a model folder (with `tokenizer.json`) or a `tokenizer.json` file.
+
+        The chat template and the special tokens are read from the same folder:
+        `chat_template.jinja`, else `tokenizer_config.json`'s `chat_template`. Loads are
+        remembered per file and modification time. Raises `TokenizerFileError` saying what is
+        missing and what to point at instead.
+        """
+        file = _tokenizer_file(Path(path))
+        return _load(str(file.resolve()), file.stat().st_mtime_ns)
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of a completion prompt, with the special tokens the tokenizer adds."""
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=True).ids
+        return ids
+
+    def encode_chat(
+        self,
+        messages: ChatMessages,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
+        """Ids of chat `messages` rendered with the model's chat template."""
+        text = self.render_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return ids
+
+    def render_chat(
+        self,
+        messages: ChatMessages,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> str:
+        """The chat template's text for `messages` (what `encode_chat` encodes)."""
+        if self._template is None:
+            raise TokenizerFileError(
+                f"{self.source or 'this tokenizer'} has no chat template: add "
+                f"{_TEMPLATE_FILE} beside it, or a chat_template in {_CONFIG_FILE}"
+            )
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt are not compatible")
+        chat = [
+            {"role": str(m.get("role", "user")), "content": message_text(m.get("content"))}
+            for m in messages
+        ]
+        if continue_final_message:
+            if not chat:
+                raise ValueError("continue_final_message needs a final message to continue")
+            chat[-1]["content"] += _CONTINUE_TAG
+        rendered = self._template.render(
+            messages=chat,
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **self.special_tokens,
+        )
+        if continue_final_message:
+            # Cut after the final message, as transformers does: the text a template writes
+            # after a message (its end token) must not be in a prompt the model continues.
+            cut = rendered.rindex(_CONTINUE_TAG.strip())
+            if rendered[cut : cut + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+                rendered = rendered[:cut]
+            else:  # the template stripped the message's trailing space
+                rendered = rendered[:cut].rstrip()
+        return rendered
+
+
+def _tokenizer_file(path: Path) -> Path:
+    if path.is_dir():
+        file = path / TOKENIZER_FILE
+        if not file.is_file():
+            raise TokenizerFileError(
+                f"{path} has no {TOKENIZER_FILE}: point at the model's folder (the one vLLM "
+                f"serves, which holds {TOKENIZER_FILE}) or at its {TOKENIZER_FILE}"
+            )
+        return file
+    if not path.exists():
+        raise TokenizerFileError(
+            f"{path} does not exist (relative paths start in the working directory): give the "
+            f"path of the model's folder or of its {TOKENIZER_FILE}, "
+            '"vllm" to ask a replica\'s /tokenize, or "builtin"'
+        )
+    return path
+
+
+@lru_cache(maxsize=16)
+def _load(file: str, mtime_ns: int) -> HfTokenizer:
+    # mtime_ns is part of the key so that a replaced file is read again.
+    del mtime_ns
+    from tokenizers import Tokenizer as RustTokenizer
+
+    path = Path(file)
+    try:
+        tokenizer = RustTokenizer.from_file(file)
+    except Exception as exc:  # the library raises a bare Exception for a malformed file
+        raise TokenizerFileError(
+            f"{path} is not a Hugging Face fast tokenizer file ({exc}); give the model's "
+            f"{TOKENIZER_FILE}, as saved by `save_pretrained`"
+        ) from None
+    config = _read_json(path.parent / _CONFIG_FILE)
+    special = {**_read_json(path.parent / _SPECIAL_TOKENS_FILE), **config}
+    special_tokens = {
+        key: text for key in _SPECIAL_TOKEN_KEYS if (text := _token_text(special.get(key)))
+    }
+    template_file = path.parent / _TEMPLATE_FILE
+    template = (
+        template_file.read_text(encoding="utf-8")
+        if template_file.is_file()
+        else _config_template(config.get("chat_template"))
+    )
+    return HfTokenizer(tokenizer, template, special_tokens, source=str(path))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TokenizerFileError(f"cannot read {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise TokenizerFileError(f"{path} must hold a JSON object")
+    return data
+
+
+def _token_text(value: Any) -> str | None:
+    # A special token is written as its text or as an AddedToken object {"content": ...}.
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+def _config_template(value: Any) -> str | None:
+    # tokenizer_config.json holds one template, or named ones of which vLLM uses "default".
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        for entry in value:
+            if isinstance(entry, Mapping) and entry.get("name") == "default":
+                return str(entry["template"])
+    return None
+
+
+@lru_cache(maxsize=16)
+def _compile_template(source: str) -> jinja2.Template:
+    import jinja2
+    import jinja2.ext
+    import jinja2.nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        # `{% generation %}...{% endgeneration %}` marks assistant text for training masks in
+        # some templates; for a prompt it renders its body unchanged.
+        tags = {"generation"}  # noqa: RUF012 (jinja2 declares it a plain attribute)
+
+        def parse(self, parser: Any) -> jinja2.nodes.Node:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            call = self.call_method("_body")
+            return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return str(caller())
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(
+        value: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:
+        # jinja2's own tojson escapes HTML characters, which a prompt must keep as written.
+        return json.dumps(
+            value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+            sort_keys=sort_keys,
+        )  # fmt: skip
+
+    def strftime_now(format: str) -> str:
+        return datetime.now().strftime(format)
+
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
+    environment.filters["tojson"] = tojson
+    environment.globals["raise_exception"] = raise_exception
+    environment.globals["strftime_now"] = strftime_now
+    try:
+        return environment.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise TokenizerFileError(f"the chat template does not compile: {exc}") from None
+
+
+BUILTIN = "builtin"
+"""`ModelSpec.tokenizer` value: the simulator's built-in tokenizer (the default)."""
+VLLM = "vllm"
+"""`ModelSpec.tokenizer` value: ask a replica serving the model for ids (`POST /tokenize`)."""
+
+
+def check_tokenizer_setting(value: str) -> str:
+    """Validate a fleet model's `tokenizer` setting; a path must load and have a chat template.
+
+    Returns the value unchanged; raises `TokenizerFileError` naming the fix.
+    """
+    if value in (BUILTIN, VLLM):
+        return value
+    tokenizer = HfTokenizer.from_path(value)
+    if tokenizer.chat_template is None:
+        raise TokenizerFileError(
+            f"{tokenizer.source} has no chat template: add {_TEMPLATE_FILE} beside it or a "
+            f'chat_template in {_CONFIG_FILE}, or use tokenizer = "vllm"'
+        )
+    return value
