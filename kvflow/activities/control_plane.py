@@ -19,11 +19,11 @@ from temporalio import activity
 
 from kvflow.activities.context_store import DirectoryContextStore
 from kvflow.activities.inference import AttemptSink, ChatMessage
+from kvflow.activities.tokenize import FleetTokenizers
 from kvflow.ledger.records import AttemptOutcome, AttemptRecord, TaskRecord
 from kvflow.scheduler.blocks import block_hashes
 from kvflow.scheduler.fleet import Fleet
 from kvflow.scheduler.placement import Observation, Placement, PlacementRequest, Refusal
-from kvflow.simulator.tokenizer import Tokenizer, apply_chat_template
 from kvflow.workflows.context import ContextRef
 
 log = logging.getLogger(__name__)
@@ -100,20 +100,13 @@ class PlaceAnswer(BaseModel):
     prompt_tokens: int = Field(ge=0)
 
 
-_tokenizer = Tokenizer()
-
-
-def _token_ids(text: str) -> list[int]:
-    # The tokenizer remembers long messages, so a shared context is not tokenized every step.
-    return _tokenizer.encode(text, add_special_tokens=False)
-
-
 class ControlPlaneActivities:
     """Activities of the workflow worker, bound to its scheduler, ledger and context store.
 
-    Prompt sizes and block hashes come from kvflow's deterministic tokenizer: they estimate the
-    engine's token counts, and they are the same in every workflow worker, which is what the
-    approximate prefix index and rendezvous hashing need to agree.
+    Prompt sizes and block hashes come from each model's tokenizer as the fleet configures it
+    (`kvflow.activities.tokenize`): the model's own, so the hashes match what vLLM caches, or
+    the built-in one for the simulator's models. Either way every workflow worker computes the
+    same ids, which is what the prefix index and rendezvous hashing need to agree.
     """
 
     def __init__(
@@ -124,34 +117,34 @@ class ControlPlaneActivities:
         block_size: int,
         ledger: LedgerSink | None = None,
         store: DirectoryContextStore | None = None,
+        tokenizers: FleetTokenizers | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.fleet = fleet
         self.block_size = block_size
         self.ledger = ledger
         self.store = store or DirectoryContextStore()
+        self.tokenizers = tokenizers or FleetTokenizers(fleet)
 
     async def _text(self, content: str | ContextRef) -> str:
         return content if isinstance(content, str) else await self.store.aget(content)
 
     async def prompt_tokens(self, place: PlaceInput) -> list[int]:
-        """The prompt's token ids as kvflow's tokenizer renders it."""
+        """The prompt's token ids, from the model's configured tokenizer, as the engine sees it."""
+        tokenizer = self.tokenizers.for_model(place.request.model)
         if place.messages is not None:
             messages = [
                 {"role": m.role, "content": await self._text(m.content)} for m in place.messages
             ]
             if place.checkpoint_text:
                 messages.append({"role": "assistant", "content": place.checkpoint_text})
-            rendered = apply_chat_template(
+            return await tokenizer.encode_chat(
                 messages,
                 add_generation_prompt=not place.checkpoint_text,
                 continue_final_message=bool(place.checkpoint_text),
             )
-        else:
-            assert place.prompt is not None
-            rendered = await self._text(place.prompt) + place.checkpoint_text
-        # Tokenizing a long conversation takes milliseconds: keep it off the event loop.
-        return await asyncio.to_thread(_token_ids, rendered)
+        assert place.prompt is not None
+        return await tokenizer.encode(await self._text(place.prompt) + place.checkpoint_text)
 
     @activity.defn(name=PLACE_ACTIVITY)
     async def place(self, place: PlaceInput) -> PlaceAnswer:
