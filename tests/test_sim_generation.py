@@ -13,13 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 
+from kvflow.scheduler.builtin_tokenizer import EOS_ID, Tokenizer, apply_chat_template
 from kvflow.simulator.generation import (
     SchemaError,
     TextSampler,
     instance_for_schema,
     json_for_schema,
 )
-from kvflow.simulator.tokenizer import EOS_ID, Tokenizer, apply_chat_template
 
 TOKENIZER = Tokenizer()
 

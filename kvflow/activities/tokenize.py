@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from kvflow.scheduler.builtin_tokenizer import Tokenizer as BuiltinTokenizer
 from kvflow.scheduler.fleet import Fleet
 from kvflow.scheduler.tokens import (
     BUILTIN,
@@ -32,7 +33,6 @@ from kvflow.scheduler.tokens import (
     InThread,
     message_text,
 )
-from kvflow.simulator.tokenizer import Tokenizer as BuiltinTokenizer
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ served model's own tokenizer and chat template, not from an approximation.
 Two small protocols, with the same two methods:
 
 - `Tokenizer`: ids computed in this process (`encode` for a completion prompt, `encode_chat`
-  for chat messages). The simulator's built-in tokenizer is one
-  (`kvflow.simulator.tokenizer.Tokenizer`); `HfTokenizer` is another: a model's
+  for chat messages). The built-in tokenizer of the simulator's models is one
+  (`kvflow.scheduler.builtin_tokenizer.Tokenizer`); `HfTokenizer` is another: a model's
   `tokenizer.json`, read with the `tokenizers` library, and its chat template, rendered with
   jinja2 the way `transformers` renders it for vLLM.
 - `AsyncTokenizer`: what the `place` activity awaits. `InThread` runs a `Tokenizer` off the

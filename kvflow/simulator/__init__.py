@@ -15,6 +15,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kvflow.scheduler.builtin_tokenizer import Tokenizer, apply_chat_template
     from kvflow.simulator.des import (
         AgentWorkload,
         DiscreteEventFleet,
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
     from kvflow.simulator.models import BUILTIN_MODELS, resolve_models
     from kvflow.simulator.perf import PerfModel
     from kvflow.simulator.server import ServerSettings, SimProcess, SimServer, SimulatedVllm
-    from kvflow.simulator.tokenizer import Tokenizer, apply_chat_template
 
 _EXPORTS: dict[str, str] = {
     "AgentWorkload": "kvflow.simulator.des",
@@ -69,8 +69,8 @@ _EXPORTS: dict[str, str] = {
     "SimulatedVllm": "kvflow.simulator.server",
     "SimulationResult": "kvflow.simulator.des",
     "StepResult": "kvflow.simulator.engine",
-    "Tokenizer": "kvflow.simulator.tokenizer",
-    "apply_chat_template": "kvflow.simulator.tokenizer",
+    "Tokenizer": "kvflow.scheduler.builtin_tokenizer",
+    "apply_chat_template": "kvflow.scheduler.builtin_tokenizer",
     "parse_fault_header": "kvflow.simulator.faults",
     "resolve_models": "kvflow.simulator.models",
     "simulate": "kvflow.simulator.des",

@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvflow.simulator.tokenizer import EOS_ID, Tokenizer
+from kvflow.scheduler.builtin_tokenizer import EOS_ID, Tokenizer
 
 _MASK = (1 << 64) - 1
 _PRIME = 0x100000001B3

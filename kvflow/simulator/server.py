@@ -49,6 +49,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvflow.scheduler.builtin_tokenizer import Tokenizer
 from kvflow.scheduler.fleet import ModelSpec
 from kvflow.scheduler.gpus import GpuGeneration
 from kvflow.scheduler.tokens import message_text
@@ -79,7 +80,6 @@ from kvflow.simulator.protocol import (
     TokenizeBody,
     validation_error,
 )
-from kvflow.simulator.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

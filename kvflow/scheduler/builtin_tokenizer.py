@@ -1,10 +1,14 @@
-r"""A deterministic, lossless tokenizer and chat template shipped with the simulator.
+r"""kvflow's built-in tokenizer: a deterministic, lossless tokenizer and chat template.
+
+It is the tokenizer of the simulator's models, and the default of a fleet model's `tokenizer`
+key, so it lives at the bottom layer: the simulator and the control plane (which must not
+import the simulator) share it. It implements `kvflow.scheduler.tokens.Tokenizer`.
 
 Text is cut into pieces the way GPT-2-style tokenizers pre-tokenize (a word with its leading
 space, up to three digits, a run of punctuation, whitespace), then each piece becomes:
 
-- one token if it is a known word (`kvflow.simulator.vocab.WORDS`, with or without a leading space)
-  or a known punctuation piece;
+- one token if it is a known word (`kvflow.scheduler.vocab.WORDS`, with or without a leading
+  space) or a known punctuation piece;
 - otherwise byte-pair tokens: two UTF-8 bytes per token, one byte for an odd last byte.
 
 So ordinary English costs about one token per word, any text round-trips exactly through
@@ -30,7 +34,7 @@ from collections.abc import Iterable, Sequence
 from functools import lru_cache
 
 from kvflow.scheduler.tokens import ChatMessages, message_text
-from kvflow.simulator.vocab import PUNCTUATION, WORDS
+from kvflow.scheduler.vocab import PUNCTUATION, WORDS
 
 BOS = "<|bos|>"
 EOS = "<|eos|>"

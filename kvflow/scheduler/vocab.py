@@ -1,4 +1,4 @@
-"""The word list of the simulator's tokenizer: common English words, one token each.
+"""The word list of the built-in tokenizer: common English words, one token each.
 
 Words outside this list are still tokenized losslessly (as byte pairs), so any text round
 trips; this list only makes ordinary English prompts cost about one token per word, as real
