@@ -37,7 +37,7 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 from kvflow.activities.context_store import DEFAULT_CONTEXT_DIR, DirectoryContextStore
 from kvflow.activities.control_plane import LedgerSink
 from kvflow.activities.inference import InferenceActivities, default_http_client
-from kvflow.ledger.store import AsyncLedger, open_ledger
+from kvflow.ledger.store import AsyncLedger, default_ledger_url, open_ledger
 from kvflow.scheduler.config import SchedulerConfig
 from kvflow.scheduler.fleet import task_queue_for
 from kvflow.workers.config import FleetConfig, load_fleet
@@ -75,9 +75,10 @@ class KvflowPlugin(SimplePlugin):
         endpoint: the GPU worker's vLLM base URL (default: the pool's `endpoints` entry).
         endpoints: for a workflow worker, the vLLM URL of each replica (`POOL/INDEX`) of a
             simulated pool, whose URLs the fleet cannot know.
-        ledger: where attempt and task rows go: a ledger URL (`sqlite:///...`,
-            `postgresql://...`, created and migrated if needed) or an open ledger; `None`
-            keeps no ledger.
+        ledger: where a worker writes attempt and task rows: a ledger URL (`sqlite:///...`,
+            `postgresql://...`, created and migrated if needed) or an open ledger; by default
+            `$KVFLOW_LEDGER_URL`, else `sqlite:///.kvflow/ledger.db` (what `kvflow report`
+            reads).
         context_dir: the content-addressed context store, shared by every worker.
         scheduler_config: weights and thresholds of the scheduler (workflow worker).
         tracing: add the OpenTelemetry tracing interceptor.
@@ -107,6 +108,8 @@ class KvflowPlugin(SimplePlugin):
             raise ValueError(f"KvflowPlugin(replica={replica!r}) needs the fleet it belongs to")
         self.fleet = fleet
         self._owned_ledger: AsyncLedger | None = None
+        if ledger is None and fleet is not None:
+            ledger = default_ledger_url()
         if isinstance(ledger, str):
             self._owned_ledger = AsyncLedger(open_ledger(ledger, migrate=True))
             ledger = self._owned_ledger
