@@ -19,7 +19,19 @@ from kvflow.scheduler.build import scheduler_build
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = ROOT / ".kvflow" / "compiled" / "site"
-COMPILED_MODULES = ["axes", "core", "prefix_index", "reliability", "rendezvous", "state"]
+COMPILED_MODULES = [
+    "axes",
+    "core",
+    "decision",
+    "policy",
+    "prefix_index",
+    "reasons",
+    "reliability",
+    "rendezvous",
+    "search",
+    "state",
+    "tenancy",
+]
 
 
 def test_compiled_build_runs_the_scheduler_tests(tmp_path: Path) -> None:
@@ -33,10 +45,10 @@ def test_compiled_build_runs_the_scheduler_tests(tmp_path: Path) -> None:
         ["make", "compiled"], cwd=ROOT, capture_output=True, text=True, timeout=900
     )
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
-    built = sorted(path.name.split(".")[0] for path in (SITE / "scheduler").glob("*.so"))
+    built = sorted(path.name.split(".")[0] for path in (SITE / "kvflow" / "scheduler").glob("*.so"))
     assert built == COMPILED_MODULES
     # The build leaves nothing compiled in the source tree, where it would shadow the source.
-    assert not list((ROOT / "scheduler").glob("*.so"))
+    assert not list((ROOT / "kvflow" / "scheduler").glob("*.so"))
 
     shutil.copytree(
         ROOT / "tests", tmp_path / "tests", ignore=shutil.ignore_patterns("__pycache__")

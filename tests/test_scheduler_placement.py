@@ -12,9 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import TypeAdapter, ValidationError
 
+from kvflow.scheduler.axes import WorkflowContext
 from kvflow.scheduler.blocks import block_hashes
 from kvflow.scheduler.config import SchedulerConfig, WeightsConfig
-from kvflow.scheduler.core import Scheduler, _Candidate
+from kvflow.scheduler.core import Scheduler
+from kvflow.scheduler.decision import Estimate
 from kvflow.scheduler.fleet import Fleet, task_queue_for
 from kvflow.scheduler.placement import (
     Observation,
@@ -758,27 +760,27 @@ def busy_fleet(seed: int, tokens: int) -> tuple[Scheduler, list[int]]:
 def test_the_searchs_shortcuts_never_hide_a_replica_that_could_win(
     seed: int, tightness: float, spent: int, tokens: int
 ) -> None:
-    """The bounds the search prunes with hold for every replica `_evaluate` scores."""
+    """The bounds the search prunes with hold for every replica the policy scores."""
     scheduler, shared = busy_fleet(seed, tokens)
+    policy = scheduler.policy
     ctx = scheduler._context(request(shared, spent_micros=spent), scheduler._models[BIG], 0.0)
     scored = [
-        c
-        for r in scheduler._replicas
-        if isinstance(c := scheduler._evaluate(r.rid, ctx), _Candidate)
+        c for r in scheduler._replicas if isinstance(c := policy.evaluate(r.rid, ctx), Estimate)
     ]
     # A step budget close to some replica's estimate: the deadline decides for some replicas.
     ctx.budget_s = random.Random(seed).choice(scored).duration_s * tightness if scored else 1.0
     sunk = scheduler.config.weights.sunk_cost * spent
+    context = WorkflowContext(scheduler.config.weights)
     for state in scheduler._replicas:
-        verdict = scheduler._evaluate(state.rid, ctx)
+        verdict = policy.evaluate(state.rid, ctx)
         price = scheduler._prices[state.pool_position]
-        cached = verdict.cached_tokens if isinstance(verdict, _Candidate) else ctx.most_cached
+        cached = verdict.cached_tokens if isinstance(verdict, Estimate) else ctx.most_cached
         cost = price.cost(tokens, cached, 200)
-        floor = scheduler._objective_floor(state, ctx, cost)
+        floor = policy.floor(state, ctx, cost)
         if floor == math.inf:
-            assert not isinstance(verdict, _Candidate), state.name
-        if isinstance(verdict, _Candidate):
-            sticky = scheduler.context.sticky_factor(state.rid == ctx.previous)
+            assert not isinstance(verdict, Estimate), state.name
+        if isinstance(verdict, Estimate):
+            sticky = context.sticky_factor(state.rid == ctx.previous)
             # The heap's bound, and the floor the search compares before scoring.
             assert state.objective_bound(cost, sunk) * sticky <= (verdict.objective * (1 + 1e-9)), (
                 state.name

@@ -1,17 +1,24 @@
-"""The seven axes of placement: one small filter or scorer each, with its formula.
+"""The axes of placement: one small class each, behind one `Axis` protocol.
+
+Every axis implements the hooks of `Axis` it needs (the others do nothing): a per-replica
+`refresh` when the replica's telemetry changes, and per decision an `evaluate` that turns the
+replica down with a `Filter` or adds its estimate, term or factor. `kvflow.scheduler.policy`
+runs the axes `SchedulerConfig.axes` names, in that order, and composes the objective
+
+    J = (cost + at risk) / p  ×  Π (1 + wₖ · penaltyₖ)  ×  Π factorₖ
+
+where `cost` is the call's expected price on the replica (after cached tokens), `p` the
+probability that it succeeds in time, `at risk` the task's spend a failure would waste, the
+penalties the replica's request-independent ones (queue, KV-cache usage, kept in
+`ReplicaState.penalty`) and the factors the per-decision ones (cold start, stickiness). The
+lowest J among replicas that pass every filter wins. Adding an axis is one class here and one
+entry in `AXES`; its weights and thresholds live in `kvflow.scheduler.config`.
 
 Each class is pure: it reads configuration and the numbers it is given and returns a number or
 a yes/no. The methods a placement calls read the configuration values they need from plain
 attributes copied at construction: a pydantic model answers every attribute read through a
 `__getattr__` hook, several times slower than a plain object, and these run for every replica
-scored. `kvflow.scheduler.core.Scheduler` composes them into the objective
-
-    J = (cost + λ · spent · (1 − p)) / p  ×  Π (1 + wₖ · penaltyₖ)  ×  sticky
-
-where `cost` is the call's expected price on the replica (after cached tokens), `p` the
-probability that it succeeds in time, `spent` the task's spend so far, and the penalties the
-replica's queue, KV-cache usage and cold start. The lowest J among replicas that pass every
-filter wins.
+scored.
 """
 
 from __future__ import annotations
@@ -25,11 +32,73 @@ from kvflow.scheduler.config import (
     AdmissionConfig,
     LatencyConfig,
     MemoryConfig,
+    SchedulerConfig,
     SpeedConfig,
     WeightsConfig,
 )
-from kvflow.scheduler.fleet import ExactPrices, ModelSpec, Pool, Tenant, TokenPrices
+from kvflow.scheduler.decision import Decision, Estimate, Filter, cost_per_success
+from kvflow.scheduler.fleet import ExactPrices, Fleet, ModelSpec, Pool, Tenant, TokenPrices
 from kvflow.scheduler.gpus import GPU_PROFILES, GpuGeneration
+from kvflow.scheduler.placement import Observation
+from kvflow.scheduler.reliability import CircuitState
+from kvflow.scheduler.state import ReplicaState
+
+
+class Axis:
+    """The protocol every axis implements; each hook's default leaves the decision alone.
+
+    A plain base class rather than a `typing.Protocol`: the compiled build calls its methods
+    through a native method table, where a protocol's calls would be Python attribute lookups,
+    and an axis overrides only the hooks it uses.
+
+    Per replica, when telemetry changes:
+      `refresh`       request-independent terms (multiply `state.penalty` by 1 + w · penalty)
+      `refresh_load`  after this scheduler placed a call there: the load-dependent terms
+      `record`        a finished call's measurements
+    Per decision:
+      `prepare`       the axis's constants of the request, on the `Decision`
+      `accepts`       whether the model's replicas may take the call at their load at all
+      `evaluate`      a `Filter` that turns the replica down, or None after filling in the
+                      estimate fields the axis owns (the axes run in configuration order, so an
+                      axis reads what earlier ones filled in)
+      `bound`         the same, for the best the replica could do (at most its cost, the most
+                      cached tokens anywhere, no cold load): a lower bound the search prunes by
+      `factor`        the axis's factor on the objective (1 when it has none)
+      `finish`        on the chosen replica's estimate: what only the placement needs
+    """
+
+    def refresh(self, state: ReplicaState) -> None:
+        """Recompute the axis's request-independent terms of the replica."""
+
+    def refresh_load(self, state: ReplicaState) -> None:
+        """Recompute the terms that depend on the replica's load, after a placement there."""
+
+    def record(self, state: ReplicaState, model: ModelSpec, observation: Observation) -> None:
+        """Fold a successful call on the replica into the axis's estimates."""
+
+    def prepare(self, decision: Decision) -> None:
+        """Set the axis's per-request constants on the decision."""
+
+    def accepts(self, decision: Decision, load_fraction: float) -> bool:
+        """Whether the call may be placed while the model's replicas are this loaded."""
+        return True
+
+    def evaluate(
+        self, state: ReplicaState, decision: Decision, estimate: Estimate
+    ) -> Filter | None:
+        """The filter that turns the replica down, or None after filling in the estimate."""
+        return None
+
+    def bound(self, state: ReplicaState, decision: Decision, estimate: Estimate) -> Filter | None:
+        """Like `evaluate`, for the best case; axes that only add cost leave it alone."""
+        return None
+
+    def factor(self, state: ReplicaState, decision: Decision, estimate: Estimate) -> float:
+        """The axis's factor on the replica's objective."""
+        return 1.0
+
+    def finish(self, state: ReplicaState, decision: Decision, estimate: Estimate) -> None:
+        """Complete the estimate of the replica chosen, for the placement."""
 
 
 class Speed(NamedTuple):
@@ -70,8 +139,12 @@ class PoolPrices:
         )
 
 
-class GpuGenerationAxis:
-    """Speed of a model on a pool's GPUs: the roofline until observations take over.
+class GpuGenerationAxis(Axis):
+    """GPU generation: speed and price of a model on a pool's GPUs.
+
+    Inputs: the pool's GPU generation and price list, the replica's load, measured call times.
+    Config: `speed.*` (roofline efficiencies, `ewma_alpha`, `observation_clamp`, overhead).
+    Estimates: TTFT, duration and cost of the call; no filter, no factor.
 
     roofline prefill s/token = 2 · parameters / (BF16 FLOP/s · GPUs · prefill_mfu)
     roofline decode s/token  = parameters · bytes per weight / (bandwidth · GPUs · efficiency)
@@ -81,10 +154,14 @@ class GpuGenerationAxis:
 
     prefill_s = overhead + uncached tokens · prefill s/token
     decode_s  = output tokens · decode s/token · (1 + decode_batch_slowdown · load fraction)
+    ttft      = queue wait + cold load + prefill_s;  duration = ttft + decode_s
+    cost      = (prompt − cached) · input + cached · cached input + output · output price
     """
 
-    def __init__(self, config: SpeedConfig) -> None:
+    def __init__(self, config: SpeedConfig, prices: tuple[PoolPrices, ...] = ()) -> None:
         self.config = config
+        self._prices = prices
+        """Per pool, in fleet order."""
         self._ttft_overhead_s = config.ttft_overhead_s
         self._decode_batch_slowdown = config.decode_batch_slowdown
         self._roofline: dict[tuple[GpuGeneration, int, str], Speed] = {}
@@ -177,9 +254,66 @@ class GpuGenerationAxis:
             self._generation.get(generation_key) or self.roofline(pool, model)
         )
 
+    def refresh(self, state: ReplicaState) -> None:
+        """The replica's decode slowdown at its load (after `QueueLoad` set the fraction)."""
+        state.decode_slowdown = self.decode_slowdown(state.load_fraction)
 
-class QueueLoad:
+    def refresh_load(self, state: ReplicaState) -> None:
+        """As `refresh`: the slowdown follows the load."""
+        state.decode_slowdown = self.decode_slowdown(state.load_fraction)
+
+    def record(self, state: ReplicaState, model: ModelSpec, observation: Observation) -> None:
+        """Learn the replica's prefill and decode speed from the call's timings."""
+        prefill_s = None
+        if observation.ttft_s is not None and not observation.cold_start:
+            # A cold start's first token waited for the weights to load; it says nothing
+            # about prefill speed.
+            prefill_s = observation.ttft_s - (observation.queue_s or 0.0)
+        decode_s = None
+        if observation.duration_s is not None and observation.ttft_s is not None:
+            decode_s = observation.duration_s - observation.ttft_s
+        self.observe(
+            state.name,
+            state.pool,
+            model,
+            uncached_tokens=max(0, observation.prompt_tokens - observation.cached_tokens),
+            prefill_s=prefill_s,
+            output_tokens=observation.completion_tokens,
+            decode_s=decode_s,
+            load_fraction=state.load / state.pool.max_concurrency,
+        )
+
+    def evaluate(
+        self, state: ReplicaState, decision: Decision, estimate: Estimate
+    ) -> Filter | None:
+        """TTFT, duration and cost of the call on the replica."""
+        self.bound(state, decision, estimate)
+        estimate.cost = self._prices[state.pool_position].cost(
+            decision.prompt, estimate.cached_tokens, decision.output
+        )
+        return None
+
+    def bound(self, state: ReplicaState, decision: Decision, estimate: Estimate) -> Filter | None:
+        """TTFT and duration (the bound's cost is given)."""
+        speed = self.speed(state.name, state.pool, decision.spec)
+        ttft = (
+            estimate.queue_wait_s
+            + estimate.cold_load_s
+            + self.prefill_s(speed, decision.prompt - estimate.cached_tokens)
+        )
+        estimate.ttft_s = ttft
+        estimate.duration_s = (
+            ttft + decision.output * speed.decode_s_per_token * state.decode_slowdown
+        )
+        return None
+
+
+class QueueLoad(Axis):
     """The replica's queue: expected wait and a load penalty.
+
+    Inputs: scraped running and waiting calls, calls placed since, mean call duration.
+    Config: `weights.queue`, `speed.default_service_s`, `speed.ewma_alpha`.
+    Estimates: the queue wait; penalty: 1 + weights.queue · shared load / slots.
 
     load fraction = load / slots, where load = running + waiting (+ calls placed since the
     last scrape) and slots = the pool's `max_concurrency`
@@ -190,6 +324,7 @@ class QueueLoad:
     def __init__(self, weights: WeightsConfig, speed: SpeedConfig) -> None:
         self._default_service_s = speed.default_service_s
         self._weight = weights.queue
+        self._alpha = speed.ewma_alpha
 
     def load_fraction(self, load: int, slots: int) -> float:
         """Calls on the replica per slot."""
@@ -205,9 +340,48 @@ class QueueLoad:
         """weights.queue · load / slots."""
         return self._weight * load / slots
 
+    def refresh(self, state: ReplicaState) -> None:
+        """Load fraction and queue wait; the penalty from the load every process sees alike.
 
-class MemoryHeadroom:
+        The penalty (and so the ranking) uses the scraped load, so that processes fed the
+        same telemetry rank replicas alike; this process's newer calls count in the wait.
+        """
+        state.penalty *= 1.0 + self.penalty(state.shared_load, state.pool.max_concurrency)
+        self.refresh_load(state)
+
+    def refresh_load(self, state: ReplicaState) -> None:
+        """Load fraction and queue wait with the calls this scheduler placed."""
+        slots = state.pool.max_concurrency
+        load = state.load
+        state.load_fraction = self.load_fraction(load, slots)
+        state.wait_s = self.wait_s(load - state.waiting, state.waiting, slots, state.service_s)
+
+    def record(self, state: ReplicaState, model: ModelSpec, observation: Observation) -> None:
+        """EWMA of whole-call durations, the mean the queue wait assumes."""
+        duration = observation.duration_s
+        if duration is not None:
+            old = state.service_s
+            state.service_s = duration if old is None else old + self._alpha * (duration - old)
+
+    def evaluate(
+        self, state: ReplicaState, decision: Decision, estimate: Estimate
+    ) -> Filter | None:
+        """The queue wait a new call expects."""
+        estimate.queue_wait_s = state.wait_s
+        return None
+
+    def bound(self, state: ReplicaState, decision: Decision, estimate: Estimate) -> Filter | None:
+        """The same wait: it does not depend on the request."""
+        estimate.queue_wait_s = state.wait_s
+        return None
+
+
+class MemoryHeadroom(Axis):
     """KV-cache headroom: filter replicas where a request would preempt others.
+
+    Inputs: `vllm:kv_cache_usage_perc`, the cache size and block size, the cached tokens.
+    Config: `memory.reserve_fraction`, `weights.kv_usage`, `prefix.block_size`.
+    Filters: `too_small`, `memory`; penalty: 1 + weights.kv_usage · usage.
 
     need blocks = ⌈(prompt + output) / block size⌉ − cached blocks
     free blocks = total blocks · (1 − usage) − reserve_fraction · total blocks
@@ -215,9 +389,11 @@ class MemoryHeadroom:
     penalty = weights.kv_usage · usage
     """
 
-    def __init__(self, config: MemoryConfig, weights: WeightsConfig) -> None:
+    def __init__(self, config: MemoryConfig, weights: WeightsConfig, block_size: int = 16) -> None:
         self._reserve = config.reserve_fraction
         self._weight = weights.kv_usage
+        self._block_size = block_size
+        """Tokens per block when the replica has not said its own."""
 
     def blocks_needed(
         self, prompt_tokens: int, output_tokens: int, cached_tokens: int, block_size: int
@@ -255,14 +431,64 @@ class MemoryHeadroom:
         """weights.kv_usage · usage."""
         return self._weight * usage
 
+    def refresh(self, state: ReplicaState) -> None:
+        """Free and largest allocations from the scraped cache; the KV-usage penalty."""
+        state.penalty *= 1.0 + self.penalty(state.kv_usage)
+        state.free_blocks = self.free_blocks(state.num_gpu_blocks, state.kv_usage)
+        state.max_blocks = self.max_blocks(state.num_gpu_blocks)
 
-class KvCacheAxis:
-    """Expected cached tokens from the prefix index.
+    def evaluate(
+        self, state: ReplicaState, decision: Decision, estimate: Estimate
+    ) -> Filter | None:
+        """`too_small` if the call cannot fit the whole cache, `memory` if not its free part."""
+        if state.num_gpu_blocks is None:
+            return None
+        need = self.blocks_needed(
+            decision.prompt,
+            decision.output,
+            estimate.cached_tokens,
+            state.engine_block_size or self._block_size,
+        )
+        if not self.fits(need, state.max_blocks):
+            return Filter.TOO_SMALL
+        if not self.admits(need, state.free_blocks):
+            return Filter.MEMORY
+        return None
+
+
+class KvCacheAxis(Axis):
+    """KV-cache state: expected cached tokens from the prefix index.
+
+    Inputs: the prompt's prefix holders (`Decision.levels`, from the prefix index fed by this
+    scheduler's placements and the engines' KV events), the replica's block size.
+    Config: `prefix.block_size`, `prefix.index_stride`. Estimates: depth and cached tokens.
 
     cached = min(depth · index block size, ⌊(prompt − 1) / engine block⌋ · engine block),
     rounded down to whole engine blocks: vLLM hits come in whole blocks and it always
     computes the prompt's last token.
     """
+
+    def __init__(self, block_size: int = 16, entry_tokens: int = 64) -> None:
+        self._block_size = block_size
+        """Tokens per block when the replica has not said its own."""
+        self._entry_tokens = entry_tokens
+        """Tokens per prefix-index entry: block size · index stride."""
+
+    def evaluate(
+        self, state: ReplicaState, decision: Decision, estimate: Estimate
+    ) -> Filter | None:
+        """The replica's depth in the prompt's prefix, and the tokens that saves."""
+        rid = state.rid
+        depth = 0
+        for level_depth, mask in decision.levels:
+            if mask >> rid & 1:
+                depth = level_depth
+                break
+        estimate.depth = depth
+        estimate.cached_tokens = self.expected_cached_tokens(
+            depth, decision.prompt, self._entry_tokens, state.engine_block_size or self._block_size
+        )
+        return None
 
     def expected_cached_tokens(
         self, depth: int, prompt_tokens: int, index_block_size: int, engine_block_size: int
@@ -276,16 +502,38 @@ class KvCacheAxis:
         return cached // engine_block_size * engine_block_size
 
 
-class WarmWeights:
+class WarmWeights(Axis):
     """Warm or cold weights: a cold replica pays the load time.
 
     load_s = parameters · bytes per weight / load bandwidth + load overhead
     can load iff the weights fit in the replica's GPU memory (× gpu_memory_utilization)
+    factor = 1 + weights.cold_start on a replica that must load the model
+
+    Inputs: the models each replica serves (scraped, or the fleet file's warm models).
+    Config: `speed.load_bandwidth_gbps`, `speed.load_overhead_s`,
+    `memory.gpu_memory_utilization`, `weights.cold_start`, `allow_cold_start`.
+    Filter: `not_warm` (not warm, and cold starts disabled or the weights do not fit).
     """
 
-    def __init__(self, speed: SpeedConfig, memory: MemoryConfig) -> None:
+    def __init__(
+        self,
+        speed: SpeedConfig,
+        memory: MemoryConfig,
+        *,
+        cold_start: float = 0.0,
+        pools: tuple[Pool, ...] = (),
+        models: tuple[ModelSpec, ...] = (),
+        allow_cold_start: bool = True,
+    ) -> None:
         self.speed = speed
         self.memory = memory
+        self._cold_start_factor = 1.0 + cold_start
+        self._load_s = {m.name: self.load_s(m) for m in models}
+        self._loadable = [
+            frozenset(m.name for m in models if allow_cold_start and self.can_load(p, m))
+            for p in pools
+        ]
+        """Per pool: the models a cold replica there may load."""
 
     def weight_bytes(self, model: ModelSpec) -> float:
         """Bytes of the model's weights."""
@@ -312,18 +560,76 @@ class WarmWeights:
         free = memory * self.memory.gpu_memory_utilization - self.weight_bytes(model)
         return max(1, int(free / (model.kv_bytes_per_token() * block_size)))
 
+    def refresh(self, state: ReplicaState) -> None:
+        """The models the replica may load cold, which the search ranks it for."""
+        state.loadable = self._loadable[state.pool_position]
 
-class TenantPriority:
+    def evaluate(
+        self, state: ReplicaState, decision: Decision, estimate: Estimate
+    ) -> Filter | None:
+        """`not_warm` unless the replica holds the weights or may load them (then cold)."""
+        model = decision.model
+        if model not in state.warm_models:
+            if model not in state.loadable:
+                return Filter.NOT_WARM
+            estimate.warm = False
+            estimate.cold_load_s = self._load_s[model]
+        return None
+
+    def factor(self, state: ReplicaState, decision: Decision, estimate: Estimate) -> float:
+        """1 + weights.cold_start when the replica must load the model, else 1."""
+        return 1.0 if estimate.warm else self._cold_start_factor
+
+
+class ReplicaHealth(Axis):
+    """Replica health: up or down, and its circuit breaker.
+
+    P(success) = (successes + prior) / (calls + prior) over the breaker's window,
+    × half_open_success_probability while half-open (`kvflow.scheduler.reliability`)
+
+    Inputs: scrapes that answer or fail, call outcomes. Config: `circuit.*`.
+    Filters: `down`, `circuit_open` (open, or its half-open probe slot taken).
+    """
+
+    def refresh(self, state: ReplicaState) -> None:
+        """The replica's P(success) from its breaker."""
+        state.p_static = state.breaker.p_success()
+
+    def evaluate(
+        self, state: ReplicaState, decision: Decision, estimate: Estimate
+    ) -> Filter | None:
+        """`down`, or `circuit_open` unless the breaker lets a call through now."""
+        if not state.up:
+            return Filter.DOWN
+        breaker = state.breaker
+        if breaker.state is not CircuitState.CLOSED and not breaker.allows(decision.now):
+            return Filter.CIRCUIT_OPEN
+        return None
+
+
+class TenantPriority(Axis):
     """Tenant tier and fairness, and admission under saturation.
 
     priority_key = tier (1 first), fairness_key = tenant name, fairness_weight = tenant weight
     admits iff load fraction < saturation_by_tier[tier − 1]
     over quota iff the tenant's spend today ≥ its daily budget
+
+    Inputs: the fleet's tenants; the load fraction of the replicas serving the model.
+    Config: `admission.saturation_by_tier`. Quota and retry budgets: `kvflow.scheduler.tenancy`.
     """
 
-    def __init__(self, config: AdmissionConfig) -> None:
+    def __init__(self, config: AdmissionConfig, tenants: tuple[Tenant, ...] = ()) -> None:
         self._saturation = tuple(config.saturation_by_tier)
         self._budget_micros: dict[str, int | None] = {}
+        self._tiers = {t.name: t.tier for t in tenants}
+
+    def tier(self, tenant: str) -> int:
+        """The tier of a fleet tenant."""
+        return self._tiers[tenant]
+
+    def accepts(self, decision: Decision, load_fraction: float) -> bool:
+        """Whether the tenant's tier is admitted at this load (see `admits`)."""
+        return self.admits(self._tiers[decision.tenant], load_fraction)
 
     def keys(self, tenant: Tenant) -> tuple[int, str, float]:
         """Temporal `Priority` fields for the tenant's calls."""
@@ -348,12 +654,15 @@ class TenantPriority:
         return limit is not None and spent_today_micros >= limit
 
 
-class LatencyBudget:
+class LatencyBudget(Axis):
     """The step's share of the task deadline, and the chance of finishing within it.
 
     step budget = min(remaining, step_share_multiplier · remaining / steps remaining)
     admits iff estimate ≤ step budget
     P(on time) = 1 / (1 + (estimate / step budget) ^ deadline_shape)   (1 without a deadline)
+
+    Inputs: the request's remaining deadline and steps, the estimated duration.
+    Config: `latency.*`. Filter: `deadline`; term: P(success) × P(on time).
     """
 
     def __init__(self, config: LatencyConfig) -> None:
@@ -399,14 +708,48 @@ class LatencyBudget:
             limit = min(limit, budget_s - run_s)
         return min(self._max_schedule_to_start_s, max(self._min_schedule_to_start_s, limit))
 
+    def prepare(self, decision: Decision) -> None:
+        """The step's budget."""
+        request = decision.request
+        decision.budget_s = self.step_budget_s(
+            request.deadline_s_remaining, request.steps_remaining
+        )
 
-class WorkflowContext:
+    def finish(self, state: ReplicaState, decision: Decision, estimate: Estimate) -> None:
+        """The Temporal schedule-to-start limit of the placement."""
+        estimate.schedule_to_start_s = self.schedule_to_start_s(
+            estimate.queue_wait_s, estimate.duration_s - estimate.queue_wait_s, decision.budget_s
+        )
+
+    def evaluate(
+        self, state: ReplicaState, decision: Decision, estimate: Estimate
+    ) -> Filter | None:
+        """`deadline` when the estimate misses the step budget; else P(on time) into p."""
+        budget = decision.budget_s
+        if budget is None:
+            return None
+        duration = estimate.duration_s
+        if not self.admits(duration, budget):
+            return Filter.DEADLINE
+        estimate.p_success *= self.p_on_time(duration, budget)
+        return None
+
+    def bound(self, state: ReplicaState, decision: Decision, estimate: Estimate) -> Filter | None:
+        """As `evaluate`: the quickest duration gives the highest P(on time)."""
+        return self.evaluate(state, decision, estimate)
+
+
+class WorkflowContext(Axis):
     """The workflow's context: stickiness and protection of sunk cost.
 
     J = (cost + sunk_cost · spent · (1 − p)) / p, then × (1 − sticky) on the previous replica.
     cost / p is the expected price of one success when failures are retried; the second term
     is the task's spend that a failure here would put at risk, so the more a task has spent
     the more a reliable replica is worth.
+
+    Inputs: the task's spend so far and its cap, the workflow's previous replica.
+    Config: `weights.sunk_cost`, `weights.sticky`. Filter: `spend` (the call would take the
+    task over its cap); term: at risk = sunk_cost · spent · (1 − p); factor: sticky.
     """
 
     def __init__(self, weights: WeightsConfig) -> None:
@@ -415,10 +758,78 @@ class WorkflowContext:
 
     def objective(self, cost: float, p_success: float, spent: float) -> float:
         """Expected cost per successful call, including the sunk cost at risk."""
-        if p_success <= 0.0:
-            return math.inf
-        return (cost + self._sunk_cost * spent * (1.0 - p_success)) / p_success
+        return cost_per_success(cost, self.at_risk(spent, p_success), p_success)
+
+    def at_risk(self, spent: float, p_success: float) -> float:
+        """sunk_cost · spent · (1 − p): the task's spend a failure here is assumed to waste."""
+        return self._sunk_cost * spent * (1.0 - p_success)
 
     def sticky_factor(self, is_previous: bool) -> float:
         """(1 − sticky) for the workflow's previous replica, 1 otherwise."""
         return self._sticky_factor if is_previous else 1.0
+
+    def evaluate(
+        self, state: ReplicaState, decision: Decision, estimate: Estimate
+    ) -> Filter | None:
+        """`spend` when the call would break the task's cap; else the sunk cost at risk."""
+        cap = decision.budget_micros
+        if cap is not None and decision.spent + estimate.cost > cap:
+            return Filter.SPEND
+        return self.bound(state, decision, estimate)
+
+    def bound(self, state: ReplicaState, decision: Decision, estimate: Estimate) -> Filter | None:
+        """The sunk cost at risk at the estimate's P(success)."""
+        estimate.at_risk = self.at_risk(decision.spent, estimate.p_success)
+        return None
+
+    def factor(self, state: ReplicaState, decision: Decision, estimate: Estimate) -> float:
+        """(1 − sticky) on the workflow's previous replica."""
+        return self.sticky_factor(state.rid == decision.previous)
+
+
+def kv_capacity_blocks(
+    pool: Pool, model: ModelSpec, block_size: int, config: SchedulerConfig
+) -> int:
+    """KV blocks a replica of the pool holds for the model, before scraping says so.
+
+    See `WarmWeights.kv_capacity_blocks`: the GPU memory the weights leave free.
+    """
+    return WarmWeights(config.speed, config.memory).kv_capacity_blocks(pool, model, block_size)
+
+
+def configured_axes(fleet: Fleet, config: SchedulerConfig) -> list[Axis]:
+    """The axes `config.axes` names, in that order (the order filters and terms apply in)."""
+    registered = _registered(fleet, config)
+    unknown = [name for name in config.axes if name not in registered]
+    if unknown:
+        raise ValueError(
+            f"unknown axes {', '.join(unknown)} in the scheduler configuration; known: "
+            + ", ".join(registered)
+        )
+    return [registered[name] for name in config.axes]
+
+
+def _registered(fleet: Fleet, config: SchedulerConfig) -> dict[str, Axis]:
+    """Every axis, by the name `SchedulerConfig.axes` lists it under, built for the fleet."""
+    pools = tuple(fleet.pools)
+    block_size = config.prefix.block_size
+    return {
+        "warm_weights": WarmWeights(
+            config.speed,
+            config.memory,
+            cold_start=config.weights.cold_start,
+            pools=pools,
+            models=tuple(fleet.models),
+            allow_cold_start=config.allow_cold_start,
+        ),
+        "replica_health": ReplicaHealth(),
+        "kv_cache": KvCacheAxis(block_size, block_size * config.prefix.index_stride),
+        "queue_load": QueueLoad(config.weights, config.speed),
+        "memory_headroom": MemoryHeadroom(config.memory, config.weights, block_size),
+        "gpu_generation": GpuGenerationAxis(
+            config.speed, tuple(PoolPrices.of(p.token_prices) for p in pools)
+        ),
+        "latency_budget": LatencyBudget(config.latency),
+        "tenant_priority": TenantPriority(config.admission, tuple(fleet.tenants)),
+        "workflow_context": WorkflowContext(config.weights),
+    }

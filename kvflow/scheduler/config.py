@@ -267,8 +267,33 @@ class AdmissionConfig(_Config):
         return self
 
 
+DEFAULT_AXES = (
+    "warm_weights",
+    "replica_health",
+    "kv_cache",
+    "queue_load",
+    "memory_headroom",
+    "gpu_generation",
+    "latency_budget",
+    "tenant_priority",
+    "workflow_context",
+)
+"""The registered axes (`kvflow.scheduler.axes`), in the order they filter and score."""
+
+
 class SchedulerConfig(_Config):
     """All of the scheduler's weights and thresholds, with documented defaults."""
+
+    axes: tuple[str, ...] = Field(
+        default=DEFAULT_AXES,
+        min_length=1,
+        description=(
+            "the axes a placement runs, in order: a replica is turned down by the first filter "
+            "it fails, and an axis reads the estimates of the axes before it (the queue wait "
+            "before the GPU's duration, the duration before the deadline, the cost before the "
+            "spend cap)"
+        ),
+    )
 
     speed: SpeedConfig = SpeedConfig()
     weights: WeightsConfig = WeightsConfig()

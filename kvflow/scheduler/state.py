@@ -54,10 +54,12 @@ class ReplicaState:
     inflight: int = 0
     service_s: float | None = None
     """EWMA of whole-call durations on this replica."""
+    # Request-independent terms the axes derive from telemetry (`Axis.refresh`), computed once
+    # per telemetry change instead of once per scored request.
     p_static: float = 1.0
     """P(success) from the circuit breaker and recent errors."""
     penalty: float = 1.0
-    """(1 + queue penalty) · (1 + KV-usage penalty), from the shared load."""
+    """Π (1 + wₖ · penaltyₖ) of the axes (queue, KV usage), from the shared load."""
     load_fraction: float = 0.0
     wait_s: float = 0.0
     """Expected queue wait of a new call."""
@@ -70,6 +72,8 @@ class ReplicaState:
     """The most KV blocks one request may take; None before the cache size is known."""
     decode_slowdown: float = 1.0
     """Factor on time per output token at the replica's current load."""
+    loadable: frozenset[str] = frozenset()
+    """Models the replica may load cold (`WarmWeights`)."""
 
     @classmethod
     def create(
