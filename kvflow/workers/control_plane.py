@@ -92,3 +92,4 @@ class ControlPlane:
         if self._scraping is not None:
             await asyncio.gather(self._scraping, return_exceptions=True)
         await self.scraper.aclose()
+        await self.activities.tokenizers.aclose()
