@@ -11,8 +11,9 @@ where `cost` is the call's expected price on the replica (after cached tokens), 
 probability that it succeeds in time, `at risk` the task's spend a failure would waste, the
 penalties the replica's request-independent ones (queue, KV-cache usage, kept in
 `ReplicaState.penalty`) and the factors the per-decision ones (cold start, stickiness). The
-lowest J among replicas that pass every filter wins. Adding an axis is one class here and one
-entry in `AXES`; its weights and thresholds live in `kvflow.scheduler.config`.
+lowest J among replicas that pass every filter wins. Adding an axis is one class here, one
+entry in `_registered` and its name in `SchedulerConfig.axes`; its weights and thresholds live
+in `kvflow.scheduler.config`.
 
 Each class is pure: it reads configuration and the numbers it is given and returns a number or
 a yes/no. The methods a placement calls read the configuration values they need from plain
@@ -256,7 +257,7 @@ class GpuGenerationAxis(Axis):
 
     def refresh(self, state: ReplicaState) -> None:
         """The replica's decode slowdown at its load (after `QueueLoad` set the fraction)."""
-        state.decode_slowdown = self.decode_slowdown(state.load_fraction)
+        self.refresh_load(state)
 
     def refresh_load(self, state: ReplicaState) -> None:
         """As `refresh`: the slowdown follows the load."""
@@ -372,8 +373,7 @@ class QueueLoad(Axis):
 
     def bound(self, state: ReplicaState, decision: Decision, estimate: Estimate) -> Filter | None:
         """The same wait: it does not depend on the request."""
-        estimate.queue_wait_s = state.wait_s
-        return None
+        return self.evaluate(state, decision, estimate)
 
 
 class MemoryHeadroom(Axis):
