@@ -17,33 +17,32 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvflow.activities.inference import ChatMessage, InferenceResult, Usage
+    from kvflow.activities.wire import ChatMessage, ContextRef, InferenceResult, Usage
     from kvflow.scheduler.fleet import Fleet, format_usd, task_queue_for
     from kvflow.workers.config import FleetConfig, FleetConfigError, load_fleet
     from kvflow.workers.embedded import EmbeddedFleet
     from kvflow.workers.plugin import KvflowPlugin
     from kvflow.workers.workflow_worker import DEFAULT_WORKFLOW_QUEUE
     from kvflow.workflows.agent import SPEND_QUERY, Agent, SpendBreakdown, StepSpend, TaskSpec
-    from kvflow.workflows.context import ContextRef
     from kvflow.workflows.errors import TaskErrorType
 
 _WHERE = {
     "Agent": "kvflow.workflows.agent",
-    "ChatMessage": "kvflow.activities.inference",
-    "ContextRef": "kvflow.workflows.context",
+    "ChatMessage": "kvflow.activities.wire",
+    "ContextRef": "kvflow.activities.wire",
     "DEFAULT_WORKFLOW_QUEUE": "kvflow.workers.workflow_worker",
     "EmbeddedFleet": "kvflow.workers.embedded",
     "Fleet": "kvflow.scheduler.fleet",
     "FleetConfig": "kvflow.workers.config",
     "FleetConfigError": "kvflow.workers.config",
-    "InferenceResult": "kvflow.activities.inference",
+    "InferenceResult": "kvflow.activities.wire",
     "KvflowPlugin": "kvflow.workers.plugin",
     "SPEND_QUERY": "kvflow.workflows.agent",
     "SpendBreakdown": "kvflow.workflows.agent",
     "StepSpend": "kvflow.workflows.agent",
     "TaskErrorType": "kvflow.workflows.errors",
     "TaskSpec": "kvflow.workflows.agent",
-    "Usage": "kvflow.activities.inference",
+    "Usage": "kvflow.activities.wire",
     "format_usd": "kvflow.scheduler.fleet",
     "load_fleet": "kvflow.workers.config",
     "task_queue_for": "kvflow.scheduler.fleet",

@@ -6,7 +6,7 @@ from pydantic import BaseModel
 from temporalio import activity, workflow
 
 with workflow.unsafe.imports_passed_through():
-    from kvflow.activities.inference import ChatMessage, Sampling
+    from kvflow.activities.wire import ChatMessage, Sampling
     from kvflow.workflows.agent import Agent, TaskSpec
 
 

@@ -27,13 +27,13 @@ import samples.code_review as code_review
 import samples.research_assistant as research
 import samples.support_triage as support
 from kvflow.activities.context_store import DirectoryContextStore
+from kvflow.activities.wire import INLINE_LIMIT_BYTES
 from kvflow.ledger.records import AttemptRecord, TaskOutcome, TaskRecord
 from kvflow.ledger.store import AsyncLedger, open_async_ledger
 from kvflow.workers.config import load_fleet
 from kvflow.workers.embedded import EmbeddedFleet
 from kvflow.workflows import errors
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
-from kvflow.workflows.context import INLINE_LIMIT_BYTES
 from samples.support_triage import activities as desk
 
 FLEET_FILE = Path(__file__).resolve().parent.parent / "fleet.toml"

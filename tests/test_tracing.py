@@ -18,14 +18,8 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 with workflow.unsafe.imports_passed_through():
-    from kvflow.activities.inference import (
-        INFER_ACTIVITY,
-        ChatMessage,
-        InferenceRequest,
-        InferenceResult,
-        ReplicaBinding,
-        Sampling,
-    )
+    from kvflow.activities.inference import INFER_ACTIVITY, ReplicaBinding
+    from kvflow.activities.wire import ChatMessage, InferenceRequest, InferenceResult, Sampling
     from kvflow.scheduler.fleet import Pool, TokenPrices
     from kvflow.workers.gpu_worker import GpuWorker
     from tests.servers import ServedModel

@@ -14,7 +14,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from kvflow.workflows.context import ContextRef, digest_of, ref_for
+from kvflow.activities.wire import ContextRef, digest_of, ref_for
 
 DEFAULT_CONTEXT_DIR = Path(".kvflow/context")
 

@@ -14,17 +14,16 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from pydantic import AwareDatetime, BaseModel, Field
 from temporalio import activity
 
 from kvflow.activities.context_store import DirectoryContextStore
-from kvflow.activities.inference import AttemptSink, ChatMessage
+from kvflow.activities.inference import AttemptSink
 from kvflow.activities.tokenize import FleetTokenizers
+from kvflow.activities.wire import ContextRef, LostAttempt, PlaceAnswer, PlaceInput
 from kvflow.ledger.records import AttemptOutcome, AttemptRecord, TaskRecord
 from kvflow.scheduler.blocks import block_hashes
 from kvflow.scheduler.fleet import Fleet
 from kvflow.scheduler.placement import Observation, Placement, PlacementRequest, Refusal
-from kvflow.workflows.context import ContextRef
 
 log = logging.getLogger(__name__)
 
@@ -58,46 +57,6 @@ class LedgerSink(AttemptSink, Protocol):
     async def record_task(self, record: TaskRecord) -> bool:
         """Store the task's row; idempotent on (workflow id, run id)."""
         ...
-
-
-class LostAttempt(BaseModel):
-    """An attempt whose GPU worker died (heartbeat timeout), as the workflow saw it last."""
-
-    workflow_id: str
-    run_id: str
-    activity_id: str
-    attempt: int
-    workflow_type: str
-    step: str
-    tenant: str
-    model: str
-    replica: str
-    started_at: AwareDatetime
-    ended_at: AwareDatetime
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    cost_micros: int = 0
-    error_type: str
-
-
-class PlaceInput(BaseModel):
-    """What the step API knows about a call when it asks for a placement."""
-
-    request: PlacementRequest
-    """Everything but the prompt's size and block hashes, which `place` computes."""
-    messages: list[ChatMessage] | None = None
-    prompt: str | ContextRef | None = None
-    checkpoint_text: str = ""
-    """Partial output a resume will send as well (it is part of the prompt then)."""
-
-
-class PlaceAnswer(BaseModel):
-    """A placement, or a refusal; and the prompt size it was computed for."""
-
-    placement: Placement | None = None
-    refusal: Refusal | None = None
-    prompt_tokens: int = Field(ge=0)
 
 
 class ControlPlaneActivities:

@@ -23,10 +23,12 @@ retries. HTTP statuses and transport errors are mapped here and nowhere else.
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import httpx
 from temporalio.exceptions import ApplicationError
+
+from kvflow.activities.wire import AttemptProgress
 
 
 class InferenceError(Exception):
@@ -40,11 +42,12 @@ class InferenceError(Exception):
         *,
         replica: str | None = None,
         status: int | None = None,
-        details: dict[str, Any] | None = None,
+        details: AttemptProgress | None = None,
     ) -> None:
         self.replica = replica
         self.status = status
-        self.details = details or {}
+        self.details = details
+        """What the attempt produced and cost before it failed; the activity fills it in."""
         where = f"replica {replica}: " if replica else ""
         code = f"HTTP {status}: " if status else ""
         super().__init__(f"{where}{code}{message}")
@@ -55,10 +58,15 @@ class InferenceError(Exception):
         return type(self).__name__
 
     def to_application_error(self) -> ApplicationError:
-        """The Temporal error the activity raises; `details[0]` carries partial progress."""
+        """The Temporal error the activity raises; `details[0]` is its `AttemptProgress`.
+
+        Details travel as plain JSON, so any payload converter encodes them; the workflow
+        reads them back with `AttemptProgress.from_details`.
+        """
+        details = [] if self.details is None else [self.details.model_dump(mode="json")]
         return ApplicationError(
             str(self),
-            self.details,
+            *details,
             type=self.error_type,
             non_retryable=not self.retryable,
         )
@@ -144,9 +152,7 @@ def vllm_error_text(body: bytes | str) -> str:
     return text.strip()[:500]
 
 
-def from_status(
-    status: int, body: bytes | str, *, replica: str, details: dict[str, Any] | None = None
-) -> InferenceError:
+def from_status(status: int, body: bytes | str, *, replica: str) -> InferenceError:
     """Map a non-2xx answer from a vLLM server to the error it means."""
     message = vllm_error_text(body)
     lowered = message.lower()
@@ -163,17 +169,15 @@ def from_status(
         cls = ReplicaTimeout
     else:
         cls = InvalidRequest
-    return cls(message, replica=replica, status=status, details=details)
+    return cls(message, replica=replica, status=status)
 
 
-def from_transport(
-    exc: httpx.TransportError, *, replica: str, details: dict[str, Any] | None = None
-) -> InferenceError:
+def from_transport(exc: httpx.TransportError, *, replica: str) -> InferenceError:
     """Map an httpx transport failure (no HTTP answer, or a broken stream) to its error."""
     text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     if isinstance(exc, httpx.TimeoutException):
-        return ReplicaTimeout(text, replica=replica, details=details)
+        return ReplicaTimeout(text, replica=replica)
     if isinstance(exc, httpx.ConnectError):
-        return ReplicaUnreachable(text, replica=replica, details=details)
+        return ReplicaUnreachable(text, replica=replica)
     # RemoteProtocolError, ReadError: the server went away in the middle of an answer.
-    return StreamCut(text, replica=replica, details=details)
+    return StreamCut(text, replica=replica)

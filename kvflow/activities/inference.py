@@ -20,11 +20,10 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal, Protocol, Self
+from typing import Any, Protocol
 
 import httpx
 from opentelemetry import trace
-from pydantic import BaseModel, Field, TypeAdapter, model_validator
 from temporalio import activity
 
 from kvflow.activities.context_store import DirectoryContextStore
@@ -35,9 +34,19 @@ from kvflow.activities.errors import (
     from_status,
     from_transport,
 )
+from kvflow.activities.wire import (
+    CONVERSATION,
+    AttemptProgress,
+    Checkpoint,
+    ContextRef,
+    InferenceRequest,
+    InferenceResult,
+    Timings,
+    Usage,
+    needs_store,
+)
 from kvflow.ledger.records import AttemptOutcome, AttemptRecord
 from kvflow.scheduler.fleet import Pool, replica_name
-from kvflow.workflows.context import ContextRef, needs_store
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("kvflow.inference")
@@ -46,100 +55,9 @@ INFER_ACTIVITY = "kvflow.infer"
 """The activity name every GPU worker registers; the task queue picks the replica."""
 
 
-class ChatMessage(BaseModel):
-    """One message of a chat conversation; large contents travel as a `ContextRef`."""
-
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str | ContextRef
-
-
-CONVERSATION = TypeAdapter(list[ChatMessage])
-"""How a stored run of messages (`InferenceRequest.earlier_messages`) is encoded."""
-
-
-class Sampling(BaseModel):
-    """Sampling parameters, passed to vLLM as they are."""
-
-    temperature: float = Field(default=0.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    seed: int | None = None
-    stop: list[str] = Field(default_factory=list)
-    ignore_eos: bool = False
-
-
-class Checkpoint(BaseModel):
-    """Output an earlier attempt already produced, to continue from."""
-
-    text: str = ""
-    completion_tokens: int = Field(default=0, ge=0)
-
-
-class InferenceRequest(BaseModel):
-    """One model call: what to send, and who it is for (for the ledger and the UI)."""
-
-    model: str
-    messages: list[ChatMessage] | None = None
-    earlier_messages: ContextRef | None = None
-    """The conversation before `messages`, stored as a JSON list of `ChatMessage`: a long
-    conversation then costs history one reference per call, not one per message."""
-    prompt: str | ContextRef | None = None
-    max_tokens: int = Field(ge=1)
-    sampling: Sampling = Field(default_factory=Sampling)
-    json_schema: dict[str, Any] | None = None
-    tenant: str = "default"
-    step: str = "infer"
-    deadline: datetime | None = None
-    checkpoint: Checkpoint | None = None
-
-    @model_validator(mode="after")
-    def _messages_or_prompt(self) -> Self:
-        if (self.messages is None) == (self.prompt is None):
-            raise ValueError("give exactly one of `messages` (chat) or `prompt` (completion)")
-        return self
-
-
-class Usage(BaseModel):
-    """Tokens of one attempt, as the server counted them."""
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-
-
-class Timings(BaseModel):
-    """Where the time of one attempt went, in seconds."""
-
-    queue_wait_s: float = 0.0
-    """From Temporal scheduling the attempt to a worker starting it."""
-    ttft_s: float | None = None
-    """From sending the request to the first output token."""
-    total_s: float = 0.0
-    """From sending the request to the end of the stream."""
-
-
-class InferenceResult(BaseModel):
-    """The answer of one model call and what it cost."""
-
-    text: str
-    """The whole answer, including any text reused from a checkpoint; when it is larger than
-    `INLINE_LIMIT_BYTES` only its preview, and the answer itself is in the context store."""
-    text_ref: ContextRef | None = None
-    """Where the whole answer is when it was too large to return inline."""
-    finish_reason: str
-    usage: Usage
-    timings: Timings
-    model: str
-    replica: str
-    pool: str
-    gpu: str
-    cost_micros: int
-    reused_tokens: int = 0
-    """Output tokens taken from a checkpoint instead of decoded again."""
-
-
 @dataclass
 class Progress:
-    """What the current attempt has produced so far; heartbeated and put in error details."""
+    """What the current attempt has produced so far, updated chunk by chunk as it streams."""
 
     text: str = ""
     """The answer so far, including text reused from a checkpoint."""
@@ -160,9 +78,11 @@ class Progress:
             completion_tokens=self.completion_tokens,
         )
 
-    def checkpoint(self) -> dict[str, Any]:
-        """The partial output as `Checkpoint` fields (plain data for Temporal payloads)."""
-        return {"text": self.text, "completion_tokens": self.reused_tokens + self.completion_tokens}
+    def checkpoint(self) -> Checkpoint:
+        """The partial output, to continue from."""
+        return Checkpoint(
+            text=self.text, completion_tokens=self.reused_tokens + self.completion_tokens
+        )
 
 
 class AttemptSink(Protocol):
@@ -221,7 +141,7 @@ class InferenceActivities:
     async def infer(self, request: InferenceRequest) -> InferenceResult:
         """Run one model call on this replica, streaming, heartbeating and billing it."""
         info = activity.info()
-        checkpoint = request.checkpoint or _checkpoint_from_heartbeat(info.heartbeat_details)
+        checkpoint = request.checkpoint or _checkpoint_from_heartbeat(info)
         if request.json_schema is not None:
             checkpoint = None
         started_at = datetime.now(UTC)
@@ -255,15 +175,16 @@ class InferenceActivities:
                 handed_back = ReplicaShuttingDown(
                     "the GPU worker shut down before the call finished",
                     replica=self.replica.name,
-                    details={**progress.checkpoint(), **self._billing(progress)},
+                    details=self._report(progress),
                 )
                 error_type = handed_back.error_type
                 raise handed_back.to_application_error() from None
             except InferenceError as exc:
                 error_type = exc.error_type
                 span.record_exception(exc)
-                # The workflow's spend meter bills the failed attempt from these details.
-                exc.details = {**exc.details, **self._billing(progress)}
+                # The workflow's spend meter bills the failed attempt from these details, and
+                # the next attempt continues from their text.
+                exc.details = self._report(progress)
                 raise exc.to_application_error() from exc
             finally:
                 heartbeats.cancel()
@@ -338,19 +259,21 @@ class InferenceActivities:
             usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens
         )
 
-    def _billing(self, progress: Progress) -> dict[str, Any]:
-        """What this attempt has cost so far, and where it ran, as plain data."""
+    def _report(self, progress: Progress) -> AttemptProgress:
+        """The attempt so far, as heartbeats and failures carry it to the workflow."""
         usage = progress.usage()
-        return {
-            "replica": self.replica.name,
-            "usage": usage.model_dump(),
-            "cost_micros": self._cost(usage),
-        }
+        return AttemptProgress(
+            **progress.checkpoint().model_dump(),
+            replica=self.replica.name,
+            usage=usage,
+            cost_micros=self._cost(usage),
+        )
 
     async def _heartbeat(self, progress: Progress) -> None:
         # Heartbeats deliver cancellation too, so they run even before the first token.
         while True:
-            activity.heartbeat({**progress.checkpoint(), **self._billing(progress)})
+            # Plain JSON, so any payload converter encodes it; read back by `from_details`.
+            activity.heartbeat(self._report(progress).model_dump(mode="json"))
             await asyncio.sleep(self.heartbeat_interval_s)
 
     async def _stream(
@@ -366,17 +289,11 @@ class InferenceActivities:
                 async for chunk in _sse_chunks(response, replica):
                     _apply_chunk(chunk, progress, chat=request.messages is not None)
         except httpx.TransportError as exc:
-            raise from_transport(exc, replica=replica, details=progress.checkpoint()) from exc
-        except InferenceError as exc:
-            # An error event in the middle of a stream still leaves usable partial output.
-            if progress.text and not exc.details:
-                exc.details = progress.checkpoint()
-            raise
+            raise from_transport(exc, replica=replica) from exc
         if progress.finish_reason is None:
             raise StreamCut(
                 f"stream ended after {progress.completion_tokens} tokens without a finish reason",
                 replica=replica,
-                details=progress.checkpoint(),
             )
 
     async def _resolve(self, request: InferenceRequest) -> InferenceRequest:
@@ -398,13 +315,11 @@ class InferenceActivities:
         return request.model_copy(update={"messages": resolved, "earlier_messages": None})
 
 
-def _checkpoint_from_heartbeat(details: Any) -> Checkpoint | None:
-    # Heartbeat details come back as plain dicts: rebuild the type.
-    if details and isinstance(details[0], dict) and details[0].get("text"):
-        return Checkpoint.model_validate(
-            {"text": details[0]["text"], "completion_tokens": details[0]["completion_tokens"]}
-        )
-    return None
+def _checkpoint_from_heartbeat(info: activity.Info) -> Checkpoint | None:
+    """The output an earlier attempt of this activity heartbeated, to continue from."""
+    source = f"the last heartbeat details of activity {info.activity_id}"
+    last = AttemptProgress.from_details(info.heartbeat_details, source=source)
+    return last.resumable() if last else None
 
 
 def _request_body(

@@ -57,7 +57,6 @@ from temporalio.exceptions import (
 
 from kvflow.workflows import errors
 from kvflow.workflows import search_attributes as attrs
-from kvflow.workflows.context import ContextRef, digest_of, needs_store
 
 with workflow.unsafe.imports_passed_through():
     from kvflow.activities.control_plane import (
@@ -67,19 +66,25 @@ with workflow.unsafe.imports_passed_through():
         PLACE_ACTIVITY,
         RECORD_LOST_ATTEMPT_ACTIVITY,
         RECORD_TASK_ACTIVITY,
+    )
+    from kvflow.activities.errors import RETRYABLE_TYPES
+    from kvflow.activities.inference import INFER_ACTIVITY
+    from kvflow.activities.wire import (
+        CONVERSATION,
+        AttemptProgress,
+        ChatMessage,
+        Checkpoint,
+        ContextRef,
+        InferenceRequest,
+        InferenceResult,
         LostAttempt,
         PlaceAnswer,
         PlaceInput,
-    )
-    from kvflow.activities.errors import RETRYABLE_TYPES
-    from kvflow.activities.inference import (
-        CONVERSATION,
-        INFER_ACTIVITY,
-        ChatMessage,
-        Checkpoint,
-        InferenceRequest,
-        InferenceResult,
         Sampling,
+        UnreadableDetails,
+        digest_of,
+        first_error,
+        needs_store,
     )
     from kvflow.ledger.records import TaskOutcome, TaskRecord
     from kvflow.scheduler.fleet import format_usd
@@ -234,6 +239,10 @@ class Agent:
         if exc is None:
             await self._close(TaskOutcome.SUCCEEDED)
             return
+        if isinstance(exc, UnreadableDetails):
+            # Not the task's failure but a version mismatch between workers: the workflow
+            # task fails and Temporal retries it, so nothing may be undone or recorded here.
+            return
         cancelled = _is_cancellation(exc)
         compensated = await self.compensate()
         if cancelled:
@@ -316,7 +325,7 @@ class Agent:
                         errors.TaskErrorType.SCHEMA_INVALID_OUTPUT,
                         record,
                         f"the answer did not match {output.__name__} after "
-                        f"{self.spec.schema_repairs} repairs: {_first_error(invalid)}",
+                        f"{self.spec.schema_repairs} repairs: {first_error(invalid)}",
                     ) from None
                 repairs_left -= 1
                 # Show the model its answer and what was wrong with it, and ask again.
@@ -326,7 +335,7 @@ class Agent:
                     ChatMessage(
                         role="user",
                         content=f"That answer is not valid JSON for the schema: "
-                        f"{_first_error(invalid)}. Answer again with JSON only.",
+                        f"{first_error(invalid)}. Answer again with JSON only.",
                     ),
                 ]
                 continue
@@ -831,12 +840,6 @@ def _usd(micros: int) -> str:
     return format_usd(micros).rstrip("0").rstrip(".") if micros else "0"
 
 
-def _first_error(invalid: ValidationError) -> str:
-    first = invalid.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "the document"
-    return f"{where}: {first['msg']}"
-
-
 def _call_timeout(remaining: float | None) -> timedelta:
     if remaining is None:
         return DEFAULT_CALL_TIMEOUT
@@ -844,9 +847,12 @@ def _call_timeout(remaining: float | None) -> timedelta:
 
 
 def _failure_of(err: ActivityError, placement: Placement) -> _Failure:
-    """Classify a failed inference attempt and recover its partial output and its cost."""
+    """Classify a failed inference attempt and recover its partial output and its cost.
+
+    Raises `UnreadableDetails` when the failure's details are not an `AttemptProgress`.
+    """
     cause = err.cause
-    details: dict[str, Any] = {}
+    progress: AttemptProgress | None = None
     error_type = type(cause).__name__ if cause else "ActivityError"
     message = str(cause or err)
     retryable = False
@@ -854,8 +860,9 @@ def _failure_of(err: ActivityError, placement: Placement) -> _Failure:
         error_type = cause.type or "ApplicationError"
         message = cause.message
         retryable = error_type in RETRYABLE_TYPES
-        if cause.details and isinstance(cause.details[0], dict):
-            details = cause.details[0]
+        progress = AttemptProgress.from_details(
+            cause.details, source=f"the details of {error_type} from {placement.replica}"
+        )
     elif isinstance(cause, TimeoutError):
         # The replica did not take the call in time, or stopped heartbeating (crashed): both
         # are the replica's fault. A heartbeat timeout carries the last heartbeat's progress.
@@ -865,27 +872,23 @@ def _failure_of(err: ActivityError, placement: Placement) -> _Failure:
             else f"Timeout{cause.type.name.title().replace('_', '') if cause.type else ''}"
         )
         retryable = True
-        last = cause.last_heartbeat_details
-        if last and isinstance(last[0], dict):
-            details = last[0]
-    usage = details.get("usage") or {}
-    checkpoint = None
-    if details.get("text"):
-        checkpoint = Checkpoint(
-            text=str(details["text"]), completion_tokens=int(details.get("completion_tokens", 0))
+        progress = AttemptProgress.from_details(
+            cause.last_heartbeat_details,
+            source=f"the last heartbeat details from {placement.replica}",
         )
+    progress = progress or AttemptProgress()
     return _Failure(
         error_type=error_type,
         message=message,
         retryable=retryable,
-        checkpoint=checkpoint,
+        checkpoint=progress.resumable(),
         attempt=AttemptSpend(
             replica=placement.replica,
             outcome=error_type,
-            cost_micros=int(details.get("cost_micros", 0)),
-            prompt_tokens=int(usage.get("prompt_tokens", 0)),
-            cached_tokens=int(usage.get("cached_tokens", 0)),
-            completion_tokens=int(usage.get("completion_tokens", 0)),
+            cost_micros=progress.cost_micros,
+            prompt_tokens=progress.usage.prompt_tokens,
+            cached_tokens=progress.usage.cached_tokens,
+            completion_tokens=progress.usage.completion_tokens,
         ),
     )
 

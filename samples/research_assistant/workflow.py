@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from kvflow.activities.inference import ChatMessage
+    from kvflow.activities.wire import ChatMessage
     from kvflow.workflows.agent import Agent, TaskSpec
 
 MODEL = "llama-3.1-8b"

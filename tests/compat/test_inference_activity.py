@@ -25,13 +25,12 @@ with workflow.unsafe.imports_passed_through():
     import httpx
     import pytest
 
-    from kvflow.activities.inference import (
-        INFER_ACTIVITY,
+    from kvflow.activities.inference import INFER_ACTIVITY, ReplicaBinding
+    from kvflow.activities.wire import (
+        AttemptProgress,
         ChatMessage,
-        Checkpoint,
         InferenceRequest,
         InferenceResult,
-        ReplicaBinding,
         Sampling,
     )
     from kvflow.ledger.records import AttemptRecord
@@ -247,13 +246,20 @@ async def test_cut_stream_resumes_elsewhere_with_partial_plus_continuation(
     proxy.fault = Fault(cut_after_chunks=10)
     cut = await proxied.call(request)
     assert cut.error_type == "StreamCut" and cut.non_retryable is False, cut
-    assert cut.details is not None
-    partial = Checkpoint.model_validate(cut.details)
-    assert partial.text and 0 < partial.completion_tokens < 40
-    # The failed attempt is billed for what it processed.
+    # The failure's details are the typed record of the attempt: its partial output, to
+    # resume from, and its bill, for the workflow's spend meter.
+    progress = AttemptProgress.from_details([cut.details], source="StreamCut details")
+    assert progress is not None
+    partial = progress.resumable()
+    assert partial is not None and 0 < partial.completion_tokens < 40
+    # The failed attempt is billed for what it processed, the same in details and ledger.
     [failed] = proxied.attempts.reports
     assert failed.outcome == "failed" and failed.prompt_tokens > 0
     assert failed.error_type == "StreamCut"
+    assert progress.replica == proxied.worker.binding.name
+    assert progress.usage.prompt_tokens == failed.prompt_tokens
+    assert progress.usage.completion_tokens == failed.completion_tokens == partial.completion_tokens
+    assert progress.cost_micros == failed.cost_micros > 0
 
     resumed = (await replica.call(request.model_copy(update={"checkpoint": partial}))).result
     assert resumed is not None

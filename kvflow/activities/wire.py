@@ -1,0 +1,254 @@
+"""The wire types: every record that crosses the boundary between workflows and activities.
+
+Workflow code builds these records and activities receive them (or the other way round), so
+both layers import them from here and nowhere else. The module imports nothing above the
+activities layer and does no I/O: it is safe to pass through Temporal's workflow sandbox.
+
+Temporal decodes a heartbeat's or a failure's details without knowing their type, so they come
+back as plain dicts. `AttemptProgress.from_details` is the one way to read them back: it
+rebuilds the record and says clearly what is wrong when the details are not one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any, Literal, Self
+
+from pydantic import AwareDatetime, BaseModel, Field, TypeAdapter, ValidationError, model_validator
+
+from kvflow.scheduler.placement import Placement, PlacementRequest, Refusal
+
+# ---- context references ---------------------------------------------------------------------
+
+INLINE_LIMIT_BYTES = 2048
+"""Contents larger than this travel as a `ContextRef`."""
+
+
+class ContextRef(BaseModel):
+    """A pointer to content in the context store, so conversations live outside history.
+
+    Temporal caps a payload at 2 MB and a history at 50 MB, and agent prompts grow every step.
+    Contents above `INLINE_LIMIT_BYTES` are kept in a context store (see
+    `kvflow.activities.context_store`) under the SHA-256 of their bytes, and travel as a
+    reference of about a hundred bytes. The same digests are the prefix keys the scheduler
+    matches on, so two steps that share a long context share its keys.
+    """
+
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the UTF-8 bytes")
+    size: int = Field(ge=0, description="bytes")
+    preview: str = Field(default="", max_length=120, description="the first characters, for UIs")
+
+
+def digest_of(text: str) -> str:
+    """The SHA-256 hex digest of `text` as UTF-8: the key it is stored under."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def ref_for(text: str) -> ContextRef:
+    """The reference `text` is stored under (computing it does not store anything)."""
+    data = text.encode("utf-8")
+    return ContextRef(digest=hashlib.sha256(data).hexdigest(), size=len(data), preview=text[:80])
+
+
+def needs_store(text: str) -> bool:
+    """Whether `text` is too large to travel inline."""
+    return len(text.encode("utf-8")) > INLINE_LIMIT_BYTES
+
+
+# ---- one model call ---------------------------------------------------------------------------
+
+
+class ChatMessage(BaseModel):
+    """One message of a chat conversation; large contents travel as a `ContextRef`."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | ContextRef
+
+
+CONVERSATION = TypeAdapter(list[ChatMessage])
+"""How a stored run of messages (`InferenceRequest.earlier_messages`) is encoded."""
+
+
+class Sampling(BaseModel):
+    """Sampling parameters, passed to vLLM as they are."""
+
+    temperature: float = Field(default=0.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+
+class Checkpoint(BaseModel):
+    """Output an earlier attempt already produced, to continue from."""
+
+    text: str = ""
+    completion_tokens: int = Field(default=0, ge=0)
+    """The output tokens `text` holds, over every attempt that produced it."""
+
+
+class InferenceRequest(BaseModel):
+    """One model call: what to send, and who it is for (for the ledger and the UI)."""
+
+    model: str
+    messages: list[ChatMessage] | None = None
+    earlier_messages: ContextRef | None = None
+    """The conversation before `messages`, stored as a JSON list of `ChatMessage`: a long
+    conversation then costs history one reference per call, not one per message."""
+    prompt: str | ContextRef | None = None
+    max_tokens: int = Field(ge=1)
+    sampling: Sampling = Field(default_factory=Sampling)
+    json_schema: dict[str, Any] | None = None
+    tenant: str = "default"
+    step: str = "infer"
+    deadline: datetime | None = None
+    checkpoint: Checkpoint | None = None
+
+    @model_validator(mode="after")
+    def _messages_or_prompt(self) -> Self:
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("give exactly one of `messages` (chat) or `prompt` (completion)")
+        return self
+
+
+class Usage(BaseModel):
+    """Tokens of one attempt, as the server counted them."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Timings(BaseModel):
+    """Where the time of one attempt went, in seconds."""
+
+    queue_wait_s: float = 0.0
+    """From Temporal scheduling the attempt to a worker starting it."""
+    ttft_s: float | None = None
+    """From sending the request to the first output token."""
+    total_s: float = 0.0
+    """From sending the request to the end of the stream."""
+
+
+class InferenceResult(BaseModel):
+    """The answer of one model call and what it cost."""
+
+    text: str
+    """The whole answer, including any text reused from a checkpoint; when it is larger than
+    `INLINE_LIMIT_BYTES` only its preview, and the answer itself is in the context store."""
+    text_ref: ContextRef | None = None
+    """Where the whole answer is when it was too large to return inline."""
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+    model: str
+    replica: str
+    pool: str
+    gpu: str
+    cost_micros: int
+    reused_tokens: int = 0
+    """Output tokens taken from a checkpoint instead of decoded again."""
+
+
+# ---- an attempt in flight, and how it failed -------------------------------------------------
+
+
+class UnreadableDetails(ValueError):
+    """Heartbeat or failure details that are not the `AttemptProgress` this version writes."""
+
+
+class AttemptBill(BaseModel):
+    """What one attempt has cost so far, and where it ran."""
+
+    replica: str | None = None
+    """`pool/index`; absent only in failures raised before the worker knew its replica."""
+    usage: Usage = Field(default_factory=Usage)
+    """This attempt's tokens (output reused from a checkpoint is not decoded, so not here)."""
+    cost_micros: int = Field(default=0, ge=0)
+    """At the prices of the replica's pool, computed on the GPU worker."""
+
+
+class AttemptProgress(Checkpoint, AttemptBill):
+    """An attempt's partial output and its bill so far.
+
+    The inference activity heartbeats it, and puts it in the details of the error a failed
+    attempt raises: the workflow bills the failed attempt from it and resumes the call from
+    its text. The fields are flat (a `Checkpoint`'s and an `AttemptBill`'s side by side), as
+    the plain dicts they replace were, so details already recorded in histories still read.
+    """
+
+    def resumable(self) -> Checkpoint | None:
+        """The output to continue from, or None when the attempt produced no text."""
+        if not self.text:
+            return None
+        return Checkpoint(text=self.text, completion_tokens=self.completion_tokens)
+
+    @classmethod
+    def from_details(cls, details: Sequence[Any], *, source: str) -> Self | None:
+        """Rebuild the record from Temporal details (`details[0]`); None when there are none.
+
+        `source` names where the details came from, for the error: `UnreadableDetails` when
+        they are not an `AttemptProgress`, e.g. from a GPU worker of another kvflow version.
+        """
+        if not details:
+            return None
+        try:
+            return cls.model_validate(details[0])
+        except ValidationError as invalid:
+            raise UnreadableDetails(
+                f"{source} are not an {cls.__name__} ({invalid.error_count()} errors: "
+                f"{first_error(invalid)}); do the GPU workers run the same kvflow version "
+                "as the workflow worker?"
+            ) from invalid
+
+
+def first_error(invalid: ValidationError) -> str:
+    """The first thing `invalid` found wrong, as `where: what` for a one-line message."""
+    first = invalid.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "the document"
+    return f"{where}: {first['msg']}"
+
+
+# ---- the control plane's activities ----------------------------------------------------------
+
+
+class PlaceInput(BaseModel):
+    """What the step API knows about a call when it asks for a placement."""
+
+    request: PlacementRequest
+    """Everything but the prompt's size and block hashes, which `place` computes."""
+    messages: list[ChatMessage] | None = None
+    prompt: str | ContextRef | None = None
+    checkpoint_text: str = ""
+    """Partial output a resume will send as well (it is part of the prompt then)."""
+
+
+class PlaceAnswer(BaseModel):
+    """A placement, or a refusal; and the prompt size it was computed for."""
+
+    placement: Placement | None = None
+    refusal: Refusal | None = None
+    prompt_tokens: int = Field(ge=0)
+
+
+class LostAttempt(BaseModel):
+    """An attempt whose GPU worker died (heartbeat timeout), as the workflow saw it last."""
+
+    workflow_id: str
+    run_id: str
+    activity_id: str
+    attempt: int
+    workflow_type: str
+    step: str
+    tenant: str
+    model: str
+    replica: str
+    started_at: AwareDatetime
+    ended_at: AwareDatetime
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    cost_micros: int = 0
+    error_type: str
