@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from temporalio import activity
 from temporalio.api.enums.v1 import EventType
+from temporalio.api.failure.v1 import Failure
 from temporalio.api.sdk.v1 import WorkflowMetadata
 from temporalio.client import (
     Client,
@@ -33,9 +35,17 @@ from temporalio.client import (
 )
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import Replayer
+from temporalio.worker import Replayer, Worker
 
 from kvflow.activities.context_store import DirectoryContextStore
+from kvflow.activities.inference import INFER_ACTIVITY
+from kvflow.activities.wire import (
+    AttemptProgress,
+    Checkpoint,
+    InferenceRequest,
+    InferenceResult,
+    UnreadableDetails,
+)
 from kvflow.ledger.records import TaskOutcome
 from kvflow.ledger.store import AsyncLedger, open_async_ledger
 from kvflow.scheduler.config import LatencyConfig, SchedulerConfig
@@ -327,6 +337,76 @@ async def test_exhausted_retry_budget_fails_with_its_own_error_and_bills_every_a
         assert row is not None and row.outcome == TaskOutcome.FAILED
         assert row.spend_micros == sum(a.cost_micros for a in attempts)
         await assert_replays(handle)
+
+
+@activity.defn(name=INFER_ACTIVITY)
+async def infer_from_another_version(request: InferenceRequest) -> InferenceResult:
+    """A GPU worker whose failure details are not the `AttemptProgress` this version reads."""
+    raise ApplicationError("stream cut", {"text": ["Dear", "customer"]}, type="StreamCut")
+
+
+async def test_failure_details_that_do_not_validate_park_the_task_with_a_typed_error(
+    temporal_client: Client, tmp_path: Path
+):
+    wf.REFUNDS.clear()
+    wf.REVERSED.clear()
+    pools = [PoolPlan("other", gpu="H100", gpu_worker=False)]
+    async with stack(temporal_client, tmp_path, pools) as s:
+        refund = wf.Refund(account="A-18", amount_cents=900)
+        task = wf.RefundInput(spec=_spec(expected_steps=2), model=MODEL, refund=refund)
+        async with Worker(
+            temporal_client,
+            task_queue=task_queue_for("other", 0),
+            activities=[infer_from_another_version],
+        ):
+            handle = await s.start(wf.RefundThenReply.run, task)
+            failure = await _first_workflow_task_failure(handle)
+        try:
+            assert failure.application_failure_info.type == "UnreadableDetails"
+            assert "the details of StreamCut from other/0 are not an AttemptProgress" in (
+                failure.message
+            )
+            assert "text: Input should be a valid string" in failure.message
+            # A version mismatch is not the task's failure: nothing is undone or recorded, and
+            # the task goes on once the workers agree.
+            assert [refund] == wf.REFUNDS and wf.REVERSED == []
+            description = await handle.describe()
+            assert description.status == WorkflowExecutionStatus.RUNNING
+            assert await s.ledger.task(handle.id, description.run_id or "") is None
+        finally:
+            await handle.terminate("test over")
+
+
+async def _first_workflow_task_failure(handle: WorkflowHandle[Any, Any]) -> Failure:
+    for _ in range(200):
+        async for event in handle.fetch_history_events():
+            if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED:
+                return event.workflow_task_failed_event_attributes.failure
+        await asyncio.sleep(0.05)
+    raise AssertionError("the workflow task never failed")
+
+
+def test_heartbeat_details_are_read_back_as_a_typed_record():
+    # Details recorded before the record existed were plain dicts with the same keys.
+    beat = {
+        "text": "Dear customer,",
+        "completion_tokens": 4,
+        "replica": "fast/0",
+        "usage": {"prompt_tokens": 120, "cached_tokens": 64, "completion_tokens": 4},
+        "cost_micros": 31,
+    }
+    progress = AttemptProgress.from_details([beat], source="the last heartbeat details")
+    assert progress is not None
+    assert progress.resumable() == Checkpoint(text="Dear customer,", completion_tokens=4)
+    assert (progress.usage.prompt_tokens, progress.cost_micros) == (120, 31)
+    assert AttemptProgress.from_details([], source="no heartbeat") is None
+    # No text yet: the attempt is billed but there is nothing to resume from.
+    started = AttemptProgress.from_details([{"replica": "fast/0", "cost_micros": 5}], source="-")
+    assert started is not None and started.resumable() is None and started.cost_micros == 5
+    with pytest.raises(UnreadableDetails, match=r"last heartbeat .* cost_micros: Input should"):
+        AttemptProgress.from_details(
+            [{**beat, "cost_micros": "a lot"}], source="the last heartbeat details from fast/0"
+        )
 
 
 async def test_structured_output_comes_back_as_the_pydantic_model(
@@ -669,7 +749,7 @@ tier = 1
                     pending = (await handle.describe()).raw_description.pending_activities
                     if pending and pending[0].heartbeat_details.payloads:
                         beat = json.loads(pending[0].heartbeat_details.payloads[0].data)
-                        if beat.get("completion_tokens"):
+                        if AttemptProgress.model_validate(beat).completion_tokens:
                             break
                     await asyncio.sleep(0.05)
                 doomed.send_signal(signal.SIGKILL)
