@@ -337,7 +337,7 @@ def bench(
 
 
 def main() -> NoReturn:
-    """`python -m kvflow.simulator`: run the `sim` commands and exit with their status."""
+    """`python -m kvflow.cli.sim`: run the `sim` commands and exit with their status."""
     code = 0
     try:
         sim_app()
@@ -348,3 +348,7 @@ def main() -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

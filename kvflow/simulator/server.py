@@ -1167,7 +1167,7 @@ class SimProcess:
         command = [
             sys.executable,
             "-m",
-            "kvflow.simulator",
+            "kvflow.cli.sim",
             "serve",
             *self.args,
             "--host",

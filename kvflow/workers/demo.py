@@ -50,7 +50,6 @@ from temporalio.runtime import (
 from temporalio.service import RPCError
 
 from kvflow.activities.context_store import DirectoryContextStore
-from kvflow.cli.ledger import print_whole, report_table
 from kvflow.ledger.report import GroupField, ReportQuery
 from kvflow.ledger.store import (
     LEDGER_URL_ENV,
@@ -59,6 +58,7 @@ from kvflow.ledger.store import (
     open_async_ledger,
     redact_url,
 )
+from kvflow.ledger.table import print_whole, report_table
 from kvflow.scheduler.fleet import Fleet, Pool, format_usd
 from kvflow.simulator import FaultSpec
 from kvflow.workers.embedded import EmbeddedFleet

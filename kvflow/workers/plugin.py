@@ -116,7 +116,10 @@ class KvflowPlugin(SimplePlugin):
         store = DirectoryContextStore(Path(context_dir))
         self.control_plane = control_plane
         self.inference = inference
+        # What the plugin built it also starts and stops; what it was given (by `GpuWorker`,
+        # the embedded stack) is started, checked and stopped by its owner.
         self._owns_control_plane = False
+        self._owns_inference = False
         self._client: Client | None = None
         if fleet is not None and replica is not None:
             self.inference = InferenceActivities(
@@ -126,6 +129,7 @@ class KvflowPlugin(SimplePlugin):
                 store=store,
                 heartbeat_interval_s=heartbeat_interval_s,
             )
+            self._owns_inference = True
         elif fleet is not None:
             self.control_plane = ControlPlane(
                 fleet,
@@ -188,7 +192,7 @@ class KvflowPlugin(SimplePlugin):
                         yield
                 else:
                     yield
-            elif self.inference is not None:
+            elif self.inference is not None and self._owns_inference:
                 await check_endpoint(self.inference.replica, self.inference.http)
                 log.info("GPU worker for %s polls %s", self.inference.replica.name, self.task_queue)
                 try:
