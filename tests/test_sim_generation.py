@@ -28,7 +28,9 @@ TOKENIZER = Tokenizer()
 @given(st.text())
 def test_any_text_round_trips_through_the_tokenizer(text: str) -> None:
     ids = TOKENIZER.encode(text, add_special_tokens=False)
-    assert TOKENIZER.decode(ids) == text
+    # Text may contain a special token's spelling ("<|end|>"), encoded as that token; decoding
+    # keeps it only when asked to, as vLLM's tokenizers do.
+    assert TOKENIZER.decode(ids, skip_special_tokens=False) == text
     assert TOKENIZER.encode(text, add_special_tokens=False) == ids
 
 
