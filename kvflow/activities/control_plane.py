@@ -11,19 +11,37 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 
-from kvflow.activities.context_store import DirectoryContextStore
+from kvflow.activities.context_store import ContextNotFound, DirectoryContextStore
 from kvflow.activities.inference import AttemptSink
 from kvflow.activities.tokenize import FleetTokenizers
-from kvflow.activities.wire import ContextRef, LostAttempt, PlaceAnswer, PlaceInput
+from kvflow.activities.wire import (
+    AttemptBill,
+    AttemptKey,
+    ContextRef,
+    LostAttempt,
+    PlaceAnswer,
+    PlaceInput,
+    ResumedAttempts,
+    Usage,
+)
+from kvflow.ledger.errors import LedgerNotFound, LedgerSchemaError, LedgerUrlError
 from kvflow.ledger.records import AttemptOutcome, AttemptRecord, TaskRecord
 from kvflow.scheduler.blocks import block_hashes
 from kvflow.scheduler.fleet import Fleet
-from kvflow.scheduler.placement import Observation, Placement, PlacementRequest, Refusal
+from kvflow.scheduler.placement import (
+    Observation,
+    Placement,
+    PlacementInputError,
+    PlacementRequest,
+    Refusal,
+)
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +51,31 @@ RECORD_TASK_ACTIVITY = "kvflow.record_task"
 CONTEXT_PUT_ACTIVITY = "kvflow.context_put"
 CONTEXT_GET_ACTIVITY = "kvflow.context_get"
 RECORD_LOST_ATTEMPT_ACTIVITY = "kvflow.record_lost_attempt"
+ATTEMPT_BILL_ACTIVITY = "kvflow.attempt_bill"
+MARK_RESUMED_ACTIVITY = "kvflow.mark_resumed"
+
+PERMANENT_ERRORS: tuple[type[Exception], ...] = (
+    PlacementInputError,
+    ContextNotFound,
+    LedgerNotFound,
+    LedgerSchemaError,
+    LedgerUrlError,
+)
+"""Errors no retry can fix: the request names what does not exist, or the ledger is misconfigured.
+
+The control-plane activities raise them as non-retryable `ApplicationError`s typed by class
+name, so Temporal runs them once and the workflow fails the task with a message to act on."""
+
+
+@contextmanager
+def permanent_errors_fail_at_once() -> Iterator[None]:
+    """Re-raise a `PERMANENT_ERRORS` exception as a non-retryable `ApplicationError`."""
+    try:
+        yield
+    except PERMANENT_ERRORS as exc:
+        # KeyError's str() quotes its message; the message is its first argument.
+        message = str(exc.args[0]) if exc.args else type(exc).__name__
+        raise ApplicationError(message, type=type(exc).__name__, non_retryable=True) from exc
 
 
 class PlacementPolicy(Protocol):
@@ -56,6 +99,14 @@ class LedgerSink(AttemptSink, Protocol):
 
     async def record_task(self, record: TaskRecord) -> bool:
         """Store the task's row; idempotent on (workflow id, run id)."""
+        ...
+
+    async def attempts_for(self, workflow_id: str, run_id: str) -> list[AttemptRecord]:
+        """Every attempt row of one workflow run."""
+        ...
+
+    async def mark_resumed(self, workflow_id: str, run_id: str, activity_ids: Sequence[str]) -> int:
+        """Mark failed attempts whose partial output was reused as `resumed_elsewhere`."""
         ...
 
 
@@ -108,14 +159,15 @@ class ControlPlaneActivities:
     @activity.defn(name=PLACE_ACTIVITY)
     async def place(self, place: PlaceInput) -> PlaceAnswer:
         """Ask the scheduler where the call should run (a local activity)."""
-        ids = await self.prompt_tokens(place)
-        request = place.request.model_copy(
-            update={
-                "prompt_tokens": len(ids),
-                "block_hashes": block_hashes(ids, self.block_size),
-            }
-        )
-        answer = self.scheduler.place(request)
+        with permanent_errors_fail_at_once():
+            ids = await self.prompt_tokens(place)
+            request = place.request.model_copy(
+                update={
+                    "prompt_tokens": len(ids),
+                    "block_hashes": block_hashes(ids, self.block_size),
+                }
+            )
+            answer = self.scheduler.place(request)
         # The placement's bookkeeping runs once this answer is on its way, not before.
         asyncio.get_running_loop().call_soon(self.scheduler.settle)
         if isinstance(answer, Placement):
@@ -125,7 +177,8 @@ class ControlPlaneActivities:
     @activity.defn(name=OBSERVE_ACTIVITY)
     async def observe(self, observation: Observation) -> None:
         """Tell the scheduler how a call ended (a local activity)."""
-        self.scheduler.observe(observation)
+        with permanent_errors_fail_at_once():
+            self.scheduler.observe(observation)
 
     @activity.defn(name=RECORD_TASK_ACTIVITY)
     async def record_task(self, record: TaskRecord) -> bool:
@@ -133,7 +186,8 @@ class ControlPlaneActivities:
         if self.ledger is None:
             log.warning("no ledger configured; task %s not recorded", record.key)
             return False
-        return await self.ledger.record_task(record)
+        with permanent_errors_fail_at_once():
+            return await self.ledger.record_task(record)
 
     @activity.defn(name=RECORD_LOST_ATTEMPT_ACTIVITY)
     async def record_lost_attempt(self, lost: LostAttempt) -> bool:
@@ -167,17 +221,52 @@ class ControlPlaneActivities:
             cost_micros=lost.cost_micros,
             error_type=lost.error_type,
         )
-        return await self.ledger.record_attempt(record)
+        with permanent_errors_fail_at_once():
+            return await self.ledger.record_attempt(record)
+
+    @activity.defn(name=ATTEMPT_BILL_ACTIVITY)
+    async def attempt_bill(self, key: AttemptKey) -> AttemptBill | None:
+        """What the GPU worker billed for one attempt, from its ledger row (a local activity).
+
+        The workflow asks after a cancelled call: a cancellation carries no details, so the
+        attempt's usage and cost are known only from the row the worker wrote as it stopped.
+        None when there is no ledger or no row.
+        """
+        if self.ledger is None:
+            return None
+        with permanent_errors_fail_at_once():
+            rows = await self.ledger.attempts_for(key.workflow_id, key.run_id)
+        for row in rows:
+            if row.activity_id == key.activity_id:
+                usage = Usage(
+                    prompt_tokens=row.prompt_tokens,
+                    cached_tokens=row.cached_tokens,
+                    completion_tokens=row.completion_tokens,
+                )
+                return AttemptBill(replica=row.replica, usage=usage, cost_micros=row.cost_micros)
+        return None
+
+    @activity.defn(name=MARK_RESUMED_ACTIVITY)
+    async def mark_resumed(self, resumed: ResumedAttempts) -> int:
+        """Mark cut attempts whose output a later attempt continued (idempotent)."""
+        if self.ledger is None:
+            return 0
+        with permanent_errors_fail_at_once():
+            return await self.ledger.mark_resumed(
+                resumed.workflow_id, resumed.run_id, resumed.activity_ids
+            )
 
     @activity.defn(name=CONTEXT_PUT_ACTIVITY)
     async def context_put(self, text: str) -> ContextRef:
         """Store content; as a local activity its input (the text) stays out of history."""
-        return await self.store.aput(text)
+        with permanent_errors_fail_at_once():
+            return await self.store.aput(text)
 
     @activity.defn(name=CONTEXT_GET_ACTIVITY)
     async def context_get(self, ref: ContextRef) -> str:
         """Read content back (the result is recorded: use it for small contents)."""
-        return await self.store.aget(ref)
+        with permanent_errors_fail_at_once():
+            return await self.store.aget(ref)
 
     def all(self) -> list[Callable[..., Any]]:
         """Every activity of the control plane, to register on the workflow worker."""
@@ -186,6 +275,8 @@ class ControlPlaneActivities:
             self.observe,
             self.record_task,
             self.record_lost_attempt,
+            self.attempt_bill,
+            self.mark_resumed,
             self.context_put,
             self.context_get,
         ]

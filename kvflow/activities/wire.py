@@ -16,7 +16,15 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, Literal, Self
 
-from pydantic import AwareDatetime, BaseModel, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
 from kvflow.scheduler.placement import Placement, PlacementRequest, Refusal
 
@@ -38,7 +46,15 @@ class ContextRef(BaseModel):
 
     digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the UTF-8 bytes")
     size: int = Field(ge=0, description="bytes")
-    preview: str = Field(default="", max_length=120, description="the first characters, for UIs")
+    preview: str = Field(
+        default="",
+        max_length=120,
+        description="the first characters, for UIs; empty unless asked for (`ref_for`)",
+    )
+
+
+PREVIEW_CHARS = 80
+"""The length of a preview, when one is asked for."""
 
 
 def digest_of(text: str) -> str:
@@ -46,10 +62,19 @@ def digest_of(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def ref_for(text: str) -> ContextRef:
-    """The reference `text` is stored under (computing it does not store anything)."""
+def ref_for(text: str, *, preview: bool = False) -> ContextRef:
+    """The reference `text` is stored under (computing it does not store anything).
+
+    With `preview`, the reference carries the first `PREVIEW_CHARS` characters for UIs. Off by
+    default: a reference travels through history, and a preview of a prompt or an answer is
+    content the store was meant to keep out of it.
+    """
     data = text.encode("utf-8")
-    return ContextRef(digest=hashlib.sha256(data).hexdigest(), size=len(data), preview=text[:80])
+    return ContextRef(
+        digest=hashlib.sha256(data).hexdigest(),
+        size=len(data),
+        preview=text[:PREVIEW_CHARS] if preview else "",
+    )
 
 
 def needs_store(text: str) -> bool:
@@ -226,11 +251,33 @@ class PlaceInput(BaseModel):
 
 
 class PlaceAnswer(BaseModel):
-    """A placement, or a refusal; and the prompt size it was computed for."""
+    """A placement, or a refusal; and the prompt size it was computed for.
+
+    Recorded in history (a local activity's result), so it must read back on every later
+    version: unknown fields are ignored and every field added later needs a default.
+    """
+
+    model_config = ConfigDict(extra="ignore")
 
     placement: Placement | None = None
     refusal: Refusal | None = None
-    prompt_tokens: int = Field(ge=0)
+    prompt_tokens: int = Field(default=0, ge=0)
+
+
+class AttemptKey(BaseModel):
+    """One attempt's ledger key, as the workflow knows it (attempt 1 of the activity id)."""
+
+    workflow_id: str
+    run_id: str
+    activity_id: str
+
+
+class ResumedAttempts(BaseModel):
+    """Cut attempts of one run whose partial output a later attempt continued."""
+
+    workflow_id: str
+    run_id: str
+    activity_ids: list[str]
 
 
 class LostAttempt(BaseModel):

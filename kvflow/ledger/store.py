@@ -275,6 +275,27 @@ class Ledger(ABC):
             self._metrics.task_written(record)
         return written
 
+    def mark_resumed(self, workflow_id: str, run_id: str, activity_ids: Sequence[str]) -> int:
+        """Mark those `failed` attempts of one run whose partial output the next one reused.
+
+        They become `resumed_elsewhere`, which the report does not count as wasted. Idempotent:
+        rows already marked, or that did not fail, are left alone. Returns the rows changed.
+        """
+        if not activity_ids:
+            return 0
+        count, _ = self._execute(
+            "UPDATE attempts SET outcome = ? WHERE workflow_id = ? AND run_id = ? "
+            f"AND outcome = ? AND activity_id IN ({', '.join('?' for _ in activity_ids)})",
+            (
+                AttemptOutcome.RESUMED_ELSEWHERE.value,
+                workflow_id,
+                run_id,
+                AttemptOutcome.FAILED.value,
+                *activity_ids,
+            ),
+        )
+        return count
+
     def _insert(
         self, table: str, columns: Sequence[str], values: Sequence[object], key: str
     ) -> bool:
@@ -525,6 +546,12 @@ class AsyncLedger:
     async def attempts_for(self, workflow_id: str, run_id: str) -> list[AttemptRecord]:
         """See `Ledger.attempts_for`."""
         return await asyncio.to_thread(self.ledger.attempts_for, workflow_id, run_id)
+
+    async def mark_resumed(self, workflow_id: str, run_id: str, activity_ids: Sequence[str]) -> int:
+        """See `Ledger.mark_resumed`."""
+        return await asyncio.to_thread(
+            self.ledger.mark_resumed, workflow_id, run_id, list(activity_ids)
+        )
 
     async def task(self, workflow_id: str, run_id: str) -> TaskRecord | None:
         """See `Ledger.task`."""

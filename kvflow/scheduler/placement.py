@@ -30,6 +30,16 @@ class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class _Recorded(BaseModel):
+    """A type recorded in workflow history (a local activity's result), so it must evolve.
+
+    A history is replayed by whatever version runs the workflow next: unknown fields (from a
+    newer writer) are ignored, and every field added later needs a default (for older ones).
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
 class PlacementRequest(_Wire):
     """One model call to place, with what the workflow knows about its task."""
 
@@ -75,11 +85,14 @@ class Placement:
     A plain dataclass, not a pydantic model like the other wire types: the scheduler builds one
     per decision from values it computed itself, and validating 22 fields it already knows
     would cost an eighth of a decision. Pydantic still validates it (types and the bounds
-    below) wherever it is read back from JSON, as Temporal's pydantic converter does, and
-    rejects unknown fields there.
+    below) wherever it is read back from JSON, as Temporal's pydantic converter does.
+
+    Recorded in history (inside `PlaceAnswer`): unknown fields are ignored on read, and a
+    field added later must come last and have a default, so histories recorded before it
+    still replay.
     """
 
-    __pydantic_config__ = ConfigDict(extra="forbid")
+    __pydantic_config__ = ConfigDict(extra="ignore")
 
     replica: Annotated[str, Field(description='e.g. "h200/1"')]
     task_queue: Annotated[str, Field(description="the GPU worker's task queue")]
@@ -136,8 +149,11 @@ class RefusalReason(StrEnum):
     """Every replica is excluded, down, or too small for the request."""
 
 
-class Refusal(_Wire):
-    """Nothing fits: why, in words and as a code, and the best alternative when there is one."""
+class Refusal(_Recorded):
+    """Nothing fits: why, in words and as a code, and the best alternative when there is one.
+
+    Recorded in history (inside `PlaceAnswer`): see `_Recorded` for how it may change.
+    """
 
     reason: RefusalReason
     message: str = Field(description="what is wrong and what would help, for an operator")

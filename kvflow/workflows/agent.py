@@ -38,7 +38,7 @@ the whole breakdown.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from types import TracebackType
@@ -51,18 +51,23 @@ from temporalio.exceptions import (
     ActivityError,
     ApplicationError,
     CancelledError,
+    FailureError,
     TimeoutError,
     TimeoutType,
 )
+from temporalio.workflow import ActivityCancellationType
 
 from kvflow.workflows import errors
 from kvflow.workflows import search_attributes as attrs
 
 with workflow.unsafe.imports_passed_through():
     from kvflow.activities.control_plane import (
+        ATTEMPT_BILL_ACTIVITY,
         CONTEXT_GET_ACTIVITY,
         CONTEXT_PUT_ACTIVITY,
+        MARK_RESUMED_ACTIVITY,
         OBSERVE_ACTIVITY,
+        PERMANENT_ERRORS,
         PLACE_ACTIVITY,
         RECORD_LOST_ATTEMPT_ACTIVITY,
         RECORD_TASK_ACTIVITY,
@@ -71,6 +76,8 @@ with workflow.unsafe.imports_passed_through():
     from kvflow.activities.inference import INFER_ACTIVITY
     from kvflow.activities.wire import (
         CONVERSATION,
+        AttemptBill,
+        AttemptKey,
         AttemptProgress,
         ChatMessage,
         Checkpoint,
@@ -80,6 +87,7 @@ with workflow.unsafe.imports_passed_through():
         LostAttempt,
         PlaceAnswer,
         PlaceInput,
+        ResumedAttempts,
         Sampling,
         UnreadableDetails,
         digest_of,
@@ -97,6 +105,7 @@ with workflow.unsafe.imports_passed_through():
     )
 
 T = TypeVar("T", bound=BaseModel)
+R = TypeVar("R")
 
 HEARTBEAT_TIMEOUT = timedelta(seconds=2)
 """How long a silent GPU worker is trusted: a crashed replica is noticed after this, and a
@@ -104,6 +113,27 @@ cancellation reaches a running call within 0.8 x this (the SDK's heartbeat inter
 DEFAULT_CALL_TIMEOUT = timedelta(minutes=10)
 """The start-to-close limit of a call when the task has no latency budget."""
 LOCAL_TIMEOUT = timedelta(seconds=10)
+"""The start-to-close limit of one try of a control-plane local activity."""
+LOCAL_RETRY = RetryPolicy(
+    initial_interval=timedelta(milliseconds=200),
+    maximum_interval=timedelta(seconds=2),
+    maximum_attempts=5,
+    non_retryable_error_types=[e.__name__ for e in PERMANENT_ERRORS],
+)
+"""Control-plane local activities (place, observe, context store) retry a transient error a
+few times; an error no retry can fix (unknown tenant, model or replica; missing context) runs
+once and fails the task with its own type."""
+LOCAL_SCHEDULE_TO_CLOSE = timedelta(seconds=30)
+"""All tries of one control-plane local activity together."""
+LEDGER_RETRY = RetryPolicy(
+    initial_interval=timedelta(milliseconds=500),
+    maximum_interval=timedelta(seconds=10),
+    maximum_attempts=10,
+    non_retryable_error_types=[e.__name__ for e in PERMANENT_ERRORS],
+)
+"""Ledger writes from the workflow (task row, lost attempt, resumed marks) ride out a busy or
+restarting database for about a minute."""
+LEDGER_SCHEDULE_TO_CLOSE = timedelta(minutes=2)
 MAX_ADMISSION_WAITS = 60
 """How many times one step waits for admission before it fails (without a deadline)."""
 KEEP_INLINE_MESSAGES = 2
@@ -140,6 +170,8 @@ class AttemptSpend(BaseModel):
     cached_tokens: int = 0
     completion_tokens: int = 0
     reused_tokens: int = 0
+    activity_id: str = ""
+    """The inference activity's id: with the run, the key of the attempt's ledger row."""
 
 
 class StepSpend(BaseModel):
@@ -189,6 +221,8 @@ class _Call:
     """Replicas that failed this call."""
     checkpoint: Checkpoint | None = None
     """Partial output to continue from."""
+    carried: list[str] = field(default_factory=list)
+    """Activity ids of the cut attempts whose output `checkpoint` holds."""
     attempt: int = 1
 
 
@@ -331,7 +365,9 @@ class Agent:
                 # Show the model its answer and what was wrong with it, and ask again.
                 chat = [
                     *chat,
-                    ChatMessage(role="assistant", content=result.text),
+                    # The whole answer: its reference when it was offloaded (the GPU worker
+                    # resolves it), never a preview.
+                    ChatMessage(role="assistant", content=result.text_ref or result.text),
                     ChatMessage(
                         role="user",
                         content=f"That answer is not valid JSON for the schema: "
@@ -379,6 +415,9 @@ class Agent:
                     start_to_close_timeout=_call_timeout(remaining),
                     heartbeat_timeout=HEARTBEAT_TIMEOUT,
                     retry_policy=RetryPolicy(maximum_attempts=1),
+                    # A cancelled call returns once the GPU worker stopped and billed it, so
+                    # the workflow can count what it cost (a cancellation carries no details).
+                    cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
                     priority=Priority(
                         priority_key=placement.priority_key,
                         fairness_key=placement.fairness_key,
@@ -389,11 +428,16 @@ class Agent:
             except ActivityError as err:
                 failure = _failure_of(err, placement)
                 failure.attempt.model = placement.model
+                failure.attempt.activity_id = err.activity_id or ""
                 record.attempts.append(failure.attempt)
-                if _is_cancellation(err):
-                    # The task was cancelled: not a failure to classify or re-place.
+                if _is_cancellation(err) or (
+                    workflow.cancellation_reason() is not None and _worker_went_silent(err)
+                ):
+                    # The task was cancelled: not a failure to classify or re-place, but an
+                    # attempt to bill and a replica whose in-flight count must drop.
                     record.outcome = "cancelled"
-                    raise
+                    await self._cancelled(err, call, placement, failure, dispatched_at)
+                    raise asyncio.CancelledError("the task was cancelled") from err
                 if _worker_went_silent(err):
                     await self._record_lost_attempt(err, call, placement, failure, dispatched_at)
                 await self._observe(placement, failure)
@@ -419,6 +463,9 @@ class Agent:
                 call.attempt += 1
                 call.exclude.append(placement.replica)
                 if failure.checkpoint is not None and call.schema is None:
+                    before = call.checkpoint.completion_tokens if call.checkpoint else 0
+                    if failure.checkpoint.completion_tokens > before and err.activity_id:
+                        call.carried.append(err.activity_id)
                     call.checkpoint = failure.checkpoint
                 continue
             record.attempts.append(
@@ -434,6 +481,8 @@ class Agent:
                 )
             )
             await self._observe(placement, None, result)
+            if result.reused_tokens and call.carried:
+                await self._mark_resumed(call.carried)
             self._last_replica = result.replica
             return result
 
@@ -460,7 +509,7 @@ class Agent:
                 attempt=call.attempt,
                 task_retries=self.retries,
             )
-            answer: PlaceAnswer = await workflow.execute_local_activity(
+            answer = await self._local(
                 PLACE_ACTIVITY,
                 PlaceInput(
                     request=request,
@@ -468,8 +517,8 @@ class Agent:
                     prompt=call.prompt,
                     checkpoint_text=checkpoint.text if checkpoint else "",
                 ),
-                result_type=PlaceAnswer,
-                start_to_close_timeout=LOCAL_TIMEOUT,
+                PlaceAnswer,
+                record,
             )
             if answer.placement is not None:
                 return answer.placement
@@ -509,7 +558,7 @@ class Agent:
         """Bill an attempt whose GPU worker died: it cannot write its own ledger row."""
         info = workflow.info()
         spent = failure.attempt
-        await workflow.execute_activity(
+        await self._ledger_write(
             RECORD_LOST_ATTEMPT_ACTIVITY,
             LostAttempt(
                 workflow_id=info.workflow_id,
@@ -529,10 +578,119 @@ class Agent:
                 cost_micros=spent.cost_micros,
                 error_type=failure.error_type,
             ),
-            start_to_close_timeout=timedelta(seconds=30),
-            retry_policy=RetryPolicy(maximum_attempts=10),
-            summary=f"ledger: attempt lost on {placement.replica}",
+            f"ledger: attempt lost on {placement.replica}",
         )
+
+    async def _cancelled(
+        self,
+        err: ActivityError,
+        call: _Call,
+        placement: Placement,
+        failure: _Failure,
+        dispatched_at: datetime,
+    ) -> None:
+        """Bill a call the task's cancellation stopped, and give its replica's slot back."""
+        failure.attempt.outcome = "cancelled"
+        if _worker_went_silent(err):
+            # The worker died while the cancellation was on its way: bill its last heartbeat.
+            await self._record_lost_attempt(err, call, placement, failure, dispatched_at)
+        else:
+            info = workflow.info()
+            key = AttemptKey(
+                workflow_id=info.workflow_id, run_id=info.run_id, activity_id=err.activity_id or ""
+            )
+            bill: AttemptBill | None = await self._local(
+                ATTEMPT_BILL_ACTIVITY, key, AttemptBill, call.record
+            )
+            if bill is not None:
+                failure.attempt.cost_micros = bill.cost_micros
+                failure.attempt.prompt_tokens = bill.usage.prompt_tokens
+                failure.attempt.cached_tokens = bill.usage.cached_tokens
+                failure.attempt.completion_tokens = bill.usage.completion_tokens
+        await self._observe(placement, failure)
+        self._publish()
+
+    async def _mark_resumed(self, activity_ids: list[str]) -> None:
+        """Tell the ledger that these cut attempts' output was continued, not wasted."""
+        info = workflow.info()
+        await self._ledger_write(
+            MARK_RESUMED_ACTIVITY,
+            ResumedAttempts(
+                workflow_id=info.workflow_id, run_id=info.run_id, activity_ids=activity_ids
+            ),
+            f"ledger: {len(activity_ids)} cut attempt(s) resumed",
+        )
+
+    async def _ledger_write(self, activity: str, arg: Any, summary: str) -> bool:
+        """Run a ledger-writing activity to its end; False (logged) if it failed for good.
+
+        Bookkeeping never changes how the task ends: a row that could not be written is one
+        `kvflow ledger reconcile` (task rows) or an operator (the log names it) can restore.
+        It also runs to its end when the task is cancelled meanwhile (then re-raises).
+        """
+        try:
+            await _uncancellable(
+                workflow.execute_activity(
+                    activity,
+                    arg,
+                    start_to_close_timeout=timedelta(seconds=30),
+                    schedule_to_close_timeout=LEDGER_SCHEDULE_TO_CLOSE,
+                    retry_policy=LEDGER_RETRY,
+                    summary=summary,
+                )
+            )
+        except ActivityError as err:
+            if _is_cancellation(err):
+                raise
+            workflow.logger.error("%s failed for good: %s", summary, err.cause)
+            return False
+        return True
+
+    async def _local(
+        self, activity: str, arg: Any, result_type: type[R], record: StepSpend | None
+    ) -> R:
+        """Run a control-plane local activity, bounded, and fail the task if it fails for good.
+
+        A permanent error (`PERMANENT_ERRORS`) runs once; a transient one is retried within
+        `LOCAL_RETRY` and `LOCAL_SCHEDULE_TO_CLOSE`. Either way the task then fails with one
+        typed, non-retryable error (and its saga's compensations run) instead of retrying the
+        workflow task forever.
+        """
+        try:
+            result: R = await workflow.execute_local_activity(
+                activity,
+                arg,
+                result_type=result_type,
+                start_to_close_timeout=LOCAL_TIMEOUT,
+                schedule_to_close_timeout=LOCAL_SCHEDULE_TO_CLOSE,
+                retry_policy=LOCAL_RETRY,
+            )
+        except FailureError as err:
+            # A local activity's failure arrives as its cause, not wrapped in an ActivityError.
+            if _is_cancellation(err):
+                raise
+            cause = err.cause if isinstance(err, ActivityError) else err
+            raise self._control_plane_error(activity, cause or err, record) from None
+        return result
+
+    def _control_plane_error(
+        self, activity: str, cause: BaseException, record: StepSpend | None
+    ) -> ApplicationError:
+        kind = cause.type if isinstance(cause, ApplicationError) else None
+        message = cause.message if isinstance(cause, ApplicationError) else str(cause)
+        error_type, fix = _CONTROL_PLANE_FIXES.get(
+            kind or "",
+            (
+                errors.TaskErrorType.CONTROL_PLANE_FAILED,
+                f"it failed {LOCAL_RETRY.maximum_attempts} times or for "
+                f"{LOCAL_SCHEDULE_TO_CLOSE.total_seconds():g} s; see the workflow worker's log",
+            ),
+        )
+        what = f"{activity}: {message}; {fix}"
+        if record is not None:
+            record.outcome = error_type
+            return self._error(error_type, record, what, cause=kind)
+        return errors.task_error(error_type, what, cause=kind, spend_micros=self.spend_micros)
 
     async def _observe(
         self,
@@ -573,9 +731,8 @@ class Agent:
                 probe=placement.probe,
                 cold_start=placement.cold_start,
             )
-        await workflow.execute_local_activity(
-            OBSERVE_ACTIVITY, observation, start_to_close_timeout=LOCAL_TIMEOUT
-        )
+        # The scheduler must hear how the call ended (its in-flight count), cancelled or not.
+        await _uncancellable(self._local(OBSERVE_ACTIVITY, observation, type(None), None))
 
     # ---- tools and the saga ------------------------------------------------------------------
 
@@ -662,10 +819,7 @@ class Agent:
 
     async def read(self, ref: ContextRef) -> str:
         """The content a `ContextRef` points at."""
-        text: str = await workflow.execute_local_activity(
-            CONTEXT_GET_ACTIVITY, ref, result_type=str, start_to_close_timeout=LOCAL_TIMEOUT
-        )
-        return text
+        return await self._local(CONTEXT_GET_ACTIVITY, ref, str, None)
 
     async def _store_if_large(self, text: str) -> str | ContextRef:
         if not needs_store(text):
@@ -673,12 +827,7 @@ class Agent:
         digest = digest_of(text)
         ref = self._refs.get(digest)
         if ref is None:
-            ref = await workflow.execute_local_activity(
-                CONTEXT_PUT_ACTIVITY,
-                text,
-                result_type=ContextRef,
-                start_to_close_timeout=LOCAL_TIMEOUT,
-            )
+            ref = await self._local(CONTEXT_PUT_ACTIVITY, text, ContextRef, None)
             self._refs[digest] = ref
         return ref
 
@@ -789,8 +938,14 @@ class Agent:
         )
 
     async def _close(self, outcome: TaskOutcome) -> None:
+        """Write the task row, then publish the outcome; the outcome never changes here.
+
+        The row is written first so that the search attribute never names an outcome the
+        ledger could contradict; if the row cannot be written (the ledger is down past
+        `LEDGER_SCHEDULE_TO_CLOSE`), the task still ends as `outcome` with its own result or
+        error, the attribute says so, and `kvflow ledger reconcile` writes the row from it.
+        """
         self.outcome = outcome.value
-        self._publish()
         info = workflow.info()
         compensation_micros = sum(s.cost_micros for s in self.steps if s.kind == "compensation")
         record = TaskRecord(
@@ -807,13 +962,42 @@ class Agent:
             compensation_micros=compensation_micros,
             source="workflow",
         )
-        await workflow.execute_activity(
-            RECORD_TASK_ACTIVITY,
-            record,
-            start_to_close_timeout=timedelta(seconds=30),
-            retry_policy=RetryPolicy(maximum_attempts=10),
-            summary=f"ledger: task {outcome.value}",
+        write = asyncio.ensure_future(
+            self._ledger_write(RECORD_TASK_ACTIVITY, record, f"ledger: task {outcome.value}")
         )
+        try:
+            await asyncio.shield(write)
+        except asyncio.CancelledError:
+            # Cancelled while closing: the task's work is over and its outcome stands.
+            await write
+        self._publish()
+
+
+_CONTROL_PLANE_FIXES: dict[str, tuple[errors.TaskErrorType, str]] = {
+    "PlacementInputError": (
+        errors.TaskErrorType.INVALID_TASK,
+        "fix the task's TaskSpec.tenant or model, or add it to the fleet file",
+    ),
+    "ContextNotFound": (
+        errors.TaskErrorType.CONTEXT_NOT_FOUND,
+        "every worker must use the same context store (--context-dir)",
+    ),
+}
+"""Permanent control-plane errors: the task error each becomes and what would fix it."""
+
+
+async def _uncancellable(operation: Awaitable[R]) -> R:
+    """Run `operation` to its end even if the task is cancelled meanwhile, then re-raise.
+
+    Bookkeeping that follows a call (tell the scheduler, write the ledger) must not be cut
+    short by a cancellation that arrives while it runs.
+    """
+    task = asyncio.ensure_future(operation)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await task
+        raise
 
 
 def _worker_went_silent(err: ActivityError) -> bool:

@@ -29,6 +29,12 @@ class TaskErrorType(StrEnum):
     """Structured output did not match the schema after the allowed repairs."""
     TOOL_FAILED = "ToolFailed"
     """A tool call failed."""
+    INVALID_TASK = "InvalidTask"
+    """The task names a tenant or model the fleet does not know: fix the task or the fleet."""
+    CONTEXT_NOT_FOUND = "ContextNotFound"
+    """A context reference names content the store does not hold (workers use other stores)."""
+    CONTROL_PLANE_FAILED = "ControlPlaneFailed"
+    """A control-plane activity (place, observe, context store) kept failing past its bound."""
 
 
 def task_error(error_type: str, message: str, **details: Any) -> ApplicationError:
