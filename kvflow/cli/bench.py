@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
+import time
+from decimal import Decimal
 from pathlib import Path
 from typing import Annotated
 
@@ -21,6 +24,8 @@ from kvflow.scheduler.bench import (
     measure_quality,
 )
 from kvflow.scheduler.build import scheduler_build
+from kvflow.simulator.policy_bench import WorkloadResult, default_sizes, run_workload
+from kvflow.simulator.workloads import WORKLOADS
 
 bench_app = typer.Typer(
     help="Benchmarks of kvflow's policies and overheads.",
@@ -178,3 +183,218 @@ def scheduler_latency(
         }
         json_file.write_text(json.dumps(payload, indent=2) + "\n")
         _out.print(f"wrote {json_file}", highlight=False)
+
+
+# ---------------------------------------------------------------------------- policies
+
+_WORKLOAD_NAMES = ("agent", "hotspot", "heterogeneous", "faults")
+
+
+def _usd(value: Decimal | None) -> str:
+    return "—" if value is None else f"${value:.6f}"
+
+
+def _policy_table(result: WorkloadResult) -> Table:
+    table = Table(
+        title=(
+            f"{result.name}: {result.replicas} replicas, {result.tasks} tasks, "
+            f"{result.offered_load:.0%} offered load, seed {result.seed}"
+        ),
+        caption=result.description,
+    )
+    tiers = sorted({t for f in result.policies.values() for t in f.slo_attainment}, key=int)
+    columns = [
+        "policy",
+        "$/successful task",
+        "kvflow ×",
+        "success",
+        *[f"SLO t{t}" for t in tiers],
+        "goodput/s",
+        "TTFT p50/p90/p99 s",
+        "hit (oracle)",
+        "wasted",
+        "util",
+        "busiest",
+    ]
+    for column in columns:
+        table.add_column(column, justify="left" if column == "policy" else "right")
+    kvflow = result.policies.get("kvflow")
+    ours = kvflow.cost_per_successful_task_usd if kvflow is not None else None
+    rows = [*result.policies.values(), result.oracle]
+    for fig in rows:
+        cost = fig.cost_per_successful_task_usd
+        ratio = "—" if ours is None or not cost else f"{ours / cost:.2f}"
+        table.add_row(
+            fig.policy if fig is not result.oracle else "oracle (bound)",
+            _usd(cost),
+            ratio,
+            f"{fig.success_rate:.1%}",
+            *[f"{fig.slo_attainment.get(t, 0.0):.1%}" for t in tiers],
+            f"{fig.goodput_tasks_per_s:.3f}",
+            f"{fig.ttft_p50_s:.2f}/{fig.ttft_p90_s:.2f}/{fig.ttft_p99_s:.2f}",
+            f"{fig.prefix_hit_rate:.1%} ({fig.oracle_prefix_hit_rate:.1%})",
+            f"{fig.wasted_spend_share:.1%}",
+            f"{fig.utilisation:.1%}",
+            f"{fig.max_replica_load_share:.1%} ({fig.max_replica_load_over_mean:.2f}×)",
+        )
+    return table
+
+
+def _sweep_table(result: WorkloadResult) -> Table:
+    table = Table(title=f"{result.name}: $/successful task and tier-1 SLO by offered load")
+    loads = sorted(result.sweep)
+    table.add_column("policy")
+    for load in loads:
+        table.add_column(f"{load:.0%}", justify="right")
+    for name in result.policies:
+        cells = []
+        for load in loads:
+            fig = result.sweep[load].get(name)
+            if fig is None:
+                cells.append("—")
+                continue
+            tier1 = fig.slo_attainment.get("1")
+            cells.append(
+                f"{_usd(fig.cost_per_successful_task_usd)} "
+                f"{'—' if tier1 is None else f'{tier1:.0%}'}"
+            )
+        table.add_row(name, *cells)
+    return table
+
+
+def _plot(results: list[WorkloadResult], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise _usage_error(
+            "--plot needs matplotlib: pip install 'kvflow[bench]' (or leave out --plot)"
+        ) from None
+    swept = [r for r in results if len(r.sweep) > 1] or results
+    figure, axes = plt.subplots(len(swept), 2, figsize=(12, 4 * len(swept)), squeeze=False)
+    for row, result in zip(axes, swept, strict=True):
+        loads = sorted(result.sweep)
+        for name in result.policies:
+            costs = [result.sweep[at][name].cost_per_successful_task_usd for at in loads]
+            slo = [result.sweep[at][name].slo_attainment.get("1", 0.0) for at in loads]
+            # Plotting needs floats; the figures themselves stay exact.
+            row[0].plot(
+                [a * 100 for a in loads],
+                [float(c) if c is not None else float("nan") for c in costs],
+                marker="o",
+                label=name,
+            )
+            row[1].plot([a * 100 for a in loads], [s * 100 for s in slo], marker="o", label=name)
+        row[0].set_title(f"{result.name}: cost per successful task")
+        row[0].set_xlabel("offered load (%)")
+        row[0].set_ylabel("USD")
+        row[1].set_title(f"{result.name}: tier-1 SLO attainment")
+        row[1].set_xlabel("offered load (%)")
+        row[1].set_ylabel("%")
+        row[1].legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+@bench_app.command("policies")
+def policies_bench(
+    quick: Annotated[
+        bool, typer.Option("--quick", help="8 replicas, 400 tasks, 3 loads (under 2 minutes)")
+    ] = False,
+    workload: Annotated[
+        str | None,
+        typer.Option(
+            "--workload", help=f"one of {', '.join(_WORKLOAD_NAMES)} (default: all of them)"
+        ),
+    ] = None,
+    fleet_file: Annotated[
+        Path | None, typer.Option("--fleet", help="fleet.toml to simulate instead of the default")
+    ] = None,
+    load: Annotated[float, typer.Option("--load", help="offered load, e.g. 0.8 for 80%")] = 0.8,
+    seed: Annotated[int, typer.Option("--seed", help="random seed of the workloads")] = 0,
+    tasks: Annotated[
+        int | None, typer.Option("--tasks", min=1, help="tasks per run (default by mode)")
+    ] = None,
+    replicas: Annotated[
+        int | None,
+        typer.Option("--replicas", min=1, max=1024, help="replicas of the default fleet"),
+    ] = None,
+    sweep: Annotated[
+        bool, typer.Option("--sweep/--no-sweep", help="also run the agent workload at 50–110%")
+    ] = True,
+    json_file: Annotated[
+        Path | None, typer.Option("--json", help="also write the figures to this JSON file")
+    ] = None,
+    plot_file: Annotated[
+        Path | None,
+        typer.Option("--plot", help="plot cost and tier-1 SLO against load (needs matplotlib)"),
+    ] = None,
+) -> None:
+    """Every placement policy on the same simulated fleet and workload, side by side."""
+    names = list(_WORKLOAD_NAMES) if workload is None else [workload]
+    if workload is not None and workload not in WORKLOADS:
+        raise _usage_error(
+            f"--workload: unknown workload {workload!r}; choose one of "
+            + ", ".join(_WORKLOAD_NAMES)
+        )
+    if not math.isfinite(load) or load <= 0 or load > 10:
+        raise _usage_error(f"--load: {load} is not an offered load; give a number in (0, 10]")
+    for path, flag in ((json_file, "--json"), (plot_file, "--plot")):
+        if path is not None and not path.parent.exists():
+            raise _usage_error(f"{flag}: folder {path.parent} does not exist")
+    fleet = None
+    if fleet_file is not None:
+        from kvflow.workers.console import load_fleet_or_exit
+
+        fleet = load_fleet_or_exit(fleet_file)
+        if any(name == "heterogeneous" for name in names) and workload is None:
+            names.remove("heterogeneous")  # the fleet file is the heterogeneity
+    count, default_tasks, sweep_loads = default_sizes(quick)
+    count = replicas or count
+    if fleet is None and count < 4 and "heterogeneous" in names:
+        raise _usage_error("--replicas: the heterogeneous fleet needs at least 4")
+    logging.getLogger("kvflow").setLevel(logging.ERROR)
+    results: list[WorkloadResult] = []
+    started = time.perf_counter()
+    with _out.status("simulating...") as status:
+        for name in names:
+            results.append(
+                run_workload(
+                    name,
+                    fleet=fleet,
+                    replicas=count,
+                    tasks=tasks or default_tasks,
+                    load=load,
+                    seed=seed,
+                    sweep_loads=sweep_loads if sweep and name == "agent" else (),
+                    progress=lambda text: status.update(f"simulating {text}..."),
+                )
+            )
+    for result in results:
+        _out.print(_policy_table(result))
+        for goal in result.goals:
+            mark = "[green]met[/]" if goal.met else "[red]not met[/]"
+            _out.print(f"  goal: {goal.text}: {mark} ({goal.detail})", highlight=False)
+        if len(result.sweep) > 1:
+            _out.print(_sweep_table(result))
+    _out.print(
+        "kvflow ×: kvflow's cost per successful task over the row's (below 1: kvflow is "
+        "cheaper). hit (oracle): cached prompt tokens / prompt tokens, and the oracle policy's "
+        "(knows every cache and load). busiest: the busiest replica's share of attempts, and "
+        "over the mean. benchmarks/README.md explains the method. "
+        f"Simulated in {time.perf_counter() - started:.0f} s.",
+        highlight=False,
+    )
+    if json_file is not None:
+        if len(results) == 1:
+            payload: dict[str, object] = results[0].as_json()
+        else:
+            payload = {"workloads": {r.name: r.as_json() for r in results}}
+        json_file.write_text(json.dumps(payload, indent=2) + "\n")
+        _out.print(f"wrote {json_file}", highlight=False)
+    if plot_file is not None:
+        _plot(results, plot_file)
+        _out.print(f"wrote {plot_file}", highlight=False)

@@ -52,6 +52,12 @@ class FleetRequest:
     tenant: str = ""
     session: str = ""
     request_id: str = ""
+    exclude: frozenset[int] = frozenset()
+    """Replicas the router must not choose (ones that failed this call before)."""
+    attempt: int = 1
+    """1, or 2+ when this call is re-placed after a failure."""
+    context: Any = None
+    """What the driver of the workload attaches (e.g. the task the call belongs to)."""
 
 
 @dataclass(slots=True)
@@ -77,11 +83,32 @@ class RequestRecord:
         return (self.e2e_latency - self.ttft) / (self.output_tokens - 1)
 
 
-class FleetView:
-    """What a router may look at: the replicas and their live state (read only)."""
+@dataclass(slots=True)
+class ScrapedMetrics:
+    """One scrape of a replica's `/metrics` (what vLLM exports), as of `at`."""
 
-    def __init__(self, replicas: Sequence[SimReplica]) -> None:
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    at: float = -math.inf
+
+
+class FleetView:
+    """What a router may look at: the replicas, their live state and their scraped metrics.
+
+    `load`, `cached_tokens` and `active_tokens` read the engines live (what a router fed by
+    KV events and its own bookkeeping knows); `metrics` is the last scrape of each replica,
+    taken every `metrics_interval_s` of simulated time (what a router that polls `/metrics`
+    knows). A replica that is down is not `up`; a router learns it only once the fleet
+    marks it (after a detection delay), as a health check would.
+    """
+
+    def __init__(self, replicas: Sequence[SimReplica], metrics_interval_s: float = 0.05) -> None:
         self.replicas = replicas
+        self.metrics_interval_s = metrics_interval_s
+        self.metrics = [ScrapedMetrics() for _ in replicas]
+        self.up = [True] * len(replicas)
+        self.scraped_at = -math.inf
 
     def __len__(self) -> int:
         return len(self.replicas)
@@ -100,20 +127,52 @@ class FleetView:
         engine = self.replicas[index].engines.get(model)
         return 0 if engine is None else engine.cached_prefix_tokens(block_hashes)
 
+    def active_tokens(self, index: int) -> tuple[int, int]:
+        """(prompt tokens still to prefill, KV tokens of decoding requests) on replica `index`."""
+        prefill = decode = 0
+        for engine in self.replicas[index].engines.values():
+            for request in engine.waiting:
+                prefill += request.num_prompt_tokens - max(request.num_cached_tokens, 0)
+            for request in engine.running:
+                left = request.num_prompt_tokens - request.num_computed_tokens
+                if left > 0:
+                    prefill += left
+                else:
+                    decode += request.num_computed_tokens
+        return prefill, decode
+
+    def scrape(self, now: float) -> bool:
+        """Refresh every replica's metrics if `metrics_interval_s` passed; whether it did."""
+        if now - self.scraped_at < self.metrics_interval_s:
+            return False
+        self.scraped_at = now
+        for index, replica in enumerate(self.replicas):
+            snapshot = self.metrics[index]
+            snapshot.running = replica.num_running
+            snapshot.waiting = replica.num_waiting
+            snapshot.kv_cache_usage = replica.kv_cache_usage()
+            snapshot.at = now
+        return True
+
 
 class Router(Protocol):
     """Chooses the replica of each request (a placement policy)."""
 
-    def route(self, request: FleetRequest, fleet: FleetView, now: float) -> int:
-        """The index of the replica that gets `request`."""
+    def route(self, request: FleetRequest, fleet: FleetView, now: float) -> int | None:
+        """The index of the replica that gets `request`, or None to refuse it."""
         ...
 
 
-def _candidates(request: FleetRequest, fleet: FleetView) -> list[int]:
+def candidates(request: FleetRequest, fleet: FleetView) -> list[int]:
+    """Replicas that serve the request's model, are up and are not excluded (may be none).
+
+    `ValueError` when no replica of the fleet serves the model at all (a workload mistake).
+    """
     serving = [i for i in range(len(fleet)) if fleet.serves(i, request.model)]
     if not serving:
         raise ValueError(f"no replica serves model {request.model!r}")
-    return serving
+    up, exclude = fleet.up, request.exclude
+    return [i for i in serving if up[i] and i not in exclude]
 
 
 class RoundRobinRouter:
@@ -122,18 +181,18 @@ class RoundRobinRouter:
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def route(self, request: FleetRequest, fleet: FleetView, now: float) -> int:
+    def route(self, request: FleetRequest, fleet: FleetView, now: float) -> int | None:
         """The next replica in turn."""
-        serving = _candidates(request, fleet)
-        return serving[next(self._turn) % len(serving)]
+        serving = candidates(request, fleet)
+        return serving[next(self._turn) % len(serving)] if serving else None
 
 
 class LeastLoadedRouter:
     """The replica with the fewest running plus waiting requests (lowest index on ties)."""
 
-    def route(self, request: FleetRequest, fleet: FleetView, now: float) -> int:
+    def route(self, request: FleetRequest, fleet: FleetView, now: float) -> int | None:
         """The least loaded replica."""
-        return min(_candidates(request, fleet), key=fleet.load)
+        return min(candidates(request, fleet), key=fleet.load, default=None)
 
 
 class PrefixAwareRouter:
@@ -149,9 +208,11 @@ class PrefixAwareRouter:
     def __init__(self, load_weight: float = 0.5) -> None:
         self.load_weight = load_weight
 
-    def route(self, request: FleetRequest, fleet: FleetView, now: float) -> int:
+    def route(self, request: FleetRequest, fleet: FleetView, now: float) -> int | None:
         """The replica with the best score."""
-        serving = _candidates(request, fleet)
+        serving = candidates(request, fleet)
+        if not serving:
+            return None
         loads = [fleet.load(i) for i in serving]
         mean = sum(loads) / len(loads)
         prompt = max(request.prompt_tokens, 1)
@@ -216,14 +277,19 @@ def _percentile(sorted_values: Sequence[float], q: float) -> float:
 _ARRIVAL = 0
 _STEP_END = 1
 _WAKE = 2
+_CALL = 3
 
 
 class DiscreteEventFleet:
     """Replicas, a router and one event queue (see the module docstring).
 
     `on_step(replica_index, result)` sees every step (e.g. to feed KV events to a prefix
-    index); `on_finish(record)` every finished request. `decode_runs=False` steps every
-    replica one step at a time (slower, same results).
+    index); `on_finish(record)` every finished request; `on_fail(request, replica, sim)`
+    every request that did not finish: refused by the router (replica −1), sent to a replica
+    that is down, or running on one when it crashed or aborted (`sim` then says how far it
+    got); `on_scrape(now)` every refresh of the routers' metrics (`FleetView.scrape`).
+    `schedule(when, callback)` runs a callback at a simulated time (a workload's next step, a
+    fault). `decode_runs=False` steps every replica one step at a time (slower, same results).
     """
 
     def __init__(
@@ -233,12 +299,19 @@ class DiscreteEventFleet:
         *,
         on_step: Callable[[int, StepResult], None] | None = None,
         on_finish: Callable[[RequestRecord], None] | None = None,
+        on_fail: Callable[[FleetRequest, int, SimRequest | None], None] | None = None,
+        on_scrape: Callable[[float], None] | None = None,
+        metrics_interval_s: float = 0.05,
         decode_runs: bool = True,
     ) -> None:
         if not replicas:
             raise ValueError("a fleet needs at least one replica")
         self.replicas = list(replicas)
-        self.view = FleetView(self.replicas)
+        self.view = FleetView(self.replicas, metrics_interval_s)
+        self.on_fail = on_fail
+        self.on_scrape = on_scrape
+        self.crashed = [False] * len(self.replicas)
+        """Replicas that crashed: requests sent to them fail at once."""
         self.router: Router = router or LeastLoadedRouter()
         self.on_step = on_step
         self.on_finish = on_finish
@@ -259,6 +332,40 @@ class DiscreteEventFleet:
         """Schedule `request`'s arrival (at or after the current time)."""
         when = max(request.arrival_time, self.now)
         heapq.heappush(self._events, (when, next(self._sequence), _ARRIVAL, request))
+
+    def schedule(self, when: float, callback: Callable[[], None]) -> None:
+        """Run `callback` at simulated time `when` (or now, if that has passed)."""
+        when = max(when, self.now)
+        heapq.heappush(self._events, (when, next(self._sequence), _CALL, callback))
+
+    def crash(self, index: int) -> None:
+        """Replica `index` dies now: its requests fail, its cache is gone, it takes no more.
+
+        Routers still see it up until `mark_down` (a health check's detection delay).
+        """
+        self.crashed[index] = True
+        self._generation[index] += 1
+        self._busy[index] = False
+        replica = self.replicas[index]
+        for engine in replica.engines.values():
+            for sim in [*engine.running, *engine.waiting]:
+                engine.abort_request(sim.request_id, self.now)
+                if self.on_fail is not None:
+                    self.on_fail(sim.tag, index, sim)
+
+    def mark_down(self, index: int) -> None:
+        """Routers see replica `index` as down from now on."""
+        self.view.up[index] = False
+
+    def abort(self, index: int, model: str, request_id: str) -> SimRequest | None:
+        """Abort a request (its client gave up); the request as it stood, None if not there."""
+        engine = self.replicas[index].engines.get(model)
+        if engine is None:
+            return None
+        sim = engine.requests.get(request_id)
+        if sim is None or not engine.abort_request(request_id, self.now):
+            return None
+        return sim
 
     def run(
         self, workload: Iterable[FleetRequest] = (), until: float | None = None
@@ -294,7 +401,9 @@ class DiscreteEventFleet:
                 index, generation = payload
                 if generation == self._generation[index]:
                     self._end_step(index)
-            elif self._wake_at[payload] == when:
+            elif kind == _CALL:
+                payload()
+            elif self._wake_at[payload] == when and not self.crashed[payload]:
                 self._wake_at[payload] = None
                 self._begin_step(payload)
         unfinished = sum(
@@ -306,7 +415,14 @@ class DiscreteEventFleet:
         return SimulationResult(self.records, self.now, self.steps, preemptions, unfinished)
 
     def _arrive(self, request: FleetRequest) -> None:
+        if self.view.scrape(self.now) and self.on_scrape is not None:
+            self.on_scrape(self.now)
         index = self.router.route(request, self.view, self.now)
+        if index is None or self.crashed[index]:
+            if self.on_fail is None:
+                raise RuntimeError(f"request {request.request_id or '?'} could not be placed")
+            self.on_fail(request, -1 if index is None else index, None)
+            return
         replica = self.replicas[index]
         request_id = request.request_id or f"r{next(self._ids)}"
         max_tokens = request.max_tokens or request.output_tokens
@@ -332,6 +448,8 @@ class DiscreteEventFleet:
             )
 
     def _begin_step(self, index: int) -> None:
+        if self.crashed[index]:
+            return
         replica = self.replicas[index]
         duration = replica.begin_step(self.now, self._horizon if self.decode_runs else None)
         if duration is None:

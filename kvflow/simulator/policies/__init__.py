@@ -1,0 +1,63 @@
+"""Placement policies for the discrete-event fleet: kvflow's scheduler and the anchors.
+
+Each policy is one small module whose docstring gives its source formula, its defaults and
+where they come from (project and file). All implement `PlacementPolicy`
+(`kvflow.simulator.policies.base`) and are built by name from one `PolicySetup`:
+
+    random, round-robin, least-loaded        baselines
+    llm-d, llm-d-precise                     llm-d's endpoint picker, approximate and precise
+    sglang                                   SGLang model gateway, cache_aware
+    dynamo                                   NVIDIA Dynamo's KV router
+    aibrix                                   AIBrix's prefix-cache strategy
+    kvflow                                   kvflow's production Scheduler
+    oracle                                   knows every cache and load (the hit-rate bound)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvflow.simulator.policies.aibrix import AibrixPrefixCachePolicy
+from kvflow.simulator.policies.base import (
+    AttemptEnd,
+    PlacementPolicy,
+    PolicySetup,
+    TaskContext,
+)
+from kvflow.simulator.policies.dynamo import DynamoKvPolicy
+from kvflow.simulator.policies.kvflow_scheduler import KvflowPolicy
+from kvflow.simulator.policies.least_loaded import LeastLoadedPolicy
+from kvflow.simulator.policies.llm_d import LlmDPolicy, LlmDPrecisePolicy
+from kvflow.simulator.policies.oracle import OraclePolicy
+from kvflow.simulator.policies.random_choice import RandomPolicy
+from kvflow.simulator.policies.round_robin import RoundRobinPolicy
+from kvflow.simulator.policies.sglang import SglangCacheAwarePolicy
+
+POLICIES: dict[str, Callable[[PolicySetup], PlacementPolicy]] = {
+    "kvflow": KvflowPolicy,
+    "random": RandomPolicy,
+    "round-robin": RoundRobinPolicy,
+    "least-loaded": LeastLoadedPolicy,
+    "llm-d": LlmDPolicy,
+    "llm-d-precise": LlmDPrecisePolicy,
+    "sglang": SglangCacheAwarePolicy,
+    "dynamo": DynamoKvPolicy,
+    "aibrix": AibrixPrefixCachePolicy,
+}
+"""The compared policies by name, kvflow first."""
+
+ORACLE = "oracle"
+ALL_POLICIES: dict[str, Callable[[PolicySetup], PlacementPolicy]] = {
+    **POLICIES,
+    ORACLE: OraclePolicy,
+}
+
+__all__ = [
+    "ALL_POLICIES",
+    "ORACLE",
+    "POLICIES",
+    "AttemptEnd",
+    "PlacementPolicy",
+    "PolicySetup",
+    "TaskContext",
+]

@@ -1,0 +1,194 @@
+"""kvflow: the production `Scheduler`, unchanged, fed as the control plane feeds it.
+
+Source: `kvflow.scheduler.core.Scheduler` with a `SchedulerConfig` (default: every axis of
+`kvflow.scheduler.config.DEFAULT_AXES`, default weights). Its objective, per replica that
+passes every filter (warm weights, health, memory headroom, latency budget, ...):
+
+    J = (expected cost + λ · spent so far · (1 − p)) / p  × load, KV-usage and cold penalties
+
+with the cost from the pool's token prices and the prefix the replica is expected to hold,
+p the probability the call succeeds in the step's share of the deadline; the lowest J wins,
+rendezvous hashing with bounded load when no replica holds the prefix.
+
+Fed as `kvflow.workers.control_plane.ControlPlane` feeds it:
+
+- every `scrape_interval_s` (1 s, `MetricsScraper`'s default) each replica's `/metrics`
+  (`update_metrics`: running, waiting, KV usage, cache size, served models);
+- every engine step's KV-cache events (`apply_kv_events`: the precise prefix index), with the
+  blocks' token ids, as vLLM sends them;
+- a replica found down (`set_replica_up(False)`);
+- every attempt's end (`observe`: timings, tokens, cost; failures count against the circuit).
+
+Each call is a `PlacementRequest` built as `kvflow.workflows.agent` builds it: the task's
+tenant, remaining deadline and steps, previous replica, spend so far, excluded replicas,
+attempt and retries. A refusal with a retry-after is tried again after it (saturation); any
+other refusal fails the call. A placement on a fallback model runs that model.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kvflow.scheduler.blocks import ROOT_HASH
+from kvflow.scheduler.config import SchedulerConfig
+from kvflow.scheduler.core import Scheduler
+from kvflow.scheduler.placement import Observation, Placement, PlacementRequest
+from kvflow.scheduler.prefix_index import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from kvflow.scheduler.state import ReplicaMetrics
+from kvflow.simulator import kv_events as sim_events
+from kvflow.simulator.des import FleetRequest, FleetView
+from kvflow.simulator.engine import StepResult
+from kvflow.simulator.policies.base import AttemptEnd, PolicySetup, TaskContext, prompt_blocks
+
+SCRAPE_INTERVAL_S = 1.0
+
+
+class KvflowPolicy:
+    """kvflow's `Scheduler` behind the placement interface (module docstring)."""
+
+    name = "kvflow"
+
+    def __init__(self, setup: PolicySetup) -> None:
+        config = setup.extra.get("scheduler_config")
+        if config is not None and not isinstance(config, SchedulerConfig):
+            raise TypeError("scheduler_config must be a SchedulerConfig")
+        self.scheduler = Scheduler(setup.fleet, config, clock=setup.clock)
+        self.names = setup.replica_names
+        scheduler_names = self.scheduler.replica_names()
+        if scheduler_names != self.names:
+            raise ValueError("the simulated fleet must list the fleet's replicas in order")
+        self.rid = {name: i for i, name in enumerate(self.names)}
+        self.block_size = setup.block_size
+        self.tokens_of = setup.tokens_of
+        interval = setup.extra.get("scrape_interval_s", SCRAPE_INTERVAL_S)
+        self.scrape_interval_s = float(interval) if isinstance(interval, int | float) else 1.0
+        self.kv_events = bool(setup.extra.get("kv_events", True))
+        self._scraped_at = -math.inf
+        self._retry_after: dict[str, float] = {}
+        self._placed: dict[str, Placement] = {}
+        self._down: set[int] = set()
+
+    # ---------------------------------------------------------------- decisions
+
+    def route(self, request: FleetRequest, fleet: FleetView, now: float) -> int | None:
+        """Ask the scheduler; None (and a retry-after, when it gives one) on a refusal."""
+        task = request.context
+        if not isinstance(task, TaskContext):
+            raise TypeError("kvflow needs the call's TaskContext in FleetRequest.context")
+        names = self.names
+        answer = self.scheduler.place(
+            PlacementRequest(
+                model=request.model,
+                block_hashes=prompt_blocks(request, self.block_size),
+                prompt_tokens=request.prompt_tokens,
+                max_output_tokens=task.max_tokens,
+                tenant=task.tenant,
+                deadline_s_remaining=(
+                    None if task.deadline_at is None else max(0.0, task.deadline_at - now)
+                ),
+                steps_remaining=max(1, task.steps_remaining),
+                previous_replica=(
+                    None if task.previous_replica is None else names[task.previous_replica]
+                ),
+                spent_micros=task.spent_micros,
+                exclude=[names[i] for i in sorted(request.exclude)],
+                workflow_id=task.workflow_id,
+                attempt=request.attempt,
+                task_retries=task.task_retries,
+            )
+        )
+        self.scheduler.settle()
+        if not isinstance(answer, Placement):
+            if answer.retryable and answer.retry_after_s is not None:
+                self._retry_after[request.request_id] = answer.retry_after_s
+            return None
+        self._placed[request.request_id] = answer
+        request.model = answer.model
+        return self.rid[answer.replica]
+
+    def retry_after(self, request: FleetRequest) -> float | None:
+        """The refusal's retry-after, when it was a retryable one."""
+        return self._retry_after.pop(request.request_id, None)
+
+    # ---------------------------------------------------------------- telemetry
+
+    def on_scrape(self, fleet: FleetView, now: float) -> None:
+        """Every `scrape_interval_s`: each replica's metrics, as `MetricsScraper` sends them."""
+        if now - self._scraped_at < self.scrape_interval_s:
+            return
+        self._scraped_at = now
+        for index, snapshot in enumerate(fleet.metrics):
+            if index in self._down:
+                continue
+            replica = fleet.replicas[index]
+            engine = next(iter(replica.engines.values()))
+            self.scheduler.update_metrics(
+                self.names[index],
+                ReplicaMetrics(
+                    kv_cache_usage=snapshot.kv_cache_usage,
+                    running=snapshot.running,
+                    waiting=snapshot.waiting,
+                    block_size=engine.block_size,
+                    num_gpu_blocks=engine.num_gpu_blocks,
+                    models=tuple(replica.engines),
+                ),
+            )
+
+    def on_step(self, replica: int, result: StepResult) -> None:
+        """The step's KV events, with token ids, into the precise prefix index."""
+        if not self.kv_events or not result.kv_events or replica in self._down:
+            return
+        events: list[KvEvent] = []
+        tokens_of = self.tokens_of
+        for event in result.kv_events:
+            if isinstance(event, sim_events.BlockStored):
+                parent = event.parent_block_hash
+                chained = ROOT_HASH if parent is None else parent
+                tokens: list[int] = []
+                for h in event.block_hashes:
+                    tokens.extend(tokens_of(chained, h))
+                    chained = h
+                events.append(
+                    BlockStored(
+                        block_hashes=tuple(event.block_hashes),
+                        parent_block_hash=parent,
+                        token_ids=tuple(tokens),
+                        block_size=event.block_size,
+                    )
+                )
+            elif isinstance(event, sim_events.BlockRemoved):
+                events.append(BlockRemoved(block_hashes=tuple(event.block_hashes)))
+            elif isinstance(event, sim_events.AllBlocksCleared):
+                events.append(AllBlocksCleared())
+        self.scheduler.apply_kv_events(self.names[replica], events, result.model)
+
+    def on_attempt_end(self, end: AttemptEnd) -> None:
+        """The attempt's outcome, as the workflow's `observe` reports it."""
+        placement = self._placed.pop(end.request.request_id, None)
+        if placement is None:
+            return
+        task = end.request.context
+        assert isinstance(task, TaskContext)
+        self.scheduler.observe(
+            Observation(
+                replica=placement.replica,
+                model=placement.model,
+                tenant=task.tenant,
+                ok=end.ok,
+                replica_fault=end.replica_fault,
+                queue_s=end.queue_s if end.ok else None,
+                ttft_s=end.ttft_s if end.ok else None,
+                duration_s=end.duration_s if end.ok else None,
+                prompt_tokens=end.prompt_tokens,
+                cached_tokens=end.cached_tokens,
+                completion_tokens=end.completion_tokens,
+                cost_micros=end.cost_micros,
+                probe=placement.probe,
+                cold_start=placement.cold_start,
+            )
+        )
+
+    def on_replica_down(self, replica: int) -> None:
+        """Its scrapes failed: the scheduler marks it down and drops its prefix entries."""
+        self._down.add(replica)
+        self.scheduler.set_replica_up(self.names[replica], False)

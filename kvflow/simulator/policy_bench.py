@@ -1,0 +1,954 @@
+"""`kvflow bench policies`: kvflow's placement against the routers platform teams run today.
+
+Every policy (`kvflow.simulator.policies`) runs the same seeded workload
+(`kvflow.simulator.workloads`) on the same discrete-event fleet; only placement differs:
+
+- **Tasks drive calls.** A task's first step arrives with the task; each next step is issued
+  when every call of the step before has finished, plus its tool pause. A task succeeds when
+  all its steps finish before its deadline; when the deadline passes first, its calls in
+  flight are cancelled (billed for what they processed) and the task fails.
+- **Same failure handling for all.** A call that fails on a replica (crash, or sent to a
+  replica that is down) is re-placed with that replica excluded, up to `RETRY_BUDGET`
+  re-placements per task (kvflow's `max_task_retries` default); then the task fails. A
+  policy that refuses a call fails it, unless the refusal carries a retry-after (kvflow's
+  admission under saturation), after which the call is placed again.
+- **Same telemetry for all.** Routers read the replicas' metrics scraped every 50 ms
+  (`FleetView.metrics`, llm-d's refresh interval), or the engines' caches for policies fed by
+  KV events; kvflow gets scrapes every second and the engines' KV events, as its control
+  plane does.
+- **Money is exact.** Each attempt is billed in integer micro-dollars at its pool's token
+  prices (`ExactPrices`): uncached input, cached input and output tokens, failed and
+  cancelled attempts included (the input was processed). Cost per successful task is total
+  spend / successful tasks, a `Decimal`.
+
+**Offered load** is the task arrival rate over the fleet's capacity: what every replica
+could serve if each call reused its whole conversation from cache (prefill of the new tokens
+only) and decoded in a full batch (as many sequences of the workload's mean context as its
+KV cache holds, at most 128). 100% is then beyond what any real policy sustains.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import random
+import statistics
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+from kvflow.scheduler.fleet import (
+    MICROS_PER_USD,
+    ExactPrices,
+    Fleet,
+    ModelSpec,
+    Pool,
+    Tenant,
+    TokenPrices,
+    micros_to_usd,
+)
+from kvflow.scheduler.gpus import GpuGeneration
+from kvflow.simulator.des import DiscreteEventFleet, FleetRequest, FleetView, RequestRecord
+from kvflow.simulator.engine import EngineConfig, SimReplica, SimRequest, StepResult
+from kvflow.simulator.models import BUILTIN_MODELS
+from kvflow.simulator.perf import PerfModel
+from kvflow.simulator.policies import (
+    ALL_POLICIES,
+    ORACLE,
+    POLICIES,
+    AttemptEnd,
+    PlacementPolicy,
+    PolicySetup,
+    TaskContext,
+)
+from kvflow.simulator.workloads import WORKLOADS, Task, Workload, WorkloadSpec
+
+logger = logging.getLogger(__name__)
+
+RETRY_BUDGET = 3
+"""Re-placements per task after failed calls, for every policy."""
+DOWN_DETECTION_S = 2.0
+"""A crashed replica is seen down this long after it crashed (two missed 1 s scrapes)."""
+MAX_DECODE_BATCH = 128
+ANCHORS = ("llm-d", "llm-d-precise", "sglang", "dynamo", "aibrix")
+"""The routers the production systems run (the goals compare kvflow with the best of them)."""
+MODEL = "llama-3.1-8b"
+FALLBACK = "llama-3.2-1b"
+
+
+# ---------------------------------------------------------------------------- fleets
+
+
+def _prices(inp: str, cached: str, out: str) -> TokenPrices:
+    return TokenPrices(
+        input_per_mtok_usd=Decimal(inp),
+        cached_input_per_mtok_usd=Decimal(cached),
+        output_per_mtok_usd=Decimal(out),
+    )
+
+
+_TENANTS = [
+    Tenant(name="acme", tier=1, fairness_weight=3.0),
+    Tenant(name="globex", tier=3, fairness_weight=2.0),
+    Tenant(name="initech", tier=5, fairness_weight=1.0),
+]
+
+
+def bench_fleet(workload: str, replicas: int) -> Fleet:
+    """The default fleet of a workload: H100s, or for `heterogeneous` H200/H100/L4 pools.
+
+    Heterogeneous: 3/8 H200, 3/8 H100, 1/8 L4 serving the model and 1/8 L4 serving its
+    cheaper fallback (at least one replica each).
+    """
+    models = [BUILTIN_MODELS[MODEL], BUILTIN_MODELS[FALLBACK]]
+    if workload != "heterogeneous":
+        pools = [
+            Pool(
+                name="h100",
+                gpu=GpuGeneration.H100,
+                replicas=replicas,
+                price_per_gpu_hour_usd=Decimal("2.90"),
+                token_prices=_prices("0.18", "0.018", "0.54"),
+                warm_models=[MODEL],
+                max_concurrency=256,
+            )
+        ]
+        return Fleet(models=models, pools=pools, tenants=_TENANTS)
+    if replicas < 4:
+        raise ValueError("the heterogeneous fleet needs at least 4 replicas")
+    h200 = max(1, replicas * 3 // 8)
+    h100 = max(1, replicas * 3 // 8)
+    l4 = max(1, (replicas - h200 - h100) // 2)
+    small = replicas - h200 - h100 - l4
+    pools = [
+        Pool(
+            name="h200",
+            gpu=GpuGeneration.H200,
+            replicas=h200,
+            price_per_gpu_hour_usd=Decimal("3.80"),
+            token_prices=_prices("0.20", "0.02", "0.60"),
+            warm_models=[MODEL],
+            max_concurrency=256,
+        ),
+        Pool(
+            name="h100",
+            gpu=GpuGeneration.H100,
+            replicas=h100,
+            price_per_gpu_hour_usd=Decimal("2.90"),
+            token_prices=_prices("0.18", "0.018", "0.54"),
+            warm_models=[MODEL],
+            max_concurrency=256,
+        ),
+        Pool(
+            name="l4",
+            gpu=GpuGeneration.L4,
+            replicas=l4,
+            price_per_gpu_hour_usd=Decimal("0.80"),
+            token_prices=_prices("0.10", "0.01", "0.40"),
+            warm_models=[MODEL],
+            max_concurrency=64,
+        ),
+        Pool(
+            name="l4-small",
+            gpu=GpuGeneration.L4,
+            replicas=small,
+            price_per_gpu_hour_usd=Decimal("0.80"),
+            token_prices=_prices("0.03", "0.003", "0.10"),
+            warm_models=[FALLBACK],
+            max_concurrency=128,
+        ),
+    ]
+    return Fleet(models=models, pools=pools, tenants=_TENANTS)
+
+
+ENGINE = EngineConfig(max_model_len=16384, enable_kv_events=True)
+
+
+def simulated_replicas(fleet: Fleet, *, slow: dict[int, float] | None = None) -> list[SimReplica]:
+    """One simulated replica per replica of `fleet`, pool by pool (the scheduler's order).
+
+    `slow` maps replica indexes to a slowdown factor (a fault: every step takes longer).
+    """
+    specs = {m.name: m for m in fleet.models}
+    replicas: list[SimReplica] = []
+    for pool in fleet.pools:
+        models = [specs[name] for name in pool.warm_models]
+        for name in pool.replica_names():
+            factor = (slow or {}).get(len(replicas))
+            config = ENGINE if factor is None else ENGINE.model_copy(update={"slowdown": factor})
+            config = config.model_copy(update={"tensor_parallel": pool.gpus_per_replica})
+            replicas.append(SimReplica(pool.gpu, models, config, name=name))
+    return replicas
+
+
+def capacity_tasks_per_s(workload: Workload, fleet: Fleet, sample: int = 200) -> float:
+    """Tasks per second the fleet serves at 100% offered load (module docstring)."""
+    tasks = [workload.task(i, 0.0) for i in range(sample)]
+    contexts = [c.prompt_tokens for t in tasks for s in t.steps for c in s.calls]
+    mean_context = statistics.fmean(contexts) + workload.spec.output_median
+    specs = {m.name: m for m in fleet.models}
+    total = 0.0
+    for pool in fleet.pools:
+        model: ModelSpec = specs[pool.warm_models[0]]
+        perf = PerfModel(
+            gpu=SimReplica(pool.gpu, [model], ENGINE).gpu,
+            model=model,
+            tensor_parallel=pool.gpus_per_replica,
+            mfu=ENGINE.mfu,
+            bandwidth_efficiency=ENGINE.bandwidth_efficiency,
+            step_overhead_s=ENGINE.step_overhead_s,
+        )
+        kv_tokens = (
+            SimReplica(pool.gpu, [model], ENGINE).engine(model.name).num_gpu_blocks
+            * ENGINE.block_size
+        )
+        batch = max(1, min(MAX_DECODE_BATCH, int(kv_tokens / mean_context)))
+        per_token = perf.decode_step_seconds(batch, int(mean_context)) / batch
+        seconds = 0.0
+        for task in tasks:
+            seen = 0
+            for step in task.steps:
+                for call in step.calls:
+                    new = max(1, call.prompt_tokens - seen)
+                    seconds += perf.prefill_seconds(new, call.prompt_tokens - new)
+                    seconds += call.output_tokens * per_token
+                seen = step.calls[0].prompt_tokens + step.calls[0].output_tokens
+        total += pool.replicas / (seconds / len(tasks))
+    return total
+
+
+# ---------------------------------------------------------------------------- tasks
+
+
+@dataclass(slots=True)
+class _TaskState:
+    task: Task
+    step: int = 0
+    pending: int = 0
+    spent_micros: int = 0
+    retries: int = 0
+    previous: int | None = None
+    done: bool = False
+    ok: bool = False
+    end: float = 0.0
+    inflight: dict[str, tuple[int, FleetRequest]] = field(default_factory=dict)
+
+
+@dataclass
+class Outcome:
+    """Everything measured in one run of one policy (figures come from `figures`)."""
+
+    policy: str
+    replicas: int
+    tasks: int
+    successes: int
+    tasks_by_tier: dict[int, int]
+    successes_by_tier: dict[int, int]
+    spend_micros: int
+    wasted_micros: int
+    ttfts: list[float]
+    prompt_tokens: int
+    cached_tokens: int
+    span_s: float
+    busy_s: float
+    attempts_by_replica: list[int]
+    failed_attempts: int
+    refusals: int
+
+
+class TaskRunner:
+    """Runs a workload's tasks on a fleet with one policy (module docstring)."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        replicas: Sequence[SimReplica],
+        policy: PlacementPolicy,
+        *,
+        max_tokens: int,
+        retry_budget: int = RETRY_BUDGET,
+    ) -> None:
+        self.policy = policy
+        self.max_tokens = max_tokens
+        self.retry_budget = retry_budget
+        self.name = policy.name
+        self.sim = DiscreteEventFleet(
+            replicas,
+            self,
+            on_step=self._on_step,
+            on_finish=self._on_finish,
+            on_fail=self._on_fail,
+            on_scrape=self._on_scrape,
+        )
+        prices: list[ExactPrices] = []
+        for pool in fleet.pools:
+            prices.extend([pool.token_prices.exact()] * pool.replicas)
+        self.prices = prices
+        self.states: list[_TaskState] = []
+        self.spend_micros = 0
+        self.wasted_micros = 0
+        self.ttfts: list[float] = []
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.attempts = [0] * len(replicas)
+        self.failed_attempts = 0
+        self.refusals = 0
+        self._ids = 0
+        self._tasks: Iterator[Task] = iter(())
+        self._owner: dict[str, _TaskState] = {}
+        """Request id of every attempt in flight → its task."""
+
+    # ---- driving
+
+    def run(self, tasks: Iterator[Task], faults: Callable[[DiscreteEventFleet], None]) -> Outcome:
+        """Run every task to its end; `faults` may schedule crashes on the fleet first."""
+        faults(self.sim)
+        self._tasks = tasks
+        self._next_task()
+        result = self.sim.run()
+        return self._outcome(result.simulated_seconds)
+
+    def _next_task(self) -> None:
+        """Schedule the next task's arrival (tasks are generated as they arrive)."""
+        task = next(self._tasks, None)
+        if task is not None:
+            self.sim.schedule(task.arrival, functools.partial(self._arrive, task))
+
+    def _arrive(self, task: Task) -> None:
+        state = _TaskState(task)
+        self.states.append(state)
+        self.sim.schedule(task.deadline_at, functools.partial(self._deadline, state))
+        self._issue_step(state)
+        self._next_task()
+
+    def _issue_step(self, state: _TaskState) -> None:
+        if state.done:
+            return
+        step = state.task.steps[state.step]
+        state.pending = len(step.calls)
+        for number, call in enumerate(step.calls):
+            self._submit(
+                state,
+                FleetRequest(
+                    arrival_time=self.sim.now,
+                    model=MODEL,
+                    prompt_tokens=call.prompt_tokens,
+                    output_tokens=call.output_tokens,
+                    block_hashes=call.block_hashes,
+                    tenant=state.task.tenant,
+                    session=f"task-{state.task.index}",
+                    request_id=f"task-{state.task.index}/{state.step}/{number}",
+                ),
+            )
+
+    def _submit(self, state: _TaskState, request: FleetRequest, *, attempt: int = 1) -> None:
+        if state.done:
+            return
+        task = state.task
+        self._ids += 1
+        request.request_id = f"{request.request_id.split('#')[0]}#{self._ids}"
+        request.attempt = attempt
+        request.arrival_time = self.sim.now
+        request.context = TaskContext(
+            workflow_id=f"task-{task.index}",
+            tenant=task.tenant,
+            tier=task.tier,
+            deadline_at=task.deadline_at,
+            steps_remaining=len(task.steps) - state.step,
+            max_tokens=self.max_tokens,
+            spent_micros=state.spent_micros,
+            previous_replica=state.previous,
+            task_retries=state.retries,
+        )
+        state.inflight[request.request_id] = (-1, request)
+        self._owner[request.request_id] = state
+        self.sim.submit(request)
+
+    def _deadline(self, state: _TaskState) -> None:
+        if state.done:
+            return
+        self._finish_task(state, ok=False)
+        for request_id, (replica, request) in list(state.inflight.items()):
+            self._owner.pop(request_id, None)
+            if replica < 0:
+                continue
+            sim = self.sim.abort(replica, request.model, request_id)
+            if sim is not None:
+                self._bill_partial(state, replica, request, sim, replica_fault=False)
+        state.inflight.clear()
+
+    def _finish_task(self, state: _TaskState, *, ok: bool) -> None:
+        state.task.steps = []  # the conversation's blocks are not needed any more
+        state.done = True
+        state.ok = ok
+        state.end = self.sim.now
+        if not ok:
+            self.wasted_micros += state.spent_micros
+
+    # ---- fleet callbacks
+
+    def route(self, request: FleetRequest, fleet: FleetView, now: float) -> int | None:
+        """The policy's choice, noted so that a deadline can cancel the attempt."""
+        state = self._owner.get(request.request_id)
+        if state is None or state.done:
+            return None
+        if isinstance(request.context, TaskContext):
+            # What the workflow knows when the call is placed, not when it was issued.
+            request.context.spent_micros = state.spent_micros
+            request.context.previous_replica = state.previous
+        index = self.policy.route(request, fleet, now)
+        if index is not None:
+            state.inflight[request.request_id] = (index, request)
+        return index
+
+    def _on_scrape(self, now: float) -> None:
+        self.policy.on_scrape(self.sim.view, now)
+
+    def _on_step(self, replica: int, result: StepResult) -> None:
+        self.policy.on_step(replica, result)
+
+    def _bill(self, state: _TaskState, micros: int) -> None:
+        self.spend_micros += micros
+        state.spent_micros += micros
+        if state.done and not state.ok:
+            self.wasted_micros += micros
+
+    def _on_finish(self, record: RequestRecord) -> None:
+        request = record.request
+        state = self._owner.pop(request.request_id)
+        state.inflight.pop(request.request_id, None)
+        replica = record.replica
+        cost = self.prices[replica].cost_micros(
+            request.prompt_tokens, record.cached_tokens, record.output_tokens
+        )
+        self._bill(state, cost)
+        self.attempts[replica] += 1
+        self.ttfts.append(record.ttft)
+        self.prompt_tokens += request.prompt_tokens
+        self.cached_tokens += record.cached_tokens
+        self.policy.on_attempt_end(
+            AttemptEnd(
+                request=request,
+                replica=replica,
+                ok=True,
+                queue_s=record.queue_time,
+                ttft_s=record.ttft,
+                duration_s=record.e2e_latency,
+                prompt_tokens=request.prompt_tokens,
+                cached_tokens=record.cached_tokens,
+                completion_tokens=record.output_tokens,
+                cost_micros=cost,
+            )
+        )
+        if state.done:
+            return
+        state.previous = replica
+        state.pending -= 1
+        if state.pending:
+            return
+        state.step += 1
+        if state.step == len(state.task.steps):
+            self._finish_task(state, ok=True)
+            return
+        pause = state.task.steps[state.step - 1].pause_after_s
+        self.sim.schedule(self.sim.now + pause, lambda: self._issue_step(state))
+
+    def _bill_partial(
+        self,
+        state: _TaskState,
+        replica: int,
+        request: FleetRequest,
+        sim: SimRequest | None,
+        *,
+        replica_fault: bool,
+    ) -> None:
+        """An attempt that did not finish: bill what it processed, tell the policy."""
+        self.failed_attempts += 1
+        prompt = cached = output = 0
+        if sim is not None and sim.first_scheduled_time is not None:
+            prompt = min(max(sim.num_computed_tokens, 0), request.prompt_tokens)
+            cached = min(max(sim.num_cached_tokens, 0), prompt)
+            output = sim.num_output_tokens
+            if output:
+                prompt = request.prompt_tokens
+        cost = self.prices[replica].cost_micros(prompt, cached, output) if replica >= 0 else 0
+        self._bill(state, cost)
+        if replica >= 0:
+            self.attempts[replica] += 1
+        self.policy.on_attempt_end(
+            AttemptEnd(
+                request=request,
+                replica=replica,
+                ok=False,
+                replica_fault=replica_fault,
+                prompt_tokens=prompt,
+                cached_tokens=cached,
+                completion_tokens=output,
+                cost_micros=cost,
+            )
+        )
+
+    def _on_fail(self, request: FleetRequest, replica: int, sim: SimRequest | None) -> None:
+        state = self._owner.pop(request.request_id, None)
+        if state is None:
+            return
+        state.inflight.pop(request.request_id, None)
+        if replica < 0:
+            wait = self.policy.retry_after(request)
+            if state.done:
+                return
+            self.refusals += 1
+            if wait is not None and self.sim.now + wait < state.task.deadline_at:
+                self.sim.schedule(
+                    self.sim.now + wait,
+                    lambda: self._submit(state, request, attempt=request.attempt),
+                )
+                return
+            self._finish_task(state, ok=False)
+            return
+        self._bill_partial(state, replica, request, sim, replica_fault=True)
+        if state.done:
+            return
+        if state.retries >= self.retry_budget:
+            self._finish_task(state, ok=False)
+            return
+        state.retries += 1
+        request.exclude = request.exclude | {replica}
+        self._submit(state, request, attempt=request.attempt + 1)
+
+    def _outcome(self, span: float) -> Outcome:
+        tasks_by_tier: dict[int, int] = {}
+        successes_by_tier: dict[int, int] = {}
+        for state in self.states:
+            tier = state.task.tier
+            tasks_by_tier[tier] = tasks_by_tier.get(tier, 0) + 1
+            if state.ok:
+                successes_by_tier[tier] = successes_by_tier.get(tier, 0) + 1
+            elif not state.done:
+                logger.warning("task %d never ended", state.task.index)
+        busy = sum(e.stats.busy_seconds for r in self.sim.replicas for e in r.engines.values())
+        return Outcome(
+            policy=self.policy.name,
+            replicas=len(self.sim.replicas),
+            tasks=len(self.states),
+            successes=sum(successes_by_tier.values()),
+            tasks_by_tier=tasks_by_tier,
+            successes_by_tier=successes_by_tier,
+            spend_micros=self.spend_micros,
+            wasted_micros=self.wasted_micros,
+            ttfts=self.ttfts,
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            span_s=span,
+            busy_s=busy,
+            attempts_by_replica=self.attempts,
+            failed_attempts=self.failed_attempts,
+            refusals=self.refusals,
+        )
+
+
+# ---------------------------------------------------------------------------- figures
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank `q` percentile (0 < q ≤ 1) of `values`; 0 when there are none."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+@dataclass
+class PolicyFigures:
+    """The figures of one policy on one workload (see `figures`)."""
+
+    policy: str
+    tasks: int
+    successes: int
+    spend_micros: int
+    wasted_micros: int
+    cost_per_successful_task_usd: Decimal | None
+    """Total spend / successful tasks, exact; None when no task succeeded."""
+    success_rate: float
+    slo_attainment: dict[str, float]
+    """Tier → successful tasks of that tier / its tasks."""
+    goodput_tasks_per_s: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_p99_s: float
+    prefix_hit_rate: float
+    oracle_prefix_hit_rate: float
+    wasted_spend_share: float
+    utilisation: float
+    max_replica_load_share: float
+    max_replica_load_over_mean: float
+    refusals: int
+    failed_attempts: int
+
+    def as_json(self) -> dict[str, Any]:
+        """The issue's JSON shape: money as an exact decimal string."""
+        cost = self.cost_per_successful_task_usd
+        return {
+            "cost_per_successful_task_usd": None if cost is None else str(cost),
+            "success_rate": round(self.success_rate, 6),
+            "slo_attainment": {k: round(v, 6) for k, v in self.slo_attainment.items()},
+            "goodput_tasks_per_s": round(self.goodput_tasks_per_s, 6),
+            "ttft_p50_s": round(self.ttft_p50_s, 6),
+            "ttft_p90_s": round(self.ttft_p90_s, 6),
+            "ttft_p99_s": round(self.ttft_p99_s, 6),
+            "prefix_hit_rate": round(self.prefix_hit_rate, 6),
+            "oracle_prefix_hit_rate": round(self.oracle_prefix_hit_rate, 6),
+            "wasted_spend_share": round(self.wasted_spend_share, 6),
+            "utilisation": round(self.utilisation, 6),
+            "max_replica_load_share": round(self.max_replica_load_share, 6),
+            "max_replica_load_over_mean": round(self.max_replica_load_over_mean, 6),
+            "tasks": self.tasks,
+            "successful_tasks": self.successes,
+            "spend_micros": self.spend_micros,
+            "wasted_spend_micros": self.wasted_micros,
+            "refusals": self.refusals,
+            "failed_attempts": self.failed_attempts,
+        }
+
+
+def cost_per_success(spend_micros: int, successes: int) -> Decimal | None:
+    """Spend / successes in dollars, exact to the nano-dollar (rounded half even)."""
+    if not successes:
+        return None
+    return (Decimal(spend_micros) / successes / MICROS_PER_USD).quantize(Decimal("1e-9"))
+
+
+def figures(outcome: Outcome, oracle_hit_rate: float) -> PolicyFigures:
+    """The figures of one run (`oracle_hit_rate`: the oracle policy's, on the same workload).
+
+    - cost per successful task = all spend (failed attempts and failed tasks included) /
+      successful tasks;
+    - SLO attainment of a tier = its successful tasks / its tasks (success: every step ended
+      before the deadline);
+    - goodput = successful tasks / simulated seconds;
+    - TTFT over every finished attempt, from its placement to its first token;
+    - prefix hit rate = cached prompt tokens / prompt tokens, over finished attempts;
+    - wasted-spend share = spend of failed tasks / all spend;
+    - utilisation = engine busy seconds / (replicas × simulated seconds);
+    - busiest replica's load share = its attempts / all attempts (and over the mean).
+    """
+    attempts = outcome.attempts_by_replica
+    total_attempts = sum(attempts)
+    busiest = max(attempts) if attempts else 0
+    span = outcome.span_s
+    return PolicyFigures(
+        policy=outcome.policy,
+        tasks=outcome.tasks,
+        successes=outcome.successes,
+        spend_micros=outcome.spend_micros,
+        wasted_micros=outcome.wasted_micros,
+        cost_per_successful_task_usd=cost_per_success(outcome.spend_micros, outcome.successes),
+        success_rate=outcome.successes / outcome.tasks if outcome.tasks else 0.0,
+        slo_attainment={
+            str(tier): outcome.successes_by_tier.get(tier, 0) / count
+            for tier, count in sorted(outcome.tasks_by_tier.items())
+        },
+        goodput_tasks_per_s=outcome.successes / span if span > 0 else 0.0,
+        ttft_p50_s=percentile(outcome.ttfts, 0.50),
+        ttft_p90_s=percentile(outcome.ttfts, 0.90),
+        ttft_p99_s=percentile(outcome.ttfts, 0.99),
+        prefix_hit_rate=(
+            outcome.cached_tokens / outcome.prompt_tokens if outcome.prompt_tokens else 0.0
+        ),
+        oracle_prefix_hit_rate=oracle_hit_rate,
+        wasted_spend_share=(
+            outcome.wasted_micros / outcome.spend_micros if outcome.spend_micros else 0.0
+        ),
+        utilisation=outcome.busy_s / (outcome.replicas * span) if span > 0 else 0.0,
+        max_replica_load_share=busiest / total_attempts if total_attempts else 0.0,
+        max_replica_load_over_mean=(
+            busiest * len(attempts) / total_attempts if total_attempts else 0.0
+        ),
+        refusals=outcome.refusals,
+        failed_attempts=outcome.failed_attempts,
+    )
+
+
+# ---------------------------------------------------------------------------- runs
+
+
+def fleet_tenants(fleet: Fleet) -> list[tuple[str, int]]:
+    """The fleet's tenants as (name, tier)."""
+    return [(t.name, t.tier) for t in fleet.tenants]
+
+
+def run_policy(
+    name: str,
+    *,
+    spec: WorkloadSpec,
+    fleet: Fleet,
+    task_rate: float,
+    tasks: int,
+    seed: int,
+    extra: dict[str, object] | None = None,
+) -> Outcome:
+    """Run one policy on one workload (faults included for `faults`)."""
+    if name not in ALL_POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(ALL_POLICIES)}")
+    slow = {1: 4.0} if spec.name == "faults" and sum(p.replicas for p in fleet.pools) > 2 else {}
+    replicas = simulated_replicas(fleet, slow=slow)
+    block_size = replicas[0].config.block_size
+    workload = Workload(
+        spec,
+        fleet_tenants(fleet),
+        tasks=tasks,
+        task_rate=task_rate,
+        seed=seed,
+        block_size=block_size,
+    )
+    runner_box: list[TaskRunner] = []
+    setup = PolicySetup(
+        fleet=fleet,
+        replica_names=[n for p in fleet.pools for n in p.replica_names()],
+        block_size=block_size,
+        clock=lambda: runner_box[0].sim.now,
+        tokens_of=workload.tokens_of,
+        seed=seed,
+        extra=dict(extra or {}),
+    )
+    policy = ALL_POLICIES[name](setup)
+    runner = TaskRunner(fleet, replicas, policy, max_tokens=spec.max_tokens)
+    runner_box.append(runner)
+
+    def faults(sim: DiscreteEventFleet) -> None:
+        if spec.name != "faults" or len(sim.replicas) < 2:
+            return
+        crash_at = tasks / task_rate / 3
+
+        def found_down() -> None:
+            sim.mark_down(0)
+            policy.on_replica_down(0)
+
+        sim.schedule(crash_at, lambda: sim.crash(0))
+        sim.schedule(crash_at + DOWN_DETECTION_S, found_down)
+
+    return runner.run(iter(workload), faults)
+
+
+@dataclass
+class Goal:
+    """One goal of the benchmark and whether kvflow met it in this run."""
+
+    text: str
+    met: bool
+    detail: str
+
+
+@dataclass
+class WorkloadResult:
+    """Every policy's figures on one workload, the sweep over offered load, and the goals."""
+
+    name: str
+    description: str
+    replicas: int
+    tasks: int
+    offered_load: float
+    seed: int
+    task_rate: float
+    policies: dict[str, PolicyFigures]
+    oracle: PolicyFigures
+    sweep: dict[float, dict[str, PolicyFigures]] = field(default_factory=dict)
+    goals: list[Goal] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        """The issue's JSON shape, plus the sweep, the goals and kvflow's ratios."""
+        kvflow = self.policies.get("kvflow")
+        ratios: dict[str, float | None] = {}
+        if kvflow is not None and kvflow.cost_per_successful_task_usd is not None:
+            for name, fig in self.policies.items():
+                cost = fig.cost_per_successful_task_usd
+                ratios[name] = (
+                    None if not cost else float(kvflow.cost_per_successful_task_usd / cost)
+                )
+        return {
+            "policies": {name: fig.as_json() for name, fig in self.policies.items()},
+            "oracle": self.oracle.as_json(),
+            "workload": {
+                "name": self.name,
+                "replicas": self.replicas,
+                "tasks": self.tasks,
+                "offered_load": self.offered_load,
+                "seed": self.seed,
+                "task_rate_per_s": round(self.task_rate, 6),
+            },
+            "kvflow_cost_ratio": ratios,
+            "sweep": {
+                f"{load:.2f}": {
+                    name: {
+                        "cost_per_successful_task_usd": (
+                            None
+                            if fig.cost_per_successful_task_usd is None
+                            else str(fig.cost_per_successful_task_usd)
+                        ),
+                        "slo_attainment": fig.slo_attainment,
+                        "success_rate": round(fig.success_rate, 6),
+                    }
+                    for name, fig in figs.items()
+                }
+                for load, figs in sorted(self.sweep.items())
+            },
+            "goals": [{"goal": g.text, "met": g.met, "detail": g.detail} for g in self.goals],
+        }
+
+
+def run_workload(
+    name: str,
+    *,
+    fleet: Fleet | None = None,
+    replicas: int = 8,
+    tasks: int = 200,
+    load: float = 0.8,
+    seed: int = 0,
+    policies: Sequence[str] = tuple(POLICIES),
+    sweep_loads: Sequence[float] = (),
+    extra: dict[str, dict[str, object]] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> WorkloadResult:
+    """Run every policy (and the oracle) on workload `name` at `load`, and the sweep.
+
+    `extra` maps a policy name to its `PolicySetup.extra`.
+    """
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    if load <= 0:
+        raise ValueError(f"offered load must be positive, got {load}")
+    spec = WORKLOADS[name]
+    fleet = fleet or bench_fleet(name, replicas)
+    count = sum(p.replicas for p in fleet.pools)
+    probe = Workload(spec, fleet_tenants(fleet), tasks=tasks, task_rate=1.0, seed=seed)
+    capacity = capacity_tasks_per_s(probe, fleet)
+
+    def run_all(at: float, names: Sequence[str]) -> dict[str, Outcome]:
+        outcomes: dict[str, Outcome] = {}
+        for policy in names:
+            if progress is not None:
+                progress(f"{name} at {at:.0%} load: {policy}")
+            outcomes[policy] = run_policy(
+                policy,
+                spec=spec,
+                fleet=fleet,
+                task_rate=at * capacity,
+                tasks=tasks,
+                seed=seed,
+                extra=(extra or {}).get(policy),
+            )
+        return outcomes
+
+    main = run_all(load, [*policies, ORACLE])
+    oracle_outcome = main.pop(ORACLE)
+    oracle_hit = figures(oracle_outcome, 0.0).prefix_hit_rate
+    result = WorkloadResult(
+        name=name,
+        description=spec.description,
+        replicas=count,
+        tasks=tasks,
+        offered_load=load,
+        seed=seed,
+        task_rate=load * capacity,
+        policies={p: figures(o, oracle_hit) for p, o in main.items()},
+        oracle=figures(oracle_outcome, oracle_hit),
+    )
+    result.sweep[load] = result.policies
+    for at in sweep_loads:
+        if math.isclose(at, load):
+            continue
+        outcomes = run_all(at, policies)
+        result.sweep[at] = {p: figures(o, oracle_hit) for p, o in outcomes.items()}
+    result.goals = goals(result)
+    return result
+
+
+def goals(result: WorkloadResult) -> list[Goal]:
+    """The issue's goals for this workload, evaluated on kvflow's figures (never assumed)."""
+    kvflow = result.policies.get("kvflow")
+    if kvflow is None:
+        return []
+    found: list[Goal] = []
+    hit, oracle = kvflow.prefix_hit_rate, kvflow.oracle_prefix_hit_rate
+    hit_goal = Goal(
+        "prefix hit rate ≥ 0.9× oracle",
+        hit >= 0.9 * oracle,
+        f"{hit:.1%} vs oracle {oracle:.1%} ({hit / oracle if oracle else 0:.2f}×)",
+    )
+    if result.name == "agent":
+        cost = kvflow.cost_per_successful_task_usd
+
+        def ratio(other: str) -> float | None:
+            fig = result.policies.get(other)
+            if cost is None or fig is None or not fig.cost_per_successful_task_usd:
+                return None
+            return float(cost / fig.cost_per_successful_task_usd)
+
+        rr = ratio("round-robin")
+        found.append(
+            Goal(
+                "cost per successful task ≤ 0.5× round-robin",
+                rr is not None and rr <= 0.5,
+                "no comparison" if rr is None else f"{rr:.2f}×",
+            )
+        )
+        anchors = {a: r for a in ANCHORS if (r := ratio(a)) is not None}
+        if anchors:
+            best = min(anchors, key=lambda a: anchors[a] ** -1)
+            found.append(
+                Goal(
+                    "cost per successful task ≤ 0.85× the best of llm-d, llm-d-precise, "
+                    "SGLang, Dynamo, AIBrix",
+                    anchors[best] <= 0.85,
+                    f"{anchors[best]:.2f}× {best}",
+                )
+            )
+        found.append(hit_goal)
+        tier1 = kvflow.slo_attainment.get("1")
+        at80 = math.isclose(result.offered_load, 0.8)
+        found.append(
+            Goal(
+                "tier-1 SLO attainment ≥ 99% at 80% load",
+                tier1 is not None and tier1 >= 0.99 and at80,
+                ("no tier-1 tasks" if tier1 is None else f"{tier1:.1%}")
+                + ("" if at80 else f" (run at {result.offered_load:.0%}, not 80%)"),
+            )
+        )
+    elif result.name == "hotspot":
+        over = kvflow.max_replica_load_over_mean
+        found.append(
+            Goal(
+                "no replica above 1.5× the mean load, hit rate ≥ 0.9× oracle",
+                over <= 1.5 and hit >= 0.9 * oracle,
+                f"busiest {over:.2f}× mean; hit {hit:.1%} vs oracle {oracle:.1%}",
+            )
+        )
+    return found
+
+
+def default_sizes(quick: bool) -> tuple[int, int, tuple[float, ...]]:
+    """(replicas, tasks, sweep loads) of a quick or a full run."""
+    if quick:
+        return 8, 400, (0.5, 1.1)
+    return 64, 20_000, (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1)
+
+
+def seeded(seed: int) -> random.Random:
+    """A generator for anything else a run draws (kept for symmetry with the workloads)."""
+    return random.Random(seed)
+
+
+__all__ = [
+    "ANCHORS",
+    "Goal",
+    "PolicyFigures",
+    "WorkloadResult",
+    "bench_fleet",
+    "cost_per_success",
+    "figures",
+    "micros_to_usd",
+    "run_policy",
+    "run_workload",
+]
