@@ -891,7 +891,7 @@ def goals(result: WorkloadResult) -> list[Goal]:
             Goal(
                 "cost per successful task ≤ 0.5× round-robin",
                 rr is not None and rr <= 0.5,
-                "no comparison" if rr is None else f"{rr:.2f}×",
+                "no comparison" if rr is None else f"{rr:.3f}×",
             )
         )
         anchors = {a: r for a in ANCHORS if (r := ratio(a)) is not None}
@@ -902,7 +902,7 @@ def goals(result: WorkloadResult) -> list[Goal]:
                     "cost per successful task ≤ 0.85× the best of llm-d, llm-d-precise, "
                     "SGLang, Dynamo, AIBrix",
                     anchors[best] <= 0.85,
-                    f"{anchors[best]:.2f}× {best}",
+                    f"{anchors[best]:.3f}× {best}",
                 )
             )
         found.append(hit_goal)
