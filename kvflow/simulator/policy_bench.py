@@ -32,7 +32,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import random
 import statistics
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -47,7 +46,6 @@ from kvflow.scheduler.fleet import (
     Pool,
     Tenant,
     TokenPrices,
-    micros_to_usd,
 )
 from kvflow.scheduler.gpus import GpuGeneration
 from kvflow.simulator.des import DiscreteEventFleet, FleetRequest, FleetView, RequestRecord
@@ -935,11 +933,6 @@ def default_sizes(quick: bool) -> tuple[int, int, tuple[float, ...]]:
     return 64, 20_000, (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1)
 
 
-def seeded(seed: int) -> random.Random:
-    """A generator for anything else a run draws (kept for symmetry with the workloads)."""
-    return random.Random(seed)
-
-
 __all__ = [
     "ANCHORS",
     "Goal",
@@ -948,7 +941,6 @@ __all__ = [
     "bench_fleet",
     "cost_per_success",
     "figures",
-    "micros_to_usd",
     "run_policy",
     "run_workload",
 ]
