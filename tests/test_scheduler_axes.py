@@ -22,9 +22,11 @@ from kvflow.scheduler.axes import (
     WorkflowContext,
 )
 from kvflow.scheduler.config import (
+    DEFAULT_AXES,
     AdmissionConfig,
     LatencyConfig,
     MemoryConfig,
+    SchedulerConfig,
     SpeedConfig,
     WeightsConfig,
 )
@@ -246,6 +248,17 @@ def test_tenant_keys_and_daily_quota() -> None:
 def test_tier_thresholds_must_let_high_tiers_wait_last() -> None:
     with pytest.raises(ValueError, match="non-increasing"):
         AdmissionConfig(saturation_by_tier=(1.0, 2.0, 1.0, 1.0, 1.0))
+
+
+def test_a_configuration_without_the_warm_weights_axis_is_refused_by_name() -> None:
+    without = tuple(a for a in DEFAULT_AXES if a != "warm_weights")
+    with pytest.raises(ValueError, match="axes must include 'warm_weights'"):
+        SchedulerConfig(axes=without)
+    with pytest.raises(ValueError, match="unknown axes queue_lod"):
+        SchedulerConfig(axes=("warm_weights", "queue_lod"))
+    with pytest.raises(ValueError, match="more than once: kv_cache"):
+        SchedulerConfig(axes=("warm_weights", "kv_cache", "kv_cache"))
+    assert SchedulerConfig(axes=("warm_weights",)).axes == ("warm_weights",)
 
 
 # ----------------------------------------------------------------------------- latency budget

@@ -280,6 +280,9 @@ DEFAULT_AXES = (
 )
 """The registered axes (`kvflow.scheduler.axes`), in the order they filter and score."""
 
+REQUIRED_AXIS = "warm_weights"
+"""The axis every configuration must run (`SchedulerConfig.axes`)."""
+
 
 class SchedulerConfig(_Config):
     """All of the scheduler's weights and thresholds, with documented defaults."""
@@ -307,3 +310,22 @@ class SchedulerConfig(_Config):
         default=True,
         description="place on a replica that must load the model when no warm one fits",
     )
+
+    @model_validator(mode="after")
+    def _axes_runnable(self) -> Self:
+        axes = self.axes
+        unknown = [name for name in axes if name not in DEFAULT_AXES]
+        if unknown:
+            raise ValueError(f"unknown axes {', '.join(unknown)}; known: {', '.join(DEFAULT_AXES)}")
+        repeated = sorted({name for name in axes if axes.count(name) > 1})
+        if repeated:
+            raise ValueError(f"axes listed more than once: {', '.join(repeated)}")
+        # The search only ranks replicas that hold or may load the model, and it is this
+        # axis that turns the others down; without it a call could land where the model is not.
+        if REQUIRED_AXIS not in axes:
+            raise ValueError(
+                f"axes must include {REQUIRED_AXIS!r}: it keeps calls off replicas that neither "
+                "hold nor may load the model's weights (to forbid cold starts set "
+                "allow_cold_start = false; to drop their penalty set weights.cold_start = 0)"
+            )
+        return self
