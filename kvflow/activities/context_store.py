@@ -5,48 +5,86 @@
 the same content never expose a partial file. Every process that resolves references (the
 workflow worker, every GPU worker) must see the same directory; on several machines use a
 shared volume.
+
+Content is scoped by tenant: what is stored for a tenant (`put(text, tenant="acme")`) lives in
+that tenant's own folder and its reference names the tenant, so a reference resolves only
+for that tenant (`get(ref, tenant="acme")`): a digest seen in another task's history does not
+open it. Content stored without a tenant is shared (the layout of earlier versions). A caller
+that states no tenant (the workflow worker reading its own task's answers) may read any.
+
+Nothing expires by itself: `prune(older_than)` (`kvflow context prune`) deletes contents not
+stored or read since; storing or reading content again renews it, so contents that running
+tasks still use survive a prune that is longer than a task's lifetime.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import os
+import re
 import tempfile
+import time
+from datetime import timedelta
 from pathlib import Path
 
 from kvflow.activities.wire import ContextRef, digest_of, ref_for
 
 DEFAULT_CONTEXT_DIR = Path(".kvflow/context")
+TENANTS_DIR = "tenants"
+"""The folder under the store's root that holds one folder per tenant."""
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 class ContextNotFound(KeyError):
     """A reference names content the store does not hold."""
 
 
+def tenant_folder(tenant: str) -> str:
+    """The folder name of a tenant: the name itself when it is a plain file name, else a digest."""
+    if _PLAIN_NAME.fullmatch(tenant) and tenant not in {".", ".."}:
+        return tenant
+    return "sha256-" + hashlib.sha256(tenant.encode("utf-8")).hexdigest()[:32]
+
+
 class DirectoryContextStore:
-    """Blobs in files under `root`, two-level fan-out by digest."""
+    """Blobs in files under `root`, two-level fan-out by digest, one folder per tenant."""
 
     def __init__(self, root: Path = DEFAULT_CONTEXT_DIR) -> None:
         self.root = root
 
-    def _path(self, digest: str) -> Path:
-        return self.root / digest[:2] / digest
+    def _path(self, digest: str, tenant: str | None) -> Path:
+        base = self.root if tenant is None else self.root / TENANTS_DIR / tenant_folder(tenant)
+        return base / digest[:2] / digest
 
-    def put(self, text: str) -> ContextRef:
-        """Store `text` (idempotent) and return its reference."""
-        ref = ref_for(text)
-        path = self._path(ref.digest)
-        if not path.exists():
+    def put(self, text: str, tenant: str | None = None) -> ContextRef:
+        """Store `text` for `tenant` (None: shared), idempotently; return its reference."""
+        ref = ref_for(text).model_copy(update={"tenant": tenant})
+        path = self._path(ref.digest, tenant)
+        try:
+            # Storing it again renews it, so `prune` keeps what is still in use.
+            os.utime(path)
+        except FileNotFoundError:
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile("wb", dir=path.parent, delete=False) as tmp:
                 tmp.write(text.encode("utf-8"))
             os.replace(tmp.name, path)
         return ref
 
-    def get(self, ref: ContextRef) -> str:
-        """The content `ref` points at; `ContextNotFound` if the store lacks it."""
+    def get(self, ref: ContextRef, tenant: str | None = None) -> str:
+        """The content `ref` points at; `ContextNotFound` if the store lacks it.
+
+        With `tenant`, a reference to content stored for another tenant is refused as if it
+        did not exist (its digest alone must not open it).
+        """
+        if tenant is not None and ref.tenant is not None and ref.tenant != tenant:
+            raise ContextNotFound(
+                f"context {ref.digest[:12]}… belongs to another tenant than {tenant!r}"
+            )
+        path = self._path(ref.digest, ref.tenant)
         try:
-            text = self._path(ref.digest).read_bytes().decode("utf-8")
+            text = path.read_bytes().decode("utf-8")
         except FileNotFoundError:
             raise ContextNotFound(
                 f"context {ref.digest[:12]}… ({ref.size} bytes) is not in {self.root}; every "
@@ -54,12 +92,34 @@ class DirectoryContextStore:
             ) from None
         if digest_of(text) != ref.digest:
             raise ContextNotFound(f"context {ref.digest[:12]}… in {self.root} is corrupt")
+        with contextlib.suppress(OSError):  # a read-only store still serves reads
+            os.utime(path)  # read: still in use
         return text
 
-    async def aput(self, text: str) -> ContextRef:
-        """`put` in a thread, for async activities."""
-        return await asyncio.to_thread(self.put, text)
+    def prune(self, older_than: timedelta, *, now: float | None = None) -> int:
+        """Delete contents not stored or read for `older_than`; return how many.
 
-    async def aget(self, ref: ContextRef) -> str:
+        Temporary files of interrupted writes are deleted too. A task that still references
+        pruned content fails with `ContextNotFound`, so choose `older_than` longer than the
+        longest task (and any replay of its history) lasts.
+        """
+        cutoff = (time.time() if now is None else now) - older_than.total_seconds()
+        removed = 0
+        if not self.root.exists():
+            return 0
+        for path in self.root.rglob("*"):
+            try:
+                if path.is_file() and path.stat().st_mtime < cutoff:
+                    path.unlink()
+                    removed += 1
+            except FileNotFoundError:
+                continue  # another process pruned it first
+        return removed
+
+    async def aput(self, text: str, tenant: str | None = None) -> ContextRef:
+        """`put` in a thread, for async activities."""
+        return await asyncio.to_thread(self.put, text, tenant)
+
+    async def aget(self, ref: ContextRef, tenant: str | None = None) -> str:
         """`get` in a thread, for async activities."""
-        return await asyncio.to_thread(self.get, ref)
+        return await asyncio.to_thread(self.get, ref, tenant)

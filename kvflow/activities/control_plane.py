@@ -142,19 +142,22 @@ class ControlPlaneActivities:
     async def prompt_tokens(self, place: PlaceInput) -> list[int]:
         """The prompt's token ids, from the model's configured tokenizer, as the engine sees it."""
         tokenizer = self.tokenizers.for_model(place.request.model)
+        partial = await self._text(place.checkpoint_text)
         if place.messages is not None:
             messages = [
                 {"role": m.role, "content": await self._text(m.content)} for m in place.messages
             ]
-            if place.checkpoint_text:
-                messages.append({"role": "assistant", "content": place.checkpoint_text})
+            # A chat resume sends the partial answer without its trailing whitespace.
+            partial = partial.rstrip()
+            if partial:
+                messages.append({"role": "assistant", "content": partial})
             return await tokenizer.encode_chat(
                 messages,
-                add_generation_prompt=not place.checkpoint_text,
-                continue_final_message=bool(place.checkpoint_text),
+                add_generation_prompt=not partial,
+                continue_final_message=bool(partial),
             )
         assert place.prompt is not None
-        return await tokenizer.encode(await self._text(place.prompt) + place.checkpoint_text)
+        return await tokenizer.encode(await self._text(place.prompt) + partial)
 
     @activity.defn(name=PLACE_ACTIVITY)
     async def place(self, place: PlaceInput) -> PlaceAnswer:
@@ -220,6 +223,8 @@ class ControlPlaneActivities:
             prices=pool.token_prices,
             cost_micros=lost.cost_micros,
             error_type=lost.error_type,
+            # An estimate: the GPU worker's exact row for this key, if it comes, replaces it.
+            provisional=True,
         )
         with permanent_errors_fail_at_once():
             return await self.ledger.record_attempt(record)

@@ -17,10 +17,10 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import httpx
 from opentelemetry import trace
@@ -36,6 +36,7 @@ from kvflow.activities.errors import (
 )
 from kvflow.activities.wire import (
     CONVERSATION,
+    INLINE_LIMIT_BYTES,
     AttemptProgress,
     Checkpoint,
     ContextRef,
@@ -50,6 +51,8 @@ from kvflow.scheduler.fleet import Pool, replica_name
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("kvflow.inference")
+
+_T = TypeVar("_T")
 
 INFER_ACTIVITY = "kvflow.infer"
 """The activity name every GPU worker registers; the task queue picks the replica."""
@@ -83,6 +86,57 @@ class Progress:
         return Checkpoint(
             text=self.text, completion_tokens=self.reused_tokens + self.completion_tokens
         )
+
+
+class PartialOutput:
+    """The partial output as heartbeats and failure details carry it: small, whatever its size.
+
+    Up to `INLINE_LIMIT_BYTES` the text travels inline. Above it, it is stored in the context
+    store (for the call's tenant) and travels as a `ContextRef`, because Temporal writes
+    failure details and the next attempt's input to history. A failure stores the exact text
+    once. Heartbeats, every fraction of a second, store a new copy only when the text has
+    grown by a quarter (and at least `INLINE_LIMIT_BYTES`) since the last: the copies of one
+    stream add up to about five times its final size, and a worker that dies mid-stream
+    leaves a checkpoint at most a quarter behind (that much is decoded again).
+    """
+
+    GROWTH = 0.25
+
+    def __init__(self, store: DirectoryContextStore, tenant: str) -> None:
+        self.store = store
+        self.tenant = tenant
+        self._stored: Checkpoint | None = None
+        self._stored_bytes = 0
+
+    async def checkpoint(self, progress: Progress, *, exact: bool) -> Checkpoint:
+        """The output so far; with `exact=False` possibly the last stored, shorter one."""
+        current = progress.checkpoint()
+        assert isinstance(current.text, str)
+        size = len(current.text.encode("utf-8"))
+        if size <= INLINE_LIMIT_BYTES:
+            return current
+        grown = size - self._stored_bytes
+        enough = max(INLINE_LIMIT_BYTES, self.GROWTH * self._stored_bytes)
+        if self._stored is not None and not exact and grown < enough:
+            return self._stored
+        ref = await self.store.aput(current.text, self.tenant)
+        self._stored = current.model_copy(update={"text": ref})
+        self._stored_bytes = size
+        return self._stored
+
+
+async def _finish(work: Awaitable[_T]) -> _T:
+    """Await `work` to its end even if the activity is cancelled meanwhile, then re-raise.
+
+    Bookkeeping of an attempt that has ended (its ledger row, its stored answer) must complete:
+    a cancellation that arrives during it would otherwise leave the attempt unbilled.
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await task
+        raise
 
 
 class AttemptSink(Protocol):
@@ -139,18 +193,44 @@ class InferenceActivities:
 
     @activity.defn(name=INFER_ACTIVITY)
     async def infer(self, request: InferenceRequest) -> InferenceResult:
-        """Run one model call on this replica, streaming, heartbeating and billing it."""
+        """Run one model call on this replica, streaming, heartbeating and billing it.
+
+        Heartbeats run from the start until the activity returns: through the stream, and
+        through the ledger and context-store writes after it, so a slow write (SQLite busy,
+        PostgreSQL reconnecting) never lets the heartbeat timeout throw a finished answer
+        away. Those writes never fail the call (see `SpooledAttemptWriter`).
+        """
         info = activity.info()
         checkpoint = request.checkpoint or _checkpoint_from_heartbeat(info)
         if request.json_schema is not None:
             checkpoint = None
+        resumed = await self._resumed_text(request, checkpoint)
         started_at = datetime.now(UTC)
         queue_wait = max(
             0.0, (info.started_time - info.current_attempt_scheduled_time).total_seconds()
         )
         reused = checkpoint.completion_tokens if checkpoint else 0
-        progress = Progress(text=checkpoint.text if checkpoint else "", reused_tokens=reused)
-        heartbeats = asyncio.create_task(self._heartbeat(progress))
+        progress = Progress(text=resumed, reused_tokens=reused)
+        partial = PartialOutput(self.store, request.tenant)
+        heartbeats = asyncio.create_task(self._heartbeat(progress, partial))
+        try:
+            return await self._run(
+                request, resumed, progress, partial, started_at=started_at, queue_wait=queue_wait
+            )
+        finally:
+            heartbeats.cancel()
+
+    async def _run(
+        self,
+        request: InferenceRequest,
+        resumed: str,
+        progress: Progress,
+        partial: PartialOutput,
+        *,
+        started_at: datetime,
+        queue_wait: float,
+    ) -> InferenceResult:
+        info = activity.info()
         sent = time.monotonic()
         outcome = AttemptOutcome.FAILED
         error_type: str | None = None
@@ -164,7 +244,7 @@ class InferenceActivities:
             },
         ) as span:
             try:
-                await self._stream(request, checkpoint, progress)
+                await self._stream(request, resumed, progress)
                 outcome = AttemptOutcome.OK
             except asyncio.CancelledError:
                 if not activity.is_worker_shutdown():
@@ -175,7 +255,7 @@ class InferenceActivities:
                 handed_back = ReplicaShuttingDown(
                     "the GPU worker shut down before the call finished",
                     replica=self.replica.name,
-                    details=self._report(progress),
+                    details=await self._report(progress, partial, final=True),
                 )
                 error_type = handed_back.error_type
                 raise handed_back.to_application_error() from None
@@ -184,10 +264,9 @@ class InferenceActivities:
                 span.record_exception(exc)
                 # The workflow's spend meter bills the failed attempt from these details, and
                 # the next attempt continues from their text.
-                exc.details = self._report(progress)
+                exc.details = await self._report(progress, partial, final=True)
                 raise exc.to_application_error() from exc
             finally:
-                heartbeats.cancel()
                 usage = progress.usage()
                 cost = self._cost(usage)
                 ttft = (progress.first_token_at - sent) if progress.first_token_at else None
@@ -201,34 +280,36 @@ class InferenceActivities:
                         **({"kvflow.ttft_s": ttft} if ttft is not None else {}),
                     }
                 )
-                await self._record(
-                    AttemptRecord(
-                        workflow_id=info.workflow_id or "-",
-                        run_id=info.workflow_run_id or "-",
-                        activity_id=info.activity_id,
-                        attempt=info.attempt,
-                        step=request.step,
-                        tenant=request.tenant,
-                        workflow_type=info.workflow_type or "-",
-                        model=request.model,
-                        pool=self.replica.pool.name,
-                        replica=self.replica.name,
-                        gpu=self.replica.pool.gpu.value,
-                        started_at=started_at,
-                        ended_at=datetime.now(UTC),
-                        outcome=outcome,
-                        prompt_tokens=usage.prompt_tokens,
-                        cached_tokens=usage.cached_tokens,
-                        completion_tokens=usage.completion_tokens,
-                        reused_tokens=reused,
-                        prices=self.replica.pool.token_prices,
-                        cost_micros=cost,
-                        error_type=error_type,
+                await _finish(
+                    self._record(
+                        AttemptRecord(
+                            workflow_id=info.workflow_id or "-",
+                            run_id=info.workflow_run_id or "-",
+                            activity_id=info.activity_id,
+                            attempt=info.attempt,
+                            step=request.step,
+                            tenant=request.tenant,
+                            workflow_type=info.workflow_type or "-",
+                            model=request.model,
+                            pool=self.replica.pool.name,
+                            replica=self.replica.name,
+                            gpu=self.replica.pool.gpu.value,
+                            started_at=started_at,
+                            ended_at=datetime.now(UTC),
+                            outcome=outcome,
+                            prompt_tokens=usage.prompt_tokens,
+                            cached_tokens=usage.cached_tokens,
+                            completion_tokens=usage.completion_tokens,
+                            reused_tokens=progress.reused_tokens,
+                            prices=self.replica.pool.token_prices,
+                            cost_micros=cost,
+                            error_type=error_type,
+                        )
                     )
                 )
         text, text_ref = progress.text, None
         if needs_store(text):
-            text_ref = await self.store.aput(text)
+            text_ref = await _finish(self.store.aput(text, request.tenant))
             text = text_ref.preview
         return InferenceResult(
             text=text,
@@ -241,8 +322,25 @@ class InferenceActivities:
             pool=self.replica.pool.name,
             gpu=self.replica.pool.gpu.value,
             cost_micros=cost,
-            reused_tokens=reused,
+            reused_tokens=progress.reused_tokens,
         )
+
+    async def _resumed_text(self, request: InferenceRequest, checkpoint: Checkpoint | None) -> str:
+        """The partial output this attempt continues, exactly as the model will see it.
+
+        Chat templates that trim message content (Llama 3's `| trim`) drop the partial's
+        trailing whitespace when it is the final, continued message, so the model continues
+        after the trimmed text. Sending it trimmed makes every template see the same text, and
+        the answer is exactly that text plus what the model generates: no doubled or lost
+        space at the seam. The trimmed whitespace's tokens stay counted as reused (they were
+        decoded and billed by the earlier attempt).
+        """
+        if checkpoint is None:
+            return ""
+        text = checkpoint.text
+        if isinstance(text, ContextRef):
+            text = await self.store.aget(text, request.tenant)
+        return text.rstrip() if request.messages is not None else text
 
     async def _record(self, record: AttemptRecord) -> None:
         if self.ledger is None:
@@ -250,8 +348,9 @@ class InferenceActivities:
         try:
             await self.ledger.record_attempt(record)
         except Exception:
-            # Billing must not turn a good answer into a failure; the workflow's spend meter
-            # still counts this attempt, and the log says which row is missing.
+            # Billing must not turn a good answer into a failure. A `SpooledAttemptWriter`
+            # (what the GPU workers use) has retried and spooled before it gets here; the
+            # workflow's spend meter still counts this attempt.
             log.exception("could not record attempt %s", record.key)
 
     def _cost(self, usage: Usage) -> int:
@@ -259,27 +358,35 @@ class InferenceActivities:
             usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens
         )
 
-    def _report(self, progress: Progress) -> AttemptProgress:
+    async def _report(
+        self, progress: Progress, partial: PartialOutput, *, final: bool
+    ) -> AttemptProgress:
         """The attempt so far, as heartbeats and failures carry it to the workflow."""
         usage = progress.usage()
+        checkpoint = await partial.checkpoint(progress, exact=final)
         return AttemptProgress(
-            **progress.checkpoint().model_dump(),
+            **checkpoint.model_dump(),
             replica=self.replica.name,
             usage=usage,
             cost_micros=self._cost(usage),
         )
 
-    async def _heartbeat(self, progress: Progress) -> None:
+    async def _heartbeat(self, progress: Progress, partial: PartialOutput) -> None:
         # Heartbeats deliver cancellation too, so they run even before the first token.
         while True:
-            # Plain JSON, so any payload converter encodes it; read back by `from_details`.
-            activity.heartbeat(self._report(progress).model_dump(mode="json"))
+            try:
+                report = await self._report(progress, partial, final=False)
+            except Exception:
+                # The store failing must not stop the heartbeats that keep the call alive.
+                log.warning("could not store the partial output for a heartbeat", exc_info=True)
+                activity.heartbeat()
+            else:
+                # Plain JSON, so any payload converter encodes it; read by `from_details`.
+                activity.heartbeat(report.model_dump(mode="json"))
             await asyncio.sleep(self.heartbeat_interval_s)
 
-    async def _stream(
-        self, request: InferenceRequest, checkpoint: Checkpoint | None, progress: Progress
-    ) -> None:
-        url, body = _request_body(await self._resolve(request), checkpoint)
+    async def _stream(self, request: InferenceRequest, resumed: str, progress: Progress) -> None:
+        url, body = _request_body(await self._resolve(request), resumed, progress.reused_tokens)
         replica = self.replica.name
         try:
             async with self.http.stream("POST", self.replica.base_url + url, json=body) as response:
@@ -298,16 +405,18 @@ class InferenceActivities:
 
     async def _resolve(self, request: InferenceRequest) -> InferenceRequest:
         """The request with every `ContextRef` replaced by the content it names."""
+        tenant = request.tenant
         if isinstance(request.prompt, ContextRef):
-            return request.model_copy(update={"prompt": await self.store.aget(request.prompt)})
+            prompt = await self.store.aget(request.prompt, tenant)
+            return request.model_copy(update={"prompt": prompt})
         if request.messages is None:
             return request
         messages = list(request.messages)
         if request.earlier_messages is not None:
-            earlier = await self.store.aget(request.earlier_messages)
+            earlier = await self.store.aget(request.earlier_messages, tenant)
             messages = [*CONVERSATION.validate_json(earlier), *messages]
         resolved = [
-            m.model_copy(update={"content": await self.store.aget(m.content)})
+            m.model_copy(update={"content": await self.store.aget(m.content, tenant)})
             if isinstance(m.content, ContextRef)
             else m
             for m in messages
@@ -323,9 +432,8 @@ def _checkpoint_from_heartbeat(info: activity.Info) -> Checkpoint | None:
 
 
 def _request_body(
-    request: InferenceRequest, checkpoint: Checkpoint | None
+    request: InferenceRequest, resumed: str, reused: int
 ) -> tuple[str, dict[str, Any]]:
-    reused = checkpoint.completion_tokens if checkpoint else 0
     body: dict[str, Any] = {
         "model": request.model,
         "max_tokens": max(1, request.max_tokens - reused),
@@ -348,15 +456,15 @@ def _request_body(
         }
     if request.messages is not None:
         messages = [m.model_dump() for m in request.messages]
-        if checkpoint and checkpoint.text:
-            messages.append({"role": "assistant", "content": checkpoint.text})
+        if resumed:
+            messages.append({"role": "assistant", "content": resumed})
             # vLLM refuses continue_final_message unless add_generation_prompt is off.
             body["continue_final_message"] = True
             body["add_generation_prompt"] = False
         body["messages"] = messages
         return "/v1/chat/completions", body
     assert isinstance(request.prompt, str), "context references are resolved before this"
-    body["prompt"] = request.prompt + (checkpoint.text if checkpoint else "")
+    body["prompt"] = request.prompt + resumed
     return "/v1/completions", body
 
 

@@ -51,6 +51,11 @@ class ContextRef(BaseModel):
         max_length=120,
         description="the first characters, for UIs; empty unless asked for (`ref_for`)",
     )
+    tenant: str | None = Field(
+        default=None,
+        description="the tenant the content is stored for; None for shared content. The "
+        "store resolves it only for that tenant",
+    )
 
 
 PREVIEW_CHARS = 80
@@ -107,9 +112,14 @@ class Sampling(BaseModel):
 
 
 class Checkpoint(BaseModel):
-    """Output an earlier attempt already produced, to continue from."""
+    """Output an earlier attempt already produced, to continue from.
 
-    text: str = ""
+    `text` is a `ContextRef` when the output is larger than `INLINE_LIMIT_BYTES`: checkpoints
+    travel in heartbeat and failure details and in the next attempt's input, all of which
+    Temporal writes to history.
+    """
+
+    text: str | ContextRef = ""
     completion_tokens: int = Field(default=0, ge=0)
     """The output tokens `text` holds, over every attempt that produced it."""
 
@@ -246,7 +256,7 @@ class PlaceInput(BaseModel):
     """Everything but the prompt's size and block hashes, which `place` computes."""
     messages: list[ChatMessage] | None = None
     prompt: str | ContextRef | None = None
-    checkpoint_text: str = ""
+    checkpoint_text: str | ContextRef = ""
     """Partial output a resume will send as well (it is part of the prompt then)."""
 
 

@@ -19,6 +19,7 @@ import typer
 from rich.table import Table
 
 from kvflow.cli.bench import bench_app
+from kvflow.cli.context import context_app
 from kvflow.cli.demo import demo
 from kvflow.cli.ledger import ledger_app, report_command
 from kvflow.cli.sim import sim_app
@@ -45,6 +46,7 @@ app.add_typer(fleet_app, name="fleet")
 app.add_typer(worker_app, name="worker")
 app.command()(demo)
 app.add_typer(ledger_app, name="ledger")
+app.add_typer(context_app, name="context")
 app.add_typer(sim_app, name="sim")
 app.add_typer(bench_app, name="bench")
 app.command("report")(report_command)

@@ -48,6 +48,19 @@ class LedgerMetrics:
             {"tenant": record.tenant, "pool": record.pool, "outcome": record.outcome.value},
         )
 
+    def attempt_superseded(self, record: AttemptRecord, *, estimate_micros: int) -> None:
+        """Count the exact row that replaced a provisional one of `estimate_micros`.
+
+        A counter cannot go down, so only what the exact bill adds to the estimate is counted
+        (under the exact row's labels); an estimate above the bill stays counted.
+        """
+        extra = record.cost_micros - estimate_micros
+        if extra > 0:
+            self._spend.add(
+                extra,
+                {"tenant": record.tenant, "pool": record.pool, "outcome": record.outcome.value},
+            )
+
     def task_written(self, record: TaskRecord) -> None:
         """Count a newly written task row."""
         attributes = {"tenant": record.tenant, "outcome": record.outcome.value}

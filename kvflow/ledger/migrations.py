@@ -94,6 +94,14 @@ MIGRATIONS: tuple[Migration, ...] = (
             "CREATE INDEX attempts_by_started_at ON attempts (started_at, tenant)",
         ),
     ),
+    Migration(
+        3,
+        "provisional attempt rows, superseded by the GPU worker's exact row",
+        (
+            # Rows written before this migration all came from GPU workers or were final.
+            "ALTER TABLE attempts ADD COLUMN provisional BOOLEAN NOT NULL DEFAULT FALSE",
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

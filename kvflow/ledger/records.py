@@ -5,7 +5,10 @@ a failed attempt is billed too, because the input was processed. A `TaskRecord` 
 the workflow when it closes, or by `kvflow ledger reconcile` for a workflow that closed without
 running its own code (terminated, timed out).
 
-Both are idempotent by their natural key: writing the same record twice changes nothing.
+Both are idempotent by their natural key: writing the same record twice changes nothing. The
+one exception is a *provisional* attempt row (the workflow's estimate, from the last heartbeat,
+of an attempt whose GPU worker it lost): the worker's exact row for the same key replaces it,
+never the reverse.
 Money is integer micro-dollars; prices are the `Decimal` dollar prices the cost was computed
 with, stored with the attempt so that a later price change does not rewrite history.
 """
@@ -88,6 +91,11 @@ class AttemptRecord(_Record):
     prices: TokenPrices
     cost_micros: int = Field(ge=0)
     error_type: str | None = Field(default=None, description="the error's type when not ok")
+    provisional: bool = Field(
+        default=False,
+        description="an estimate written by the workflow for an attempt it lost track of; "
+        "the GPU worker's exact row for the same key replaces it",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
@@ -66,7 +67,9 @@ _ATTEMPT_COLUMNS = (
     "output_per_mtok_usd",
     "cost_micros",
     "error_type",
+    "provisional",
 )
+_ATTEMPT_KEY = ("workflow_id", "run_id", "activity_id", "attempt")
 _TASK_COLUMNS = (
     "workflow_id",
     "run_id",
@@ -91,13 +94,25 @@ def default_ledger_url() -> str:
     return os.environ.get(LEDGER_URL_ENV) or DEFAULT_LEDGER_URL
 
 
+# `password=...` (or `sslpassword=...`) in a URL's query or a libpq `key=value` string; the
+# value is a single-quoted libpq string or runs to the next space, `&` or `;`.
+_PASSWORD_PARAM = re.compile(
+    r"(?i)(?<![a-z_])((?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.)*'?|[^\s&;]*)"
+)
+
+
 def redact_url(url: str) -> str:
-    """`url` with its password replaced by `***`, for messages and logs."""
+    """`url` with every password replaced by `***`, for messages and logs.
+
+    Covers the user-info password (`postgresql://u:secret@h/db`), `password=` query parameters
+    (`postgresql://u@h/db?password=secret`) and libpq `key=value` strings
+    (`host=h password='se cret'`).
+    """
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
+    if parts.password is not None:
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+        url = urlunsplit(parts._replace(netloc=netloc))
+    return _PASSWORD_PARAM.sub(r"\1***", url)
 
 
 class Ledger(ABC):
@@ -105,7 +120,9 @@ class Ledger(ABC):
 
     Writes are idempotent: `record_attempt` and `record_task` return True when they wrote the
     row and False when a row with the same key was already there (the first write wins, later
-    ones change nothing). Instances come from `open_ledger`.
+    ones change nothing), with one exception: an exact attempt row replaces a *provisional*
+    one (`AttemptRecord.provisional`, the workflow's estimate of an attempt it lost track of).
+    Instances come from `open_ledger`.
     """
 
     _timestamp_type: str
@@ -220,7 +237,12 @@ class Ledger(ABC):
     # -- writes ---------------------------------------------------------------------------
 
     def record_attempt(self, record: AttemptRecord) -> bool:
-        """Write one attempt row; True if written now, False if its key was already there."""
+        """Write one attempt row; True if written now, False if its key was already there.
+
+        An exact row (not `provisional`) whose key holds a provisional row replaces it and
+        returns True: the GPU worker's bill wins over the workflow's estimate from the last
+        heartbeat, whichever was written first. A provisional row never replaces anything.
+        """
         prices = record.prices
         values: tuple[object, ...] = (
             record.workflow_id,
@@ -246,13 +268,37 @@ class Ledger(ABC):
             self._decimal_in(prices.output_per_mtok_usd),
             record.cost_micros,
             record.error_type,
+            record.provisional,
         )
-        written = self._insert(
-            "attempts", _ATTEMPT_COLUMNS, values, "workflow_id, run_id, activity_id, attempt"
+        with self._lock:
+            if self._insert("attempts", _ATTEMPT_COLUMNS, values, ", ".join(_ATTEMPT_KEY)):
+                self._metrics.attempt_written(record)
+                return True
+            if record.provisional:
+                return False
+            return self._supersede(record, values)
+
+    def _supersede(self, record: AttemptRecord, values: Sequence[object]) -> bool:
+        """Replace the provisional row under `record`'s key with `record`; False if none."""
+        key = " AND ".join(f"{name} = ?" for name in _ATTEMPT_KEY)
+        _, rows = self._execute(
+            f"SELECT cost_micros FROM attempts WHERE {key} AND provisional", record.key
         )
-        if written:
-            self._metrics.attempt_written(record)
-        return written
+        if not rows:
+            return False
+        assert _ATTEMPT_COLUMNS[: len(_ATTEMPT_KEY)] == _ATTEMPT_KEY
+        columns = (*_ATTEMPT_COLUMNS[len(_ATTEMPT_KEY) :], "recorded_at")
+        rest = (*values[len(_ATTEMPT_KEY) :], self._time_in(datetime.now(UTC)))
+        # `AND provisional` again: of two exact writers racing here, only one replaces it.
+        count, _ = self._execute(
+            f"UPDATE attempts SET {', '.join(f'{c} = ?' for c in columns)} "
+            f"WHERE {key} AND provisional",
+            (*rest, *record.key),
+        )
+        if count != 1:
+            return False
+        self._metrics.attempt_superseded(record, estimate_micros=int(rows[0][0]))
+        return True
 
     def record_task(self, record: TaskRecord) -> bool:
         """Write one task row; True if written now, False if its key was already there."""
@@ -328,6 +374,20 @@ class Ledger(ABC):
         values["started_at"] = self._time_out(values["started_at"])
         values["ended_at"] = self._time_out(values["ended_at"])
         return AttemptRecord.model_validate({**values, "prices": prices})
+
+    def spend_by_tenant(self, since: datetime, until: datetime) -> dict[str, int]:
+        """Micro-dollars of the attempts that started in `[since, until)`, by tenant.
+
+        What the schedulers seed and refresh each tenant's daily budget from: the ledger is
+        the one place every GPU worker's bills meet.
+        """
+        _, rows = self._execute(
+            "SELECT tenant, SUM(cost_micros) FROM attempts "
+            "WHERE started_at >= ? AND started_at < ? GROUP BY tenant",
+            (self._time_in(since), self._time_in(until)),
+        )
+        # PostgreSQL sums BIGINT as NUMERIC (Decimal); int() makes both backends alike.
+        return {str(tenant): int(total or 0) for tenant, total in rows}
 
     def task(self, workflow_id: str, run_id: str) -> TaskRecord | None:
         """The task row of one workflow run, or None if it has none yet."""
@@ -552,6 +612,10 @@ class AsyncLedger:
         return await asyncio.to_thread(
             self.ledger.mark_resumed, workflow_id, run_id, list(activity_ids)
         )
+
+    async def spend_by_tenant(self, since: datetime, until: datetime) -> dict[str, int]:
+        """See `Ledger.spend_by_tenant`."""
+        return await asyncio.to_thread(self.ledger.spend_by_tenant, since, until)
 
     async def task(self, workflow_id: str, run_id: str) -> TaskRecord | None:
         """See `Ledger.task`."""

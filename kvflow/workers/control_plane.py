@@ -4,13 +4,23 @@ The scheduler lives in memory, fed by background telemetry: each replica's `/met
 with httpx and, where the fleet lists them, the engines' KV-cache events. Its activities
 (`place`, `observe`, `record_task`, `context_put`, `context_get`) run on the workflow worker;
 `place` and `observe` as local activities.
+
+Tenants' daily budgets are enforced from the ledger, which every GPU worker bills into: the
+control plane seeds each tenant's spend today from it when it starts, and refreshes it in the
+background every `spend_refresh_s`, so a restart does not reset a budget and N workflow
+workers do not allow N times it. The refresh never runs on the placement path; between two
+refreshes a worker also counts the calls it observes itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
 from types import TracebackType
+from typing import Protocol, runtime_checkable
 
 from kvflow.activities.context_store import DirectoryContextStore
 from kvflow.activities.control_plane import ControlPlaneActivities, LedgerSink
@@ -19,6 +29,19 @@ from kvflow.scheduler.core import Scheduler
 from kvflow.scheduler.fleet import Fleet
 from kvflow.scheduler.kv_events import KvEventSubscriber
 from kvflow.scheduler.telemetry import MetricsScraper, fleet_endpoints
+
+log = logging.getLogger(__name__)
+
+SECONDS_PER_DAY = 86_400
+
+
+@runtime_checkable
+class TenantSpendSource(Protocol):
+    """Reads every tenant's spend from the shared ledger (`AsyncLedger` does)."""
+
+    async def spend_by_tenant(self, since: datetime, until: datetime) -> dict[str, int]:
+        """Micro-dollars of the attempts started in `[since, until)`, by tenant."""
+        ...
 
 
 class ControlPlane:
@@ -38,8 +61,13 @@ class ControlPlane:
         store: DirectoryContextStore | None = None,
         config: SchedulerConfig | None = None,
         scrape_interval_s: float = 1.0,
+        spend_refresh_s: float = 5.0,
     ) -> None:
         self.scheduler = Scheduler(fleet, config)
+        self.spend_source = ledger if isinstance(ledger, TenantSpendSource) else None
+        """Where tenants' spend today is read from; None when the ledger cannot say."""
+        self.spend_refresh_s = spend_refresh_s
+        self._refreshing: asyncio.Task[None] | None = None
         self.endpoints = {**fleet_endpoints(fleet), **(endpoints or {})}
         self.activities = ControlPlaneActivities(
             self.scheduler,
@@ -77,7 +105,37 @@ class ControlPlane:
             # One scrape before the first placement, so it sees real load and cache sizes.
             await self.scraper.scrape_once()
             self._scraping = asyncio.create_task(self.scraper.run())
+        if self.spend_source is not None:
+            # Seeded before the first placement: a restarted worker keeps enforcing budgets.
+            await self.refresh_tenant_spend()
+            self._refreshing = asyncio.create_task(self._refresh_tenant_spend_forever())
         return self
+
+    async def refresh_tenant_spend(self) -> bool:
+        """Set each tenant's spend today from the ledger; False (logged) when it fails.
+
+        The ledger's figure covers every worker's calls; a worker's own count can be ahead of
+        it only by rows not yet written (spooled), so the larger of the two is kept.
+        """
+        if self.spend_source is None:
+            return False
+        now = time.time()
+        since = datetime.fromtimestamp(now // SECONDS_PER_DAY * SECONDS_PER_DAY, UTC)
+        try:
+            spent = await self.spend_source.spend_by_tenant(since, since + timedelta(days=1))
+        except Exception as exc:
+            log.warning("could not read tenants' spend today from the ledger: %s", exc)
+            return False
+        for tenant, micros in spent.items():
+            # No await between the read and the write: an observation cannot slip in between.
+            known = self.scheduler.tenant_spend_today(tenant)
+            self.scheduler.set_tenant_spend_today(tenant, max(micros, known))
+        return True
+
+    async def _refresh_tenant_spend_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.spend_refresh_s)
+            await self.refresh_tenant_spend()
 
     async def __aexit__(
         self,
@@ -86,6 +144,9 @@ class ControlPlane:
         tb: TracebackType | None,
     ) -> None:
         self.scraper.stop()
+        if self._refreshing is not None:
+            self._refreshing.cancel()
+            await asyncio.gather(self._refreshing, return_exceptions=True)
         for subscriber in self.kv_subscribers:
             subscriber.stop()
         await asyncio.gather(*self._subscribing, return_exceptions=True)

@@ -183,6 +183,8 @@ class EmbeddedFleet:
                 binding,
                 ledger=self.ledger,
                 store=self.store,
+                # Next to the context store: under the stack's own state folder.
+                spool_dir=self.store.root.parent / "spool",
                 graceful_shutdown_s=1.0,
                 heartbeat_interval_s=0.2,
             )

@@ -37,6 +37,7 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 from kvflow.activities.context_store import DEFAULT_CONTEXT_DIR, DirectoryContextStore
 from kvflow.activities.control_plane import LedgerSink
 from kvflow.activities.inference import InferenceActivities, default_http_client
+from kvflow.ledger.spool import DEFAULT_SPOOL_DIR, SpooledAttemptWriter, spooled_writer
 from kvflow.ledger.store import AsyncLedger, default_ledger_url, open_ledger
 from kvflow.scheduler.config import SchedulerConfig
 from kvflow.scheduler.fleet import task_queue_for
@@ -80,6 +81,8 @@ class KvflowPlugin(SimplePlugin):
             `$KVFLOW_LEDGER_URL`, else `sqlite:///.kvflow/ledger.db` (what `kvflow report`
             reads).
         context_dir: the content-addressed context store, shared by every worker.
+        spool_dir: where a GPU worker keeps the attempt rows the ledger could not take, until
+            it is back (`kvflow.ledger.spool`); None to write to the ledger only.
         scheduler_config: weights and thresholds of the scheduler (workflow worker).
         tracing: add the OpenTelemetry tracing interceptor.
 
@@ -94,6 +97,7 @@ class KvflowPlugin(SimplePlugin):
         endpoints: Mapping[str, str] | None = None,
         ledger: str | LedgerSink | None = None,
         context_dir: Path | str = DEFAULT_CONTEXT_DIR,
+        spool_dir: Path | str | None = DEFAULT_SPOOL_DIR,
         scheduler_config: SchedulerConfig | None = None,
         scrape_interval_s: float = 1.0,
         heartbeat_interval_s: float = 0.5,
@@ -121,11 +125,15 @@ class KvflowPlugin(SimplePlugin):
         self._owns_control_plane = False
         self._owns_inference = False
         self._client: Client | None = None
+        self._spooler: SpooledAttemptWriter | None = None
         if fleet is not None and replica is not None:
+            binding = resolve_replica(fleet, replica, endpoint)
+            if ledger is not None and spool_dir is not None:
+                self._spooler = spooled_writer(ledger, Path(spool_dir), binding.name)
             self.inference = InferenceActivities(
-                resolve_replica(fleet, replica, endpoint),
+                binding,
                 http or default_http_client(),
-                ledger,
+                self._spooler or ledger,
                 store=store,
                 heartbeat_interval_s=heartbeat_interval_s,
             )
@@ -196,7 +204,11 @@ class KvflowPlugin(SimplePlugin):
                 await check_endpoint(self.inference.replica, self.inference.http)
                 log.info("GPU worker for %s polls %s", self.inference.replica.name, self.task_queue)
                 try:
-                    yield
+                    if self._spooler is not None:
+                        async with self._spooler:
+                            yield
+                    else:
+                        yield
                 finally:
                     await self.inference.http.aclose()
             else:

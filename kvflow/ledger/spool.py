@@ -1,0 +1,220 @@
+"""A durable spool for the attempt rows the ledger could not take at once.
+
+A GPU worker's bill must never vanish: when a write fails (PostgreSQL restarting or failing
+over, a SQLite file locked past its busy timeout), `SpooledAttemptWriter` retries it with
+exponential backoff for a bounded time, then appends the row to `AttemptSpool`, a SQLite file
+on the worker's own disk. The spool is replayed into the ledger when the worker starts, after
+every write that succeeds, and every `replay_interval_s` while the worker runs. Attempt rows
+are idempotent by key, so a row replayed twice is still one row.
+
+The finished call is never failed for its bookkeeping: the answer is returned, and the row
+reaches the ledger once the ledger is back. Only when the spool itself cannot be written (the
+worker's disk) is the row lost, and then it is logged at CRITICAL with its key and cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+import threading
+from datetime import UTC, datetime
+from pathlib import Path
+from types import TracebackType
+from typing import Protocol, Self
+
+from kvflow.ledger.records import AttemptRecord
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SPOOL_DIR = Path(".kvflow/spool")
+"""Where a GPU worker keeps its spool unless told otherwise (one file per replica)."""
+
+
+class AttemptTarget(Protocol):
+    """Where attempt rows go (`AsyncLedger` is one)."""
+
+    async def record_attempt(self, record: AttemptRecord) -> bool:
+        """Store the attempt; idempotent on (workflow, run, activity, attempt)."""
+        ...
+
+
+class AttemptSpool:
+    """Attempt rows waiting for the ledger, in a local SQLite file (WAL, one row per key)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        # FULL: a row the worker was told is spooled survives a power cut.
+        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.execute(
+            "CREATE TABLE IF NOT EXISTS spooled (key TEXT PRIMARY KEY, record TEXT NOT NULL, "
+            "spooled_at TEXT NOT NULL)"
+        )
+
+    @staticmethod
+    def _key(record: AttemptRecord) -> str:
+        return "\x1f".join(str(part) for part in record.key)
+
+    def add(self, record: AttemptRecord) -> None:
+        """Keep `record` until it is replayed (a later row for the same key replaces it)."""
+        with self._lock:
+            self._conn.execute(
+                "INSERT OR REPLACE INTO spooled (key, record, spooled_at) VALUES (?, ?, ?)",
+                (self._key(record), record.model_dump_json(), datetime.now(UTC).isoformat()),
+            )
+
+    def pending(self, limit: int = 100) -> list[AttemptRecord]:
+        """The oldest `limit` spooled rows."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT record FROM spooled ORDER BY spooled_at LIMIT ?", (limit,)
+            ).fetchall()
+        return [AttemptRecord.model_validate_json(row[0]) for row in rows]
+
+    def remove(self, record: AttemptRecord) -> None:
+        """Forget `record`: the ledger holds it now."""
+        with self._lock:
+            self._conn.execute("DELETE FROM spooled WHERE key = ?", (self._key(record),))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return int(self._conn.execute("SELECT COUNT(*) FROM spooled").fetchone()[0])
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        with self._lock:
+            self._conn.close()
+
+
+class SpooledAttemptWriter:
+    """Writes attempt rows to `ledger`; retries, then spools what the ledger will not take.
+
+    `retries` more tries follow a failed write, `backoff_s`, then twice that, and so on up to
+    `max_backoff_s` apart: with the defaults a write is given up to about 3.5 s before its row
+    is spooled (the inference activity keeps heartbeating meanwhile).
+    """
+
+    def __init__(
+        self,
+        ledger: AttemptTarget,
+        spool: AttemptSpool,
+        *,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 2.0,
+        replay_interval_s: float = 30.0,
+    ) -> None:
+        self.ledger = ledger
+        self.spool = spool
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.replay_interval_s = replay_interval_s
+        self._replaying_task: asyncio.Task[None] | None = None
+        self._replaying = asyncio.Lock()
+        # Checked on every successful write; a cheap flag instead of a COUNT(*) each time.
+        self._maybe_pending = True
+
+    async def record_attempt(self, record: AttemptRecord) -> bool:
+        """Write `record`; True if the ledger wrote it now, False if it was there or spooled."""
+        for attempt in range(self.retries + 1):
+            try:
+                written = await self.ledger.record_attempt(record)
+            except Exception as exc:
+                if attempt == self.retries:
+                    break
+                delay = min(self.max_backoff_s, self.backoff_s * 2**attempt)
+                log.warning(
+                    "ledger write of attempt %s failed (%s); retrying in %.1f s",
+                    record.key,
+                    exc,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+            else:
+                if self._maybe_pending:
+                    await self.replay()
+                return written
+        await self._spool(record)
+        return False
+
+    async def _spool(self, record: AttemptRecord) -> None:
+        try:
+            await asyncio.to_thread(self.spool.add, record)
+        except Exception:
+            log.critical(
+                "attempt %s (%d micro-dollars) is lost: neither the ledger nor the spool %s "
+                "took it",
+                record.key,
+                record.cost_micros,
+                self.spool.path,
+                exc_info=True,
+            )
+            raise
+        self._maybe_pending = True
+        log.warning(
+            "ledger unavailable: attempt %s (%d micro-dollars) spooled to %s; it is written "
+            "when the ledger is back",
+            record.key,
+            record.cost_micros,
+            self.spool.path,
+        )
+
+    async def replay(self) -> int:
+        """Move spooled rows into the ledger until none is left or a write fails; how many."""
+        replayed = 0
+        async with self._replaying:
+            while True:
+                batch = await asyncio.to_thread(self.spool.pending)
+                if not batch:
+                    self._maybe_pending = False
+                    break
+                for record in batch:
+                    try:
+                        await self.ledger.record_attempt(record)
+                    except Exception as exc:
+                        log.info("spool replay stopped, the ledger still fails: %s", exc)
+                        return replayed
+                    await asyncio.to_thread(self.spool.remove, record)
+                    replayed += 1
+        if replayed:
+            log.info("replayed %d spooled attempt rows into the ledger", replayed)
+        return replayed
+
+    async def replay_every(self, interval_s: float) -> None:
+        """Replay the spool every `interval_s` seconds, until cancelled."""
+        while True:
+            await asyncio.sleep(interval_s)
+            if self._maybe_pending:
+                await self.replay()
+
+    async def __aenter__(self) -> Self:
+        """Replay what an earlier run of the worker spooled, then keep replaying meanwhile."""
+        await self.replay()
+        self._replaying_task = asyncio.create_task(self.replay_every(self.replay_interval_s))
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._replaying_task is not None:
+            self._replaying_task.cancel()
+            await asyncio.gather(self._replaying_task, return_exceptions=True)
+        self.spool.close()
+
+
+def spooled_writer(ledger: AttemptTarget, spool_dir: Path, replica: str) -> SpooledAttemptWriter:
+    """The writer a GPU worker for `replica` (`pool/index`) bills through.
+
+    Its spool is `spool_dir/attempts-POOL-INDEX.db`: one file per replica, so that a worker
+    restarted for the same replica replays what its predecessor could not write.
+    """
+    path = spool_dir / f"attempts-{replica.replace('/', '-')}.db"
+    return SpooledAttemptWriter(ledger, AttemptSpool(path))
