@@ -43,6 +43,21 @@ def test_every_policy_runs_every_task_of_a_tiny_agent_workload_to_an_end(name: s
     assert 0 < outcome.cached_tokens < outcome.prompt_tokens
 
 
+def test_warm_up_tasks_load_the_fleet_but_count_in_no_figure() -> None:
+    spec = WORKLOADS["agent"]
+    fleet = bench_fleet("agent", 4)
+    whole = run_policy("round-robin", spec=spec, fleet=fleet, task_rate=2.0, tasks=12, seed=3)
+    steady = run_policy(
+        "round-robin", spec=spec, fleet=fleet, task_rate=2.0, tasks=12, seed=3, warmup_tasks=4
+    )
+    assert steady.tasks == sum(steady.tasks_by_tier.values()) == 8
+    assert sum(steady.attempts_by_replica) < sum(whole.attempts_by_replica)
+    assert 0 < steady.spend_micros < whole.spend_micros
+    # Utilisation is measured from the first counted arrival to the last arrival.
+    assert 0 < steady.span_s < whole.span_s
+    assert 0 < steady.busy_s < whole.busy_s
+
+
 @pytest.mark.parametrize("workload", ["hotspot", "heterogeneous", "faults"])
 def test_kvflow_runs_the_other_workloads(workload: str) -> None:
     outcome = run_policy(
@@ -212,6 +227,8 @@ def test_bench_policies_prints_the_table_and_writes_the_json_schema(tmp_path: Pa
         "offered_load": 0.8,
         "seed": 0,
         "task_rate_per_s": data["workload"]["task_rate_per_s"],
+        "warmup_tasks": 1,
+        "oracle_utilisation": data["workload"]["oracle_utilisation"],
     }
 
 

@@ -197,8 +197,10 @@ def _usd(value: Decimal | None) -> str:
 def _policy_table(result: WorkloadResult) -> Table:
     table = Table(
         title=(
-            f"{result.name}: {result.replicas} replicas, {result.tasks} tasks, "
-            f"{result.offered_load:.0%} offered load, seed {result.seed}"
+            f"{result.name}: {result.replicas} replicas, {result.tasks} tasks (the first "
+            f"{result.warmup_tasks} warm-up), {result.offered_load:.0%} offered load "
+            f"({result.task_rate:.2f} tasks/s; the oracle's engines busy "
+            f"{result.oracle.utilisation:.0%}), seed {result.seed}"
         ),
         caption=result.description,
     )
@@ -241,7 +243,9 @@ def _policy_table(result: WorkloadResult) -> Table:
 
 
 def _sweep_table(result: WorkloadResult) -> Table:
-    table = Table(title=f"{result.name}: $/successful task and tier-1 SLO by offered load")
+    table = Table(
+        title=(f"{result.name}: $/successful task, tier-1 SLO and engines busy, by offered load")
+    )
     loads = sorted(result.sweep)
     table.add_column("policy")
     for load in loads:
@@ -256,7 +260,7 @@ def _sweep_table(result: WorkloadResult) -> Table:
             tier1 = fig.slo_attainment.get("1")
             cells.append(
                 f"{_usd(fig.cost_per_successful_task_usd)} "
-                f"{'—' if tier1 is None else f'{tier1:.0%}'}"
+                f"{'—' if tier1 is None else f'{tier1:.0%}'} {fig.utilisation:.0%}"
             )
         table.add_row(name, *cells)
     return table

@@ -70,6 +70,12 @@ RETRY_BUDGET = 3
 DOWN_DETECTION_S = 2.0
 """A crashed replica is seen down this long after it crashed (two missed 1 s scrapes)."""
 MAX_DECODE_BATCH = 128
+WARMUP_SHARE = 0.25
+"""The first quarter of a run's tasks only load the fleet: no figure counts them."""
+CAPACITY_PROBES = 3
+"""Oracle runs that find the capacity behind offered load (`capacity_tasks_per_s`)."""
+PROBE_START = 0.1
+"""The first probe's rate, as a share of the optimistic capacity."""
 ANCHORS = ("llm-d", "llm-d-precise", "sglang", "dynamo", "aibrix")
 """The routers the production systems run (the goals compare kvflow with the best of them)."""
 MODEL = "llama-3.1-8b"
@@ -181,8 +187,13 @@ def simulated_replicas(fleet: Fleet, *, slow: dict[int, float] | None = None) ->
     return replicas
 
 
-def capacity_tasks_per_s(workload: Workload, fleet: Fleet, sample: int = 200) -> float:
-    """Tasks per second the fleet serves at 100% offered load (module docstring)."""
+def optimistic_capacity_tasks_per_s(workload: Workload, fleet: Fleet, sample: int = 200) -> float:
+    """An upper bound on the tasks per second the fleet serves (the probe's starting point).
+
+    Every call reuses its whole conversation from cache and decodes in a full batch (as many
+    sequences of the workload's mean context as the KV cache holds, at most 128): 6–9× what
+    the fleet sustains, since batches are rarely full and caches are evicted in tool pauses.
+    """
     tasks = [workload.task(i, 0.0) for i in range(sample)]
     contexts = [c.prompt_tokens for t in tasks for s in t.steps for c in s.calls]
     mean_context = statistics.fmean(contexts) + workload.spec.output_median
@@ -217,6 +228,38 @@ def capacity_tasks_per_s(workload: Workload, fleet: Fleet, sample: int = 200) ->
     return total
 
 
+def capacity_tasks_per_s(
+    spec: WorkloadSpec, fleet: Fleet, *, tasks: int, seed: int, probes: int = CAPACITY_PROBES
+) -> float:
+    """Tasks per second at which the oracle keeps every engine busy: offered load 100%.
+
+    A fixed point found by simulation: run the oracle (the best placement) at rate λ, measure
+    the engines' busy fraction u over the steady-state window, and try λ / u next, the rate
+    that would keep them busy if each task cost as much engine time. Batching makes a task
+    cheaper as load grows, so from below the rates rise towards the fixed point; `probes`
+    runs, fewer once u is within 5% of 1.
+    """
+    probe = Workload(spec, fleet_tenants(fleet), tasks=tasks, task_rate=1.0, seed=seed)
+    rate = optimistic_capacity_tasks_per_s(probe, fleet) * PROBE_START
+    for _ in range(probes):
+        outcome = run_policy(
+            ORACLE,
+            spec=spec,
+            fleet=fleet,
+            task_rate=rate,
+            tasks=tasks,
+            seed=seed,
+            warmup_tasks=int(tasks * WARMUP_SHARE),
+        )
+        busy = outcome.busy_s / (outcome.replicas * outcome.span_s) if outcome.span_s else 0.0
+        if busy <= 0:
+            break
+        rate /= busy
+        if abs(busy - 1.0) < 0.05:
+            break
+    return rate
+
+
 # ---------------------------------------------------------------------------- tasks
 
 
@@ -232,6 +275,8 @@ class _TaskState:
     ok: bool = False
     end: float = 0.0
     inflight: dict[str, tuple[int, FleetRequest]] = field(default_factory=dict)
+    counted: bool = True
+    """False for warm-up tasks: they load the fleet but no figure counts them."""
 
 
 @dataclass
@@ -267,8 +312,15 @@ class TaskRunner:
         *,
         max_tokens: int,
         retry_budget: int = RETRY_BUDGET,
+        warmup_tasks: int = 0,
+        last_task: int | None = None,
     ) -> None:
         self.policy = policy
+        self.warmup_tasks = warmup_tasks
+        self.last_task = last_task
+        """Index of the last task to arrive: the steady-state window ends at its arrival."""
+        self._window: list[tuple[float, float]] = []
+        """(time, engine busy seconds) when the window opens and when it closes."""
         self.max_tokens = max_tokens
         self.retry_budget = retry_budget
         self.name = policy.name
@@ -315,8 +367,10 @@ class TaskRunner:
             self.sim.schedule(task.arrival, functools.partial(self._arrive, task))
 
     def _arrive(self, task: Task) -> None:
-        state = _TaskState(task)
+        state = _TaskState(task, counted=task.index >= self.warmup_tasks)
         self.states.append(state)
+        if task.index == self.warmup_tasks or task.index == self.last_task:
+            self._window.append((self.sim.now, self._busy_s()))
         self.sim.schedule(task.deadline_at, functools.partial(self._deadline, state))
         self._issue_step(state)
         self._next_task()
@@ -382,7 +436,7 @@ class TaskRunner:
         state.done = True
         state.ok = ok
         state.end = self.sim.now
-        if not ok:
+        if not ok and state.counted:
             self.wasted_micros += state.spent_micros
 
     # ---- fleet callbacks
@@ -408,8 +462,10 @@ class TaskRunner:
         self.policy.on_step(replica, result)
 
     def _bill(self, state: _TaskState, micros: int) -> None:
-        self.spend_micros += micros
         state.spent_micros += micros
+        if not state.counted:
+            return
+        self.spend_micros += micros
         if state.done and not state.ok:
             self.wasted_micros += micros
 
@@ -422,10 +478,11 @@ class TaskRunner:
             request.prompt_tokens, record.cached_tokens, record.output_tokens
         )
         self._bill(state, cost)
-        self.attempts[replica] += 1
-        self.ttfts.append(record.ttft)
-        self.prompt_tokens += request.prompt_tokens
-        self.cached_tokens += record.cached_tokens
+        if state.counted:
+            self.attempts[replica] += 1
+            self.ttfts.append(record.ttft)
+            self.prompt_tokens += request.prompt_tokens
+            self.cached_tokens += record.cached_tokens
         self.policy.on_attempt_end(
             AttemptEnd(
                 request=request,
@@ -463,7 +520,8 @@ class TaskRunner:
         replica_fault: bool,
     ) -> None:
         """An attempt that did not finish: bill what it processed, tell the policy."""
-        self.failed_attempts += 1
+        if state.counted:
+            self.failed_attempts += 1
         prompt = cached = output = 0
         if sim is not None and sim.first_scheduled_time is not None:
             prompt = min(max(sim.num_computed_tokens, 0), request.prompt_tokens)
@@ -473,7 +531,7 @@ class TaskRunner:
                 prompt = request.prompt_tokens
         cost = self.prices[replica].cost_micros(prompt, cached, output) if replica >= 0 else 0
         self._bill(state, cost)
-        if replica >= 0:
+        if replica >= 0 and state.counted:
             self.attempts[replica] += 1
         self.policy.on_attempt_end(
             AttemptEnd(
@@ -497,7 +555,8 @@ class TaskRunner:
             wait = self.policy.retry_after(request)
             if state.done:
                 return
-            self.refusals += 1
+            if state.counted:
+                self.refusals += 1
             if wait is not None and self.sim.now + wait < state.task.deadline_at:
                 self.sim.schedule(
                     self.sim.now + wait,
@@ -516,21 +575,32 @@ class TaskRunner:
         request.exclude = request.exclude | {replica}
         self._submit(state, request, attempt=request.attempt + 1)
 
+    def _busy_s(self) -> float:
+        return sum(e.stats.busy_seconds for r in self.sim.replicas for e in r.engines.values())
+
     def _outcome(self, span: float) -> Outcome:
         tasks_by_tier: dict[int, int] = {}
         successes_by_tier: dict[int, int] = {}
+        counted = 0
         for state in self.states:
+            if not state.done:
+                logger.warning("task %d never ended", state.task.index)
+            if not state.counted:
+                continue
+            counted += 1
             tier = state.task.tier
             tasks_by_tier[tier] = tasks_by_tier.get(tier, 0) + 1
             if state.ok:
                 successes_by_tier[tier] = successes_by_tier.get(tier, 0) + 1
-            elif not state.done:
-                logger.warning("task %d never ended", state.task.index)
-        busy = sum(e.stats.busy_seconds for r in self.sim.replicas for e in r.engines.values())
+        busy = self._busy_s()
+        if len(self._window) == 2 and self._window[1][0] > self._window[0][0]:
+            # Steady state: from the first counted arrival to the last arrival.
+            (opened, busy_then), (closed, busy_now) = self._window
+            span, busy = closed - opened, busy_now - busy_then
         return Outcome(
             policy=self.policy.name,
             replicas=len(self.sim.replicas),
-            tasks=len(self.states),
+            tasks=counted,
             successes=sum(successes_by_tier.values()),
             tasks_by_tier=tasks_by_tier,
             successes_by_tier=successes_by_tier,
@@ -686,8 +756,13 @@ def run_policy(
     tasks: int,
     seed: int,
     extra: dict[str, object] | None = None,
+    warmup_tasks: int = 0,
 ) -> Outcome:
-    """Run one policy on one workload (faults included for `faults`)."""
+    """Run one policy on one workload (faults included for `faults`).
+
+    The first `warmup_tasks` tasks load the fleet but no figure counts them; utilisation and
+    goodput are measured from the first counted arrival to the last arrival.
+    """
     if name not in ALL_POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(ALL_POLICIES)}")
     slow = {1: 4.0} if spec.name == "faults" and sum(p.replicas for p in fleet.pools) > 2 else {}
@@ -712,7 +787,14 @@ def run_policy(
         extra=dict(extra or {}),
     )
     policy = ALL_POLICIES[name](setup)
-    runner = TaskRunner(fleet, replicas, policy, max_tokens=spec.max_tokens)
+    runner = TaskRunner(
+        fleet,
+        replicas,
+        policy,
+        max_tokens=spec.max_tokens,
+        warmup_tasks=warmup_tasks,
+        last_task=tasks - 1,
+    )
     runner_box.append(runner)
 
     def faults(sim: DiscreteEventFleet) -> None:
@@ -752,6 +834,7 @@ class WorkloadResult:
     task_rate: float
     policies: dict[str, PolicyFigures]
     oracle: PolicyFigures
+    warmup_tasks: int = 0
     sweep: dict[float, dict[str, PolicyFigures]] = field(default_factory=dict)
     goals: list[Goal] = field(default_factory=list)
 
@@ -775,6 +858,8 @@ class WorkloadResult:
                 "offered_load": self.offered_load,
                 "seed": self.seed,
                 "task_rate_per_s": round(self.task_rate, 6),
+                "warmup_tasks": self.warmup_tasks,
+                "oracle_utilisation": round(self.oracle.utilisation, 6),
             },
             "kvflow_cost_ratio": ratios,
             "sweep": {
@@ -820,8 +905,8 @@ def run_workload(
     spec = WORKLOADS[name]
     fleet = fleet or bench_fleet(name, replicas)
     count = sum(p.replicas for p in fleet.pools)
-    probe = Workload(spec, fleet_tenants(fleet), tasks=tasks, task_rate=1.0, seed=seed)
-    capacity = capacity_tasks_per_s(probe, fleet)
+    capacity = capacity_tasks_per_s(spec, fleet, tasks=tasks, seed=seed)
+    warmup = int(tasks * WARMUP_SHARE)
 
     def run_all(at: float, names: Sequence[str]) -> dict[str, Outcome]:
         outcomes: dict[str, Outcome] = {}
@@ -836,6 +921,7 @@ def run_workload(
                 tasks=tasks,
                 seed=seed,
                 extra=(extra or {}).get(policy),
+                warmup_tasks=warmup,
             )
         return outcomes
 
@@ -852,6 +938,7 @@ def run_workload(
         task_rate=load * capacity,
         policies={p: figures(o, oracle_hit) for p, o in main.items()},
         oracle=figures(oracle_outcome, oracle_hit),
+        warmup_tasks=warmup,
     )
     result.sweep[load] = result.policies
     for at in sweep_loads:
