@@ -37,11 +37,17 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer, Worker
 
-from kvflow.activities.context_store import DirectoryContextStore
+from kvflow.activities.context_store import (
+    TENANTS_DIR,
+    ContextNotFound,
+    DirectoryContextStore,
+    tenant_folder,
+)
 from kvflow.activities.inference import INFER_ACTIVITY
 from kvflow.activities.wire import (
     AttemptProgress,
     Checkpoint,
+    ContextRef,
     InferenceRequest,
     InferenceResult,
     UnreadableDetails,
@@ -449,6 +455,17 @@ async def test_long_conversation_keeps_history_small(temporal_client: Client, tm
         f"{sum(per_step[-10:]) // 10:,} B/step); inline it would be {inline:,} B"
     )
     assert len(per_step) == steps
+    # What the workflow stored is its tenant's: another tenant cannot open it by digest.
+    root = tmp_path / "context"
+    stored = [f for f in root.rglob("*") if f.is_file()]
+    assert stored
+    assert {f.relative_to(root).parts[:2] for f in stored} == {(TENANTS_DIR, tenant_folder("acme"))}
+    store = DirectoryContextStore(root)
+    ref = ContextRef(digest=stored[0].name, size=stored[0].stat().st_size, tenant="acme")
+    assert store.get(ref, "acme")
+    for stranger in (ref, ref.model_copy(update={"tenant": None})):
+        with pytest.raises(ContextNotFound):
+            store.get(stranger, "globex")
     # The cost of a step does not grow with the conversation...
     assert sum(per_step[-10:]) < 1.5 * sum(per_step[:10])
     # ...so history is a small fraction of what the conversation would weigh inline.

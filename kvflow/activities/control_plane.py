@@ -24,6 +24,8 @@ from kvflow.activities.tokenize import FleetTokenizers
 from kvflow.activities.wire import (
     AttemptBill,
     AttemptKey,
+    ContextGet,
+    ContextPut,
     ContextRef,
     LostAttempt,
     PlaceAnswer,
@@ -262,16 +264,16 @@ class ControlPlaneActivities:
             )
 
     @activity.defn(name=CONTEXT_PUT_ACTIVITY)
-    async def context_put(self, text: str) -> ContextRef:
-        """Store content; as a local activity its input (the text) stays out of history."""
+    async def context_put(self, put: ContextPut) -> ContextRef:
+        """Store content for the task's tenant; the text stays out of history."""
         with permanent_errors_fail_at_once():
-            return await self.store.aput(text)
+            return await self.store.aput(put.text, put.tenant)
 
     @activity.defn(name=CONTEXT_GET_ACTIVITY)
-    async def context_get(self, ref: ContextRef) -> str:
-        """Read content back (the result is recorded: use it for small contents)."""
+    async def context_get(self, get: ContextGet) -> str:
+        """Read the task's tenant's content back (the result is recorded: small contents)."""
         with permanent_errors_fail_at_once():
-            return await self.store.aget(ref)
+            return await self.store.aget(get.ref, get.tenant)
 
     def all(self) -> list[Callable[..., Any]]:
         """Every activity of the control plane, to register on the workflow worker."""

@@ -58,6 +58,28 @@ class ContextRef(BaseModel):
     )
 
 
+class ContextPut(BaseModel):
+    """Content to store for one tenant (the `context_put` control-plane activity's input)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: str
+    tenant: str = Field(min_length=1)
+
+
+class ContextGet(BaseModel):
+    """A reference to read back for one tenant (the `context_get` activity's input).
+
+    The store refuses a reference to another tenant's content, so a digest seen in one task's
+    history does not open it in another's.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    ref: ContextRef
+    tenant: str = Field(min_length=1)
+
+
 PREVIEW_CHARS = 80
 """The length of a preview, when one is asked for."""
 

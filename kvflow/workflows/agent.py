@@ -81,6 +81,8 @@ with workflow.unsafe.imports_passed_through():
         AttemptProgress,
         ChatMessage,
         Checkpoint,
+        ContextGet,
+        ContextPut,
         ContextRef,
         InferenceRequest,
         InferenceResult,
@@ -819,7 +821,8 @@ class Agent:
 
     async def read(self, ref: ContextRef) -> str:
         """The content a `ContextRef` points at."""
-        return await self._local(CONTEXT_GET_ACTIVITY, ref, str, None)
+        read = ContextGet(ref=ref, tenant=self.spec.tenant)
+        return await self._local(CONTEXT_GET_ACTIVITY, read, str, None)
 
     async def _store_if_large(self, text: str) -> str | ContextRef:
         if not needs_store(text):
@@ -827,7 +830,8 @@ class Agent:
         digest = digest_of(text)
         ref = self._refs.get(digest)
         if ref is None:
-            ref = await self._local(CONTEXT_PUT_ACTIVITY, text, ContextRef, None)
+            put = ContextPut(text=text, tenant=self.spec.tenant)
+            ref = await self._local(CONTEXT_PUT_ACTIVITY, put, ContextRef, None)
             self._refs[digest] = ref
         return ref
 
