@@ -105,9 +105,7 @@ async def test_finished_answer_survives_a_ledger_write_slower_than_the_heartbeat
     )
     blocker.execute("BEGIN IMMEDIATE")
     release = threading.Timer(4.0, lambda: blocker.execute("COMMIT"))
-    worker = _gpu_worker(
-        temporal_client, openai_server, openai_server.base_url, ledger, tmp_path
-    )
+    worker = _gpu_worker(temporal_client, openai_server, openai_server.base_url, ledger, tmp_path)
     try:
         release.start()
         async with worker:
@@ -124,9 +122,7 @@ async def test_finished_answer_survives_a_ledger_write_slower_than_the_heartbeat
     result = outcome.result
     assert result is not None, outcome
     assert result.usage.completion_tokens == 16
-    (row,) = await ledger.attempts_for(
-        workflow_id, await _run_id(temporal_client, workflow_id)
-    )
+    (row,) = await ledger.attempts_for(workflow_id, await _run_id(temporal_client, workflow_id))
     assert row.outcome == "ok" and row.cost_micros == result.cost_micros
     assert row.cost_micros == PRICES.cost_micros(
         result.usage.prompt_tokens, result.usage.cached_tokens, 16
@@ -155,9 +151,7 @@ async def test_attempt_billed_while_the_ledger_is_down_is_written_when_it_is_bac
     tmp_path: Path,
 ) -> None:
     outage = LedgerOutage(ledger)
-    worker = _gpu_worker(
-        temporal_client, openai_server, openai_server.base_url, outage, tmp_path
-    )
+    worker = _gpu_worker(temporal_client, openai_server, openai_server.base_url, outage, tmp_path)
     workflow_id = f"ledger-down-{uuid.uuid4()}"
     async with worker:
         outcome = await _call(
@@ -234,12 +228,8 @@ async def test_cut_and_resumed_call_keeps_its_output_text_out_of_history(
 ) -> None:
     proxy = FaultyProxy(openai_server.base_url).start()
     try:
-        cut_worker = _gpu_worker(
-            temporal_client, openai_server, proxy.base_url, None, tmp_path
-        )
-        worker = _gpu_worker(
-            temporal_client, openai_server, openai_server.base_url, None, tmp_path
-        )
+        cut_worker = _gpu_worker(temporal_client, openai_server, proxy.base_url, None, tmp_path)
+        worker = _gpu_worker(temporal_client, openai_server, openai_server.base_url, None, tmp_path)
         request = _chat(openai_server, "Write a long answer about durable agents.", 900)
         # Sampled, not greedy: the tiny random model's greedy output repeats two-byte tokens.
         request.sampling = Sampling(temperature=1.0, seed=7, ignore_eos=True)
@@ -248,9 +238,7 @@ async def test_cut_and_resumed_call_keeps_its_output_text_out_of_history(
             cut_id, resumed_id = f"cut-{uuid.uuid4()}", f"resumed-{uuid.uuid4()}"
             cut = await _call(temporal_client, cut_worker, request, cut_id)
             assert cut.error_type == "StreamCut", cut
-            progress = AttemptProgress.from_details(
-                [cut.details], source="StreamCut details"
-            )
+            progress = AttemptProgress.from_details([cut.details], source="StreamCut details")
             assert progress is not None
             partial = progress.resumable()
             assert partial is not None
@@ -267,12 +255,6 @@ async def test_cut_and_resumed_call_keeps_its_output_text_out_of_history(
         proxy.stop()
     result = resumed.result
     assert result is not None, resumed
-    assert (
-        result.text_ref is not None
-        and result.reused_tokens == partial.completion_tokens
-    )
+    assert result.text_ref is not None and result.reused_tokens == partial.completion_tokens
     for workflow_id in (cut_id, resumed_id):
-        assert (
-            await _longest_text_in_history(temporal_client, workflow_id)
-            <= INLINE_LIMIT_BYTES
-        )
+        assert await _longest_text_in_history(temporal_client, workflow_id) <= INLINE_LIMIT_BYTES
