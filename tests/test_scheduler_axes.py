@@ -261,6 +261,21 @@ def test_a_configuration_without_the_warm_weights_axis_is_refused_by_name() -> N
     assert SchedulerConfig(axes=("warm_weights",)).axes == ("warm_weights",)
 
 
+def test_the_output_estimate_is_the_observed_mean_once_enough_calls_finished() -> None:
+    axis = GpuGenerationAxis(SpeedConfig(output_min_observations=5, ewma_alpha=0.2))
+    model = EIGHT_B.name
+    assert axis.expected_output(model, "acme", 512) == 512  # nothing seen: max_tokens
+    for tokens in (100, 40, 40, 40):
+        axis.observe_output(model, "acme", tokens)
+    assert axis.expected_output(model, "acme", 512) == 512  # four calls are not enough
+    axis.observe_output(model, "acme", 40)
+    # EWMA: 100 → 88 → 78.4 → 70.72 → 64.576, rounded up.
+    assert axis.expected_output(model, "acme", 512) == 65
+    assert axis.expected_output(model, "globex", 512) == 65  # the model's mean for a newcomer
+    assert axis.expected_output(model, "acme", 50) == 50  # never above max_tokens
+    assert axis.expected_output(SEVENTY_B.name, "acme", 512) == 512
+
+
 # ----------------------------------------------------------------------------- latency budget
 
 

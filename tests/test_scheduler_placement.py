@@ -14,7 +14,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from kvflow.scheduler.axes import WorkflowContext
 from kvflow.scheduler.blocks import block_hashes
-from kvflow.scheduler.config import SchedulerConfig, WeightsConfig
+from kvflow.scheduler.config import PrefixConfig, SchedulerConfig, WeightsConfig
 from kvflow.scheduler.core import Scheduler
 from kvflow.scheduler.decision import Estimate
 from kvflow.scheduler.fleet import Fleet, task_queue_for
@@ -723,13 +723,15 @@ def same_telemetry(*schedulers: Scheduler) -> None:
             )
 
 
-def busy_fleet(seed: int, tokens: int) -> tuple[Scheduler, list[int]]:
+def busy_fleet(
+    seed: int, tokens: int, config: SchedulerConfig | None = None
+) -> tuple[Scheduler, list[int]]:
     """A scheduler with random load, cache sizes and failures; some replicas hold part of
     a `tokens`-long prompt, which is returned."""
     rng = random.Random(seed)
     # Eight replicas a pool, so that the search has pools to walk and replicas to pass over.
     pools = [{**pool, "replicas": 8} for pool in make_fleet().model_dump(mode="json")["pools"]]
-    scheduler = make_scheduler(fleet=make_fleet(pools=pools))
+    scheduler = make_scheduler(fleet=make_fleet(pools=pools), config=config)
     for name in scheduler.replica_names():
         slots = 16 if name.startswith("l4") else 48
         scheduler.update_metrics(
@@ -792,7 +794,10 @@ def test_the_searchs_shortcuts_never_hide_a_replica_that_could_win(
 @given(seed=st.integers(0, 10_000), tokens=st.integers(20, 6000))
 def test_the_search_finds_the_replica_with_the_lowest_objective(seed: int, tokens: int) -> None:
     """Pruning by bounds loses nothing: the pick is the best of every replica `scores` rates."""
-    scheduler, shared = busy_fleet(seed, tokens)
+    # Without the affinity load bound, which passes over the best objective on purpose
+    # (`test_a_prefix_holder_loaded_past_the_affinity_bound_is_passed_over`).
+    unbounded = SchedulerConfig(prefix=PrefixConfig(affinity_load_factor=1e9))
+    scheduler, shared = busy_fleet(seed, tokens, unbounded)
     rng = random.Random(seed)
     for step in range(12):  # deadlines from none to tight, spend from none to high
         asked = request(
@@ -885,3 +890,38 @@ def test_weights_in_config_change_the_choice() -> None:
         scheduler.place(request(prompt(300, 10), workflow_id="", previous_replica="h100/0"))
     )
     assert result.replica != "h100/0"
+
+
+# ----------------------------------------------------------------------------- load bounds
+
+
+@pytest.mark.parametrize(("running", "stays"), [(5, True), (20, False)])
+def test_a_prefix_holder_loaded_past_the_affinity_bound_is_passed_over(
+    running: int, stays: bool
+) -> None:
+    scheduler = make_scheduler()
+    tokens = prompt(1, 3400)
+    first = placed(scheduler.place(request(tokens)))
+    for name in scheduler.replica_names():
+        scheduler.update_metrics(
+            name, ReplicaMetrics(running=running if name == first.replica else 0)
+        )
+    # Four warm replicas hold 20 calls: the bound is max(8, ⌈1.5 · 21 / 4⌉) = 8 calls.
+    second = placed(scheduler.place(request(tokens + prompt(2, 300), workflow_id="wf-2")))
+    assert (second.replica == first.replica) is stays
+    assert (second.expected_cached_tokens > 0) is stays
+
+
+def test_time_and_cost_assume_the_output_length_observed_while_memory_keeps_the_bound() -> None:
+    scheduler = make_scheduler()
+    tokens = prompt(3, 1000)
+    before = placed(scheduler.place(request(tokens, max_output_tokens=2000)))
+    for _ in range(5):
+        scheduler.observe(
+            Observation(
+                replica=before.replica, model=BIG, tenant="acme", ok=True, completion_tokens=40
+            )
+        )
+    after = placed(scheduler.place(request(tokens, max_output_tokens=2000, workflow_id="wf-2")))
+    assert after.est_duration_s < before.est_duration_s
+    assert after.est_cost_micros < before.est_cost_micros

@@ -58,6 +58,7 @@ class Axis:
       `record`        a finished call's measurements
     Per decision:
       `prepare`       the axis's constants of the request, on the `Decision`
+      `prepare_model` the same for the model being placed (the asked one, then fallbacks)
       `accepts`       whether the model's replicas may take the call at their load at all
       `evaluate`      a `Filter` that turns the replica down, or None after filling in the
                       estimate fields the axis owns (the axes run in configuration order, so an
@@ -79,6 +80,9 @@ class Axis:
 
     def prepare(self, decision: Decision) -> None:
         """Set the axis's per-request constants on the decision."""
+
+    def prepare_model(self, decision: Decision) -> None:
+        """Set the axis's constants of the request for `decision.model` (fallbacks change it)."""
 
     def accepts(self, decision: Decision, load_fraction: float) -> bool:
         """Whether the call may be placed while the model's replicas are this loaded."""
@@ -153,6 +157,10 @@ class GpuGenerationAxis(Axis):
     Observed calls update an EWMA (weight `ewma_alpha`) per replica and per GPU generation;
     an estimate uses the replica's EWMA, else its generation's, else the roofline.
 
+    output tokens = EWMA of the completion tokens of the tenant's calls of the model, else of
+    all the model's calls (after `output_min_observations` of them), at most max_tokens;
+    max_tokens itself until then. Time and cost use it; memory and context checks the bound.
+
     prefill_s = overhead + uncached tokens · prefill s/token
     decode_s  = output tokens · decode s/token · (1 + decode_batch_slowdown · load fraction)
     ttft      = queue wait + cold load + prefill_s;  duration = ttft + decode_s
@@ -168,6 +176,9 @@ class GpuGenerationAxis(Axis):
         self._roofline: dict[tuple[GpuGeneration, int, str], Speed] = {}
         self._replica: dict[tuple[str, str], Speed] = {}
         self._generation: dict[tuple[GpuGeneration, str], Speed] = {}
+        self._min_outputs = config.output_min_observations
+        self._outputs: dict[tuple[str, str], tuple[int, float]] = {}
+        """(model, tenant), and (model, "") for all tenants → (calls seen, EWMA of output)."""
 
     def roofline(self, pool: Pool, model: ModelSpec) -> Speed:
         """The datasheet speed of `model` on one replica of `pool`."""
@@ -255,6 +266,34 @@ class GpuGenerationAxis(Axis):
             self._generation.get(generation_key) or self.roofline(pool, model)
         )
 
+    def expected_output(self, model: str, tenant: str, max_tokens: int) -> int:
+        """Output tokens to expect: the tenant's mean, else the model's, else `max_tokens`."""
+        for key in ((model, tenant), (model, "")):
+            seen = self._outputs.get(key)
+            if seen is not None and seen[0] >= self._min_outputs:
+                mean = math.ceil(seen[1])
+                return mean if mean < max_tokens else max_tokens
+        return max_tokens
+
+    def observe_output(self, model: str, tenant: str, completion_tokens: int) -> None:
+        """Fold a finished call's output length into the model's and the tenant's EWMAs."""
+        alpha = self.config.ewma_alpha
+        for key in ((model, tenant), (model, "")):
+            seen = self._outputs.get(key)
+            if seen is None:
+                self._outputs[key] = (1, float(completion_tokens))
+            else:
+                count, mean = seen
+                self._outputs[key] = (count + 1, mean + alpha * (completion_tokens - mean))
+
+    def prepare_model(self, decision: Decision) -> None:
+        """The output length time and cost estimates assume for this model."""
+        if decision.output_model != decision.model:
+            decision.output_model = decision.model
+            decision.output = self.expected_output(
+                decision.model, decision.tenant, decision.max_output
+            )
+
     def refresh(self, state: ReplicaState) -> None:
         """The replica's decode slowdown at its load (after `QueueLoad` set the fraction)."""
         self.refresh_load(state)
@@ -264,7 +303,8 @@ class GpuGenerationAxis(Axis):
         state.decode_slowdown = self.decode_slowdown(state.load_fraction)
 
     def record(self, state: ReplicaState, model: ModelSpec, observation: Observation) -> None:
-        """Learn the replica's prefill and decode speed from the call's timings."""
+        """Learn the replica's prefill and decode speed, and the output length, from a call."""
+        self.observe_output(model.name, observation.tenant, observation.completion_tokens)
         prefill_s = None
         if observation.ttft_s is not None and not observation.cold_start:
             # A cold start's first token waited for the weights to load; it says nothing
@@ -445,7 +485,7 @@ class MemoryHeadroom(Axis):
             return None
         need = self.blocks_needed(
             decision.prompt,
-            decision.output,
+            decision.max_output,
             estimate.cached_tokens,
             state.engine_block_size or self._block_size,
         )

@@ -62,6 +62,14 @@ class SpeedConfig(_Config):
     load_overhead_s: float = Field(
         default=20.0, ge=0, description="engine start-up time of a cold model load"
     )
+    output_min_observations: int = Field(
+        default=5,
+        ge=1,
+        description=(
+            "finished calls of a model (and tenant) before their mean output length replaces "
+            "max_tokens in time and cost estimates; memory and context checks keep max_tokens"
+        ),
+    )
 
 
 class WeightsConfig(_Config):
@@ -228,6 +236,19 @@ class PrefixConfig(_Config):
         default=1.25,
         ge=1,
         description="a rendezvous pick may hold at most this multiple of the mean load",
+    )
+    affinity_load_factor: float = Field(
+        default=1.5,
+        ge=1,
+        description=(
+            "a prefix holder with more than this multiple of the mean load (and more than "
+            "affinity_min_load calls) is passed over for the best replica within the bound"
+        ),
+    )
+    affinity_min_load: int = Field(
+        default=8,
+        ge=1,
+        description="calls a replica may hold before the affinity load bound applies",
     )
     search_width: int | None = Field(
         default=None,

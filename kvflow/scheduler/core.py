@@ -478,6 +478,7 @@ class Scheduler:
         # vLLM always computes the prompt's last token.
         longest = ctx.prompt - 1 if ctx.prompt > 0 else 0
         ctx.most_cached = min(levels[0][0] * self._entry_tokens, longest) if levels else 0
+        self.policy.prepare_model(ctx)
 
     def _state(self, replica: str) -> ReplicaState:
         state = self._by_name.get(replica)
@@ -564,7 +565,7 @@ class Scheduler:
 
     def _place_model(self, ctx: Decision) -> tuple[Estimate, bool] | Refusal:
         """Choose a replica for `ctx.spec`; (estimate, chosen by rendezvous) or a refusal."""
-        if ctx.prompt + ctx.output > ctx.spec.context_length:
+        if ctx.prompt + ctx.max_output > ctx.spec.context_length:
             return reasons.context_too_long(ctx)
         ranking = self._search.rankings[ctx.model]
         if ranking.slots:

@@ -63,10 +63,12 @@ class Decision:
         "budget_s",
         "excluded",
         "levels",
+        "max_output",
         "model",
         "most_cached",
         "now",
         "output",
+        "output_model",
         "previous",
         "prompt",
         "request",
@@ -99,6 +101,11 @@ class Decision:
         """The replica id of the workflow's previous call, or -1."""
         self.prompt = prompt
         self.output = output
+        self.max_output = output
+        """The request's `max_output_tokens`: the bound memory and context checks hold to."""
+        """The output estimate for time and cost; `request.max_output_tokens` is the bound."""
+        self.output_model = ""
+        """The model `output` was estimated for (`GpuGenerationAxis.expected_output`)."""
         self.spent = spent
         self.budget_micros = budget_micros
         self.block_hashes = block_hashes

@@ -52,6 +52,11 @@ class Policy:
         for axis in self.axes:
             axis.prepare(decision)
 
+    def prepare_model(self, decision: Decision) -> None:
+        """The axes' per-request constants for the model being placed."""
+        for axis in self.axes:
+            axis.prepare_model(decision)
+
     def accepts(self, decision: Decision, load_fraction: float) -> bool:
         """Whether every axis lets the call onto the model's replicas at their load."""
         return all(axis.accepts(decision, load_fraction) for axis in self.axes)

@@ -80,6 +80,8 @@ class Search:
         self._rendezvous_tolerance = 1.0 + config.prefix.rendezvous_tolerance
         self._rendezvous_prefix_blocks = config.prefix.rendezvous_prefix_blocks
         self._bounded_load_factor = config.prefix.bounded_load_factor
+        self._affinity_load_factor = config.prefix.affinity_load_factor
+        self._affinity_min_load = config.prefix.affinity_min_load
         self._search_width = config.prefix.search_width or max(16, len(replicas) // 16)
         self.rankings: dict[str, ModelRanking] = {
             m.name: ModelRanking(
@@ -177,8 +179,63 @@ class Search:
         if not decision.block_hashes and not decision.workflow_id:
             return chosen, False
         if cache_hit:
+            holder = self._replicas[chosen.rid]
+            if not chosen.cold_load_s and holder.load > self.affinity_capacity(
+                view, holder.pool.max_concurrency
+            ):
+                chosen = self._within_bound(view, best, evaluated, consider)
             return chosen, False
         return self._rendezvous(decision, view, chosen, consider)
+
+    def affinity_capacity(self, view: ModelRanking, slots: int) -> int:
+        """The most calls a prefix holder with `slots` slots may hold and still win on its cache.
+
+        max(affinity_min_load, ⌈affinity_load_factor · (L + 1) · slots / S⌉), where the
+        model's warm replicas hold L calls in S slots: its share of the load by its size, with
+        head room (SGLang and AIBrix likewise leave the cache for the least loaded worker once
+        load is imbalanced).
+        """
+        bound = math.ceil(self._affinity_load_factor * (view.load + 1) * slots / max(1, view.slots))
+        return bound if bound > self._affinity_min_load else self._affinity_min_load
+
+    def _within_bound(
+        self,
+        view: ModelRanking,
+        best: list[Estimate],
+        evaluated: Verdicts,
+        consider: Callable[[int], Estimate | Filter],
+    ) -> Estimate:
+        """The lowest objective among warm replicas within their bound; else the best found.
+
+        Scores the replicas already examined and, per pool, the first `search_width` of its
+        ranking within the bound (the ranking is by static factor, so least loaded first).
+        """
+        replicas = self._replicas
+        capacity: dict[int, int] = {}  # per pool
+        for position, ranked in enumerate(view.warm):
+            if not ranked:
+                continue
+            capacity[position] = bound = self.affinity_capacity(
+                view, replicas[ranked[0][1]].pool.max_concurrency
+            )
+            taken = 0
+            for _, rid in ranked:
+                if taken == self._search_width:
+                    break
+                if replicas[rid].load <= bound:
+                    consider(rid)
+                    taken += 1
+        found: Estimate | None = None
+        for rid, verdict in evaluated.items():
+            state = replicas[rid]
+            if (
+                isinstance(verdict, Estimate)
+                and not verdict.cold_load_s
+                and state.load <= capacity.get(state.pool_position, 0)
+                and (found is None or verdict.objective < found.objective)
+            ):
+                found = verdict
+        return found if found is not None else best[0]
 
     def _search(
         self,
