@@ -372,7 +372,8 @@ async def test_failure_details_that_do_not_validate_park_the_task_with_a_typed_e
             assert "the details of StreamCut from other/0 are not an AttemptProgress" in (
                 failure.message
             )
-            assert "text: Input should be a valid string" in failure.message
+            # The message names the field that did not validate (text: a string or a reference).
+            assert "text.str: Input should be a valid string" in failure.message
             # A version mismatch is not the task's failure: nothing is undone or recorded, and
             # the task goes on once the workers agree.
             assert [refund] == wf.REFUNDS and wf.REVERSED == []
