@@ -10,28 +10,41 @@ import asyncio
 import os
 import sys
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any, NoReturn
 
 from rich.console import Console
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
 
 from kvflow import DEFAULT_WORKFLOW_QUEUE
+from kvflow.activities.claim_check import claim_check_converter
+from kvflow.activities.context_store import DEFAULT_CONTEXT_DIR, DirectoryContextStore
 
 
 def arguments(description: str, *, tenant: str, seed_help: str) -> argparse.ArgumentParser:
-    """The options every starter takes: --address, --task-queue, --tenant, --seed."""
+    """The options every starter takes: --address, --task-queue, --tenant, --seed, --context-dir."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--address", default="127.0.0.1:7233", help="Temporal HOST:PORT")
     parser.add_argument("--task-queue", default=DEFAULT_WORKFLOW_QUEUE)
     parser.add_argument("--tenant", default=tenant)
     parser.add_argument("--seed", type=int, default=0, help=seed_help)
+    parser.add_argument(
+        "--context-dir",
+        type=Path,
+        default=DEFAULT_CONTEXT_DIR,
+        help="the workers' context store (where payloads over 2 KB are kept)",
+    )
     return parser
 
 
-async def connect(address: str) -> Client:
-    """A client with the data converter kvflow's workflows use (pydantic models)."""
-    return await Client.connect(address, data_converter=pydantic_data_converter)
+async def connect(address: str, context_dir: Path = DEFAULT_CONTEXT_DIR) -> Client:
+    """A client with the data converter kvflow's workers use.
+
+    Pydantic models; payloads over 2 KB are kept in the context store at `context_dir`, which
+    must be the workers' `--context-dir`.
+    """
+    store = DirectoryContextStore(context_dir)
+    return await Client.connect(address, data_converter=claim_check_converter(store))
 
 
 def run(start: Coroutine[Any, Any, None], address: str) -> NoReturn:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from temporalio import activity, workflow
 
 with workflow.unsafe.imports_passed_through():
@@ -127,5 +127,33 @@ class StructuredVerdict:
             )
 
 
-ALL_WORKFLOWS = [MultiStepAgent, RefundThenReply, StructuredVerdict]
+class Report(BaseModel):
+    title: str
+    body: str = Field(min_length=3000)
+
+
+class ReportInput(BaseModel):
+    spec: TaskSpec
+    model: str
+    brief: str
+
+
+@workflow.defn
+class LongReport:
+    """One model call whose prompt and structured answer are both larger than 2 KB."""
+
+    @workflow.run
+    async def run(self, task: ReportInput) -> Report:
+        agent = Agent(task.spec)
+        async with agent:
+            return await agent.infer(
+                [ChatMessage(role="user", content=task.brief)],
+                model=task.model,
+                max_tokens=4000,
+                output=Report,
+                step="report",
+            )
+
+
+ALL_WORKFLOWS = [MultiStepAgent, RefundThenReply, StructuredVerdict, LongReport]
 ALL_ACTIVITIES = [issue_refund, reverse_refund]

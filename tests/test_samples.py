@@ -32,6 +32,7 @@ from kvflow.ledger.records import AttemptRecord, TaskOutcome, TaskRecord
 from kvflow.ledger.store import AsyncLedger, open_async_ledger
 from kvflow.workers.config import load_fleet
 from kvflow.workers.embedded import EmbeddedFleet
+from kvflow.workers.plugin import KvflowPlugin
 from kvflow.workflows import errors
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
 from samples.support_triage import activities as desk
@@ -45,6 +46,7 @@ class Stack:
     client: Client
     ledger: AsyncLedger
     task_queue: str
+    context_dir: Path
 
     async def start(self, sample: Any, task: Any) -> WorkflowHandle[Any, Any]:
         return await self.client.start_workflow(
@@ -66,14 +68,21 @@ async def stack(
     temporal_client: Client, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Stack]:
     tmp_path = tmp_path_factory.mktemp("samples")
+    context_dir = tmp_path / "context"
+    # Clients and workers share the context store: payloads over 2 KB travel as references.
+    client = await Client.connect(
+        temporal_client.service_client.config.target_host,
+        namespace=temporal_client.namespace,
+        plugins=[KvflowPlugin(context_dir=context_dir)],
+    )
     ledger = await open_async_ledger(f"sqlite:///{tmp_path}/ledger.db", migrate=True)
     task_queue = f"samples-{uuid.uuid4()}"
     try:
         async with EmbeddedFleet(
-            temporal_client,
+            client,
             load_fleet(FLEET_FILE),
             ledger=ledger,
-            store=DirectoryContextStore(tmp_path / "context"),
+            store=DirectoryContextStore(context_dir),
         ) as embedded:
             worker = await embedded.workflow_worker(
                 workflows=[s.WORKFLOW for s in SAMPLES],
@@ -81,7 +90,7 @@ async def stack(
                 task_queue=task_queue,
             )
             async with worker:
-                yield Stack(temporal_client, ledger, task_queue)
+                yield Stack(client, ledger, task_queue, context_dir)
     finally:
         await ledger.close()
 
@@ -316,6 +325,8 @@ async def test_starter_runs_one_task_against_a_running_stack(
         stack.task_queue,
         "--tenant",
         "globex",
+        "--context-dir",
+        str(stack.context_dir),
         cwd=FLEET_FILE.parent,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,

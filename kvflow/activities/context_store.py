@@ -11,6 +11,8 @@ that tenant's own folder and its reference names the tenant, so a reference reso
 for that tenant (`get(ref, tenant="acme")`): a digest seen in another task's history does not
 open it. Content stored without a tenant is shared (the layout of earlier versions). A caller
 that states no tenant (the workflow worker reading its own task's answers) may read any.
+Byte content (`put_bytes`/`get_bytes`: the claim-checked payloads of
+`kvflow.activities.claim_check`) is always shared.
 
 Nothing expires by itself: `prune(older_than)` (`kvflow context prune`) deletes contents not
 stored or read since; storing or reading content again renews it, so contents that running
@@ -61,16 +63,43 @@ class DirectoryContextStore:
     def put(self, text: str, tenant: str | None = None) -> ContextRef:
         """Store `text` for `tenant` (None: shared), idempotently; return its reference."""
         ref = ref_for(text).model_copy(update={"tenant": tenant})
-        path = self._path(ref.digest, tenant)
+        self._write(self._path(ref.digest, tenant), text.encode("utf-8"))
+        return ref
+
+    def put_bytes(self, data: bytes) -> str:
+        """Store `data` in the shared area (no tenant), idempotently; return its SHA-256 digest.
+
+        For callers that hold no task context, such as a payload codec: what they store is
+        shared, and `get_bytes(digest)` reads it back.
+        """
+        digest = hashlib.sha256(data).hexdigest()
+        self._write(self._path(digest, None), data)
+        return digest
+
+    def get_bytes(self, digest: str) -> bytes:
+        """The shared content stored under `digest`; `ContextNotFound` if the store lacks it."""
+        path = self._path(digest, None)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise ContextNotFound(f"content {digest[:12]}… is not in {self.root}") from None
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise ContextNotFound(f"content {digest[:12]}… in {self.root} is corrupt")
+        with contextlib.suppress(OSError):  # a read-only store still serves reads
+            os.utime(path)  # read: still in use
+        return data
+
+    @staticmethod
+    def _write(path: Path, data: bytes) -> None:
+        """Write `data` to `path` atomically, or renew the file when it is already there."""
         try:
             # Storing it again renews it, so `prune` keeps what is still in use.
             os.utime(path)
         except FileNotFoundError:
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile("wb", dir=path.parent, delete=False) as tmp:
-                tmp.write(text.encode("utf-8"))
+                tmp.write(data)
             os.replace(tmp.name, path)
-        return ref
 
     def get(self, ref: ContextRef, tenant: str | None = None) -> str:
         """The content `ref` points at; `ContextNotFound` if the store lacks it.

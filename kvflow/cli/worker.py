@@ -84,7 +84,7 @@ def gpu(
         fail(str(exc))
 
     async def serve() -> None:
-        client = await connect(config)
+        client = await connect(config, context_dir)
         ledger = await open_async_ledger(ledger_url, migrate=True)
         try:
             worker = GpuWorker(
@@ -159,7 +159,7 @@ def workflow_command(
         fail(str(exc))
 
     async def serve() -> None:
-        client = await connect(config)
+        client = await connect(config, context_dir)
         ledger = await open_async_ledger(ledger_url, migrate=True)
         try:
             async with ControlPlane(

@@ -22,7 +22,7 @@ import httpx
 from temporalio.client import Client
 from temporalio.worker import Worker
 
-from kvflow.activities.context_store import DirectoryContextStore
+from kvflow.activities.context_store import DEFAULT_CONTEXT_DIR, DirectoryContextStore
 from kvflow.activities.inference import (
     AttemptSink,
     InferenceActivities,
@@ -114,6 +114,12 @@ class GpuWorker:
             await self._running.aclose()
 
 
-async def connect(fleet: FleetConfig) -> Client:
-    """A Temporal client for the fleet's connection, configured by `KvflowPlugin`."""
-    return await Client.connect(**fleet.temporal.connect_config(), plugins=[KvflowPlugin()])
+async def connect(fleet: FleetConfig, context_dir: Path = DEFAULT_CONTEXT_DIR) -> Client:
+    """A Temporal client for the fleet's connection, configured by `KvflowPlugin`.
+
+    Its codec keeps large payloads in the context store at `context_dir`: the store the
+    worker that uses the client serves.
+    """
+    return await Client.connect(
+        **fleet.temporal.connect_config(), plugins=[KvflowPlugin(context_dir=context_dir)]
+    )

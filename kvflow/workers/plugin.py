@@ -4,7 +4,9 @@ One plugin class plays three roles, chosen by what it is given:
 
 - **client** (`KvflowPlugin()`): on `Client.connect(plugins=[...])` it sets the pydantic data
   converter (kvflow's records are pydantic models; the default converter fails on `Decimal`)
-  and the OpenTelemetry tracing interceptor.
+  with a claim-check codec on the context store (payloads over `INLINE_LIMIT_BYTES` travel
+  as references, see `kvflow.activities.claim_check`), and the OpenTelemetry tracing
+  interceptor. Every client and worker of a deployment must use the same context store.
 - **workflow worker** (`KvflowPlugin(fleet)`): on a `Worker` it registers the control plane's
   activities (placement, observation, ledger task rows, the context store), runs the fleet's
   scheduler with its telemetry for as long as the worker runs, makes sure kvflow's search
@@ -29,14 +31,15 @@ from typing import Any
 import httpx
 from temporalio.client import Client
 from temporalio.contrib.opentelemetry import TracingInterceptor
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.plugin import SimplePlugin
 from temporalio.worker import WorkerConfig, WorkflowRunner
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 
+from kvflow.activities.claim_check import claim_check_converter
 from kvflow.activities.context_store import DEFAULT_CONTEXT_DIR, DirectoryContextStore
 from kvflow.activities.control_plane import LedgerSink
 from kvflow.activities.inference import InferenceActivities, default_http_client
+from kvflow.activities.wire import INLINE_LIMIT_BYTES
 from kvflow.ledger.spool import DEFAULT_SPOOL_DIR, SpooledAttemptWriter, spooled_writer
 from kvflow.ledger.store import AsyncLedger, default_ledger_url, open_ledger
 from kvflow.scheduler.config import SchedulerConfig
@@ -80,7 +83,10 @@ class KvflowPlugin(SimplePlugin):
             `postgresql://...`, created and migrated if needed) or an open ledger; by default
             `$KVFLOW_LEDGER_URL`, else `sqlite:///.kvflow/ledger.db` (what `kvflow report`
             reads).
-        context_dir: the content-addressed context store, shared by every worker.
+        context_dir: the content-addressed context store, shared by every worker and client.
+        claim_check_bytes: payloads whose serialized size exceeds this many bytes are stored
+            in the context store and travel as references (the client's data converter's
+            codec); None turns the codec off.
         spool_dir: where a GPU worker keeps the attempt rows the ledger could not take, until
             it is back (`kvflow.ledger.spool`); None to write to the ledger only.
         scheduler_config: weights and thresholds of the scheduler (workflow worker).
@@ -97,6 +103,7 @@ class KvflowPlugin(SimplePlugin):
         endpoints: Mapping[str, str] | None = None,
         ledger: str | LedgerSink | None = None,
         context_dir: Path | str = DEFAULT_CONTEXT_DIR,
+        claim_check_bytes: int | None = INLINE_LIMIT_BYTES,
         spool_dir: Path | str | None = DEFAULT_SPOOL_DIR,
         scheduler_config: SchedulerConfig | None = None,
         scrape_interval_s: float = 1.0,
@@ -159,7 +166,7 @@ class KvflowPlugin(SimplePlugin):
             activities = self.control_plane.activities.all()
         super().__init__(
             PLUGIN_NAME,
-            data_converter=pydantic_data_converter,
+            data_converter=claim_check_converter(store, claim_check_bytes),
             interceptors=[TracingInterceptor()] if tracing else None,
             activities=activities,
             workflow_runner=_sandbox_passes_kvflow if self.control_plane else None,

@@ -813,7 +813,8 @@ class Agent:
     async def text_of(self, result: InferenceResult) -> str:
         """The whole answer of `result`, from the context store when it was too large to inline.
 
-        The text is then recorded in history once, as a local activity's result.
+        The text is then the result of a local activity, whose marker in history holds it in
+        full unless the client's codec claim-checks large payloads (`KvflowPlugin` does).
         """
         if result.text_ref is None:
             return result.text

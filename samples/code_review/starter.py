@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import uuid
+from pathlib import Path
 
 from rich.console import Console
 from temporalio.client import WorkflowFailureError
@@ -19,10 +20,15 @@ from . import CodeReview, example_input
 
 
 async def start(
-    address: str, task_queue: str, tenant: str, seed: int, budget: float | None
+    address: str,
+    task_queue: str,
+    tenant: str,
+    seed: int,
+    budget: float | None,
+    context_dir: Path,
 ) -> None:
     """Run one review to its end and print it, with the model and replica of each step."""
-    client = await connect(address)
+    client = await connect(address, context_dir)
     task = example_input(random.Random(seed), tenant)
     if budget is not None:
         task.spec.latency_budget_s = budget
@@ -53,4 +59,7 @@ if __name__ == "__main__":
         "--budget", type=float, help="the latency budget in seconds (default: 2.5 s per step)"
     )
     args = parser.parse_args()
-    run(start(args.address, args.task_queue, args.tenant, args.seed, args.budget), args.address)
+    run(
+        start(args.address, args.task_queue, args.tenant, args.seed, args.budget, args.context_dir),
+        args.address,
+    )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import uuid
+from pathlib import Path
 
 from rich.console import Console
 
@@ -17,9 +18,9 @@ from ..starter import arguments, connect, run
 from . import ResearchAssistant, example_input
 
 
-async def start(address: str, task_queue: str, tenant: str, seed: int) -> None:
+async def start(address: str, task_queue: str, tenant: str, seed: int, context_dir: Path) -> None:
     """Run one task to its end and print what it found and what it cost."""
-    client = await connect(address)
+    client = await connect(address, context_dir)
     task = example_input(random.Random(seed), tenant)
     console = Console()
     console.print(f"[bold]{task.question}[/] ({len(task.source):,} bytes of source)")
@@ -40,4 +41,7 @@ if __name__ == "__main__":
         __doc__.splitlines()[0], tenant="acme", seed_help="picks the example question"
     )
     args = parser.parse_args()
-    run(start(args.address, args.task_queue, args.tenant, args.seed), args.address)
+    run(
+        start(args.address, args.task_queue, args.tenant, args.seed, args.context_dir),
+        args.address,
+    )

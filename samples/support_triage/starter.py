@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import uuid
+from pathlib import Path
 
 from rich.console import Console
 from temporalio.client import WorkflowFailureError
@@ -21,9 +22,9 @@ from ..starter import arguments, connect, run
 from . import SupportTriage, example_input
 
 
-async def start(address: str, task_queue: str, tenant: str, seed: int) -> None:
+async def start(address: str, task_queue: str, tenant: str, seed: int, context_dir: Path) -> None:
     """Run one ticket to its end and print the triage, the refund and the reply."""
-    client = await connect(address)
+    client = await connect(address, context_dir)
     task = example_input(random.Random(seed), tenant)
     console = Console()
     console.print(f"[bold]{task.ticket.subject}[/] from {task.ticket.account_id}")
@@ -49,4 +50,7 @@ if __name__ == "__main__":
         __doc__.splitlines()[0], tenant="globex", seed_help="picks the example ticket"
     )
     args = parser.parse_args()
-    run(start(args.address, args.task_queue, args.tenant, args.seed), args.address)
+    run(
+        start(args.address, args.task_queue, args.tenant, args.seed, args.context_dir),
+        args.address,
+    )
