@@ -6,11 +6,9 @@ through `KvflowPlugin` on the same context store as the workers; and the codec a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from google.protobuf.message import Message
 from temporalio.api.common.v1 import Payload
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
@@ -27,23 +25,8 @@ from kvflow.activities.context_store import DirectoryContextStore
 from kvflow.activities.wire import INLINE_LIMIT_BYTES, InferenceResult
 from kvflow.workers.plugin import KvflowPlugin
 from tests import agent_workflows as wf
+from tests.history import payloads_in
 from tests.test_workflows import MODEL, PoolPlan, _spec, stack
-
-
-def _payloads(message: Message) -> Iterator[Payload]:
-    """Every `Payload` inside a history event, however deeply nested."""
-    if isinstance(message, Payload):
-        yield message
-        return
-    for _field, value in message.ListFields():
-        if isinstance(value, Message):
-            yield from _payloads(value)
-        elif not isinstance(value, str | bytes | int | float | bool):
-            # A repeated field or a map (of which the values).
-            items = value.values() if hasattr(value, "values") else value
-            for item in items:
-                if isinstance(item, Message):
-                    yield from _payloads(item)
 
 
 async def _client(
@@ -93,12 +76,12 @@ async def test_large_prompt_and_structured_answer_stay_out_of_history(
     # workflow input, the local-activity marker of the answer read back, the result).
     sizes, references = [], 0
     for event in history.events:
-        for payload in _payloads(event):
+        for payload in payloads_in(event):
             sizes.append(payload.ByteSize())
             references += is_claim_check(payload)
     assert max(sizes) <= INLINE_LIMIT_BYTES, sorted(sizes)[-5:]
     markers = [e for e in history.events if e.event_type == EventType.EVENT_TYPE_MARKER_RECORDED]
-    assert any(is_claim_check(p) for m in markers for p in _payloads(m))
+    assert any(is_claim_check(p) for m in markers for p in payloads_in(m))
     assert references >= 3
     whole = history.to_json()
     assert "finding finding finding" not in whole and report.body[:200] not in whole

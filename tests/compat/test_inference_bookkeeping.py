@@ -16,8 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from google.protobuf.message import Message
-from temporalio.api.common.v1 import Payload
 from temporalio.client import Client
 from temporalio.worker import Worker
 
@@ -39,6 +37,7 @@ from tests.compat.test_inference_activity import (
     _pool,
 )
 from tests.faulty_proxy import Fault, FaultyProxy
+from tests.history import payloads_in
 from tests.servers import ServedModel
 
 QUEUE = f"bookkeeping-tests-{uuid.uuid4()}"
@@ -192,27 +191,11 @@ def _strings(value: Any) -> Iterator[str]:
             yield from _strings(item)
 
 
-def _payloads(message: Message) -> Iterator[Payload]:
-    """Every `Payload` inside a history event, however deeply nested."""
-    if isinstance(message, Payload):
-        yield message
-        return
-    for _field, value in message.ListFields():
-        if isinstance(value, Message):
-            yield from _payloads(value)
-        elif not isinstance(value, str | bytes | int | float | bool):
-            # A repeated field or a map (of which the values).
-            items = value.values() if hasattr(value, "values") else value
-            for item in items:
-                if isinstance(item, Message):
-                    yield from _payloads(item)
-
-
 async def _longest_text_in_history(client: Client, workflow_id: str) -> int:
     """The longest string (in UTF-8 bytes) that any payload of the workflow's history holds."""
     longest = 0
     async for event in client.get_workflow_handle(workflow_id).fetch_history_events():
-        for payload in _payloads(event):
+        for payload in payloads_in(event):
             try:
                 decoded = json.loads(payload.data)
             except ValueError:
