@@ -83,13 +83,6 @@ def bench_fleet(replicas: int) -> Fleet:
         raise ValueError(f"replicas must be a positive multiple of 4, got {replicas}")
     per_pool = replicas // 4
 
-    def prices(inp: str, cached: str, out: str) -> TokenPrices:
-        return TokenPrices(
-            input_per_mtok_usd=Decimal(inp),
-            cached_input_per_mtok_usd=Decimal(cached),
-            output_per_mtok_usd=Decimal(out),
-        )
-
     both = ["llama-3.1-8b", "llama-3.2-1b"]
     return Fleet(
         models=[
@@ -117,7 +110,7 @@ def bench_fleet(replicas: int) -> Fleet:
                 gpu=GpuGeneration.H200,
                 replicas=per_pool,
                 price_per_gpu_hour_usd=Decimal("3.80"),
-                token_prices=prices("0.20", "0.02", "0.60"),
+                token_prices=TokenPrices.per_mtok("0.20", "0.02", "0.60"),
                 warm_models=both,
                 max_concurrency=64,
             ),
@@ -126,7 +119,7 @@ def bench_fleet(replicas: int) -> Fleet:
                 gpu=GpuGeneration.H100,
                 replicas=per_pool,
                 price_per_gpu_hour_usd=Decimal("2.90"),
-                token_prices=prices("0.18", "0.018", "0.54"),
+                token_prices=TokenPrices.per_mtok("0.18", "0.018", "0.54"),
                 warm_models=both,
                 max_concurrency=48,
             ),
@@ -135,7 +128,7 @@ def bench_fleet(replicas: int) -> Fleet:
                 gpu=GpuGeneration.A100,
                 replicas=per_pool,
                 price_per_gpu_hour_usd=Decimal("1.60"),
-                token_prices=prices("0.15", "0.015", "0.45"),
+                token_prices=TokenPrices.per_mtok("0.15", "0.015", "0.45"),
                 warm_models=both,
                 max_concurrency=32,
             ),
@@ -144,7 +137,7 @@ def bench_fleet(replicas: int) -> Fleet:
                 gpu=GpuGeneration.L4,
                 replicas=per_pool,
                 price_per_gpu_hour_usd=Decimal("0.80"),
-                token_prices=prices("0.10", "0.01", "0.40"),
+                token_prices=TokenPrices.per_mtok("0.10", "0.01", "0.40"),
                 warm_models=["llama-3.2-1b"],
                 max_concurrency=16,
             ),

@@ -120,6 +120,15 @@ class TokenPrices(_Strict):
     cached_input_per_mtok_usd: Usd
     output_per_mtok_usd: Usd
 
+    @classmethod
+    def per_mtok(cls, input_usd: str, cached_input_usd: str, output_usd: str) -> TokenPrices:
+        """Prices from decimal strings as fleet.toml writes them, e.g. ("0.20", "0.02", "0.60")."""
+        return cls(
+            input_per_mtok_usd=Decimal(input_usd),
+            cached_input_per_mtok_usd=Decimal(cached_input_usd),
+            output_per_mtok_usd=Decimal(output_usd),
+        )
+
     def exact(self) -> ExactPrices:
         """The prices as scaled integers (see `ExactPrices`)."""
         prices = (self.input_per_mtok_usd, self.cached_input_per_mtok_usd, self.output_per_mtok_usd)

@@ -85,14 +85,6 @@ FALLBACK = "llama-3.2-1b"
 # ---------------------------------------------------------------------------- fleets
 
 
-def _prices(inp: str, cached: str, out: str) -> TokenPrices:
-    return TokenPrices(
-        input_per_mtok_usd=Decimal(inp),
-        cached_input_per_mtok_usd=Decimal(cached),
-        output_per_mtok_usd=Decimal(out),
-    )
-
-
 _TENANTS = [
     Tenant(name="acme", tier=1, fairness_weight=3.0),
     Tenant(name="globex", tier=3, fairness_weight=2.0),
@@ -114,7 +106,7 @@ def bench_fleet(workload: str, replicas: int) -> Fleet:
                 gpu=GpuGeneration.H100,
                 replicas=replicas,
                 price_per_gpu_hour_usd=Decimal("2.90"),
-                token_prices=_prices("0.18", "0.018", "0.54"),
+                token_prices=TokenPrices.per_mtok("0.18", "0.018", "0.54"),
                 warm_models=[MODEL],
                 max_concurrency=256,
             )
@@ -132,7 +124,7 @@ def bench_fleet(workload: str, replicas: int) -> Fleet:
             gpu=GpuGeneration.H200,
             replicas=h200,
             price_per_gpu_hour_usd=Decimal("3.80"),
-            token_prices=_prices("0.20", "0.02", "0.60"),
+            token_prices=TokenPrices.per_mtok("0.20", "0.02", "0.60"),
             warm_models=[MODEL],
             max_concurrency=256,
         ),
@@ -141,7 +133,7 @@ def bench_fleet(workload: str, replicas: int) -> Fleet:
             gpu=GpuGeneration.H100,
             replicas=h100,
             price_per_gpu_hour_usd=Decimal("2.90"),
-            token_prices=_prices("0.18", "0.018", "0.54"),
+            token_prices=TokenPrices.per_mtok("0.18", "0.018", "0.54"),
             warm_models=[MODEL],
             max_concurrency=256,
         ),
@@ -150,7 +142,7 @@ def bench_fleet(workload: str, replicas: int) -> Fleet:
             gpu=GpuGeneration.L4,
             replicas=l4,
             price_per_gpu_hour_usd=Decimal("0.80"),
-            token_prices=_prices("0.10", "0.01", "0.40"),
+            token_prices=TokenPrices.per_mtok("0.10", "0.01", "0.40"),
             warm_models=[MODEL],
             max_concurrency=64,
         ),
@@ -159,7 +151,7 @@ def bench_fleet(workload: str, replicas: int) -> Fleet:
             gpu=GpuGeneration.L4,
             replicas=small,
             price_per_gpu_hour_usd=Decimal("0.80"),
-            token_prices=_prices("0.03", "0.003", "0.10"),
+            token_prices=TokenPrices.per_mtok("0.03", "0.003", "0.10"),
             warm_models=[FALLBACK],
             max_concurrency=128,
         ),
