@@ -1,11 +1,17 @@
-"""Reading a workflow's history as tests check it: every payload, however deeply nested."""
+"""Reading a workflow as tests check it: its history's payloads, its streaming call's progress."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import Iterator
+from typing import Any
 
 from google.protobuf.message import Message
 from temporalio.api.common.v1 import Payload
+from temporalio.client import WorkflowHandle
+
+from kvflow.activities.wire import AttemptProgress
 
 
 def payloads_in(message: Message) -> Iterator[Payload]:
@@ -22,3 +28,14 @@ def payloads_in(message: Message) -> Iterator[Payload]:
             for item in items:
                 if isinstance(item, Message):
                     yield from payloads_in(item)
+
+
+async def wait_until_streaming(handle: WorkflowHandle[Any, Any], timeout_s: float = 20) -> None:
+    """Return once the task's pending call has heartbeated some output (or after `timeout_s`)."""
+    for _ in range(int(timeout_s / 0.05)):
+        pending = (await handle.describe()).raw_description.pending_activities
+        if pending and pending[0].heartbeat_details.payloads:
+            beat = json.loads(pending[0].heartbeat_details.payloads[0].data)
+            if AttemptProgress.model_validate(beat).completion_tokens:
+                return
+        await asyncio.sleep(0.05)

@@ -15,7 +15,6 @@ timeout. Afterwards, for every task:
 from __future__ import annotations
 
 import asyncio
-import json
 import sqlite3
 import threading
 from datetime import timedelta
@@ -24,14 +23,13 @@ from typing import Any
 
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 
-from kvflow.activities.wire import AttemptProgress
 from kvflow.ledger.records import TaskOutcome, TaskRecord
-from kvflow.simulator.faults import FaultSpec
 from kvflow.workers.reconcile import reconcile
 from kvflow.workflows import search_attributes
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
 from tests import agent_workflows as wf
-from tests.test_workflows import MODEL, PoolPlan, Stack, _spec, stack
+from tests.history import wait_until_streaming
+from tests.test_workflows import MODEL, Stack, _spec, cheap_pool_that_crashes, stack
 
 OUTCOMES = {
     WorkflowExecutionStatus.COMPLETED: {TaskOutcome.SUCCEEDED},
@@ -49,17 +47,6 @@ async def _settled(handle: WorkflowHandle[Any, Any]) -> None:
         raise
     except Exception:
         pass  # failed, cancelled and timed-out tasks are part of the point
-
-
-async def _cancel_once_streaming(handle: WorkflowHandle[Any, Any]) -> None:
-    for _ in range(400):
-        pending = (await handle.describe()).raw_description.pending_activities
-        if pending and pending[0].heartbeat_details.payloads:
-            beat = json.loads(pending[0].heartbeat_details.payloads[0].data)
-            if AttemptProgress.model_validate(beat).completion_tokens:
-                break
-        await asyncio.sleep(0.05)
-    await handle.cancel()
 
 
 async def assert_books_balance(s: Stack, handle: WorkflowHandle[Any, Any]) -> TaskRecord:
@@ -91,14 +78,8 @@ async def test_every_way_a_task_ends_leaves_the_ledger_exact(
 ):
     wf.REFUNDS.clear()
     wf.REVERSED.clear()
-    pools = [
-        # The scheduler's first choice; its replica dies mid-stream on its first long call.
-        PoolPlan(
-            "cheap", gpu="H200", prices=("0.05", "0.005", "0.15"), faults=FaultSpec(crash_after=20)
-        ),
-        PoolPlan("backup", gpu="H100", replicas=2, prices=("0.40", "0.04", "1.20")),
-    ]
-    async with stack(temporal_client, tmp_path, pools) as s:
+    # The cheap replica dies mid-stream on its first long call; the backups take over.
+    async with stack(temporal_client, tmp_path, cheap_pool_that_crashes(backups=2)) as s:
         # Short answers first: they fit under the cheap replica's crash point.
         normal = await s.start(
             wf.MultiStepAgent.run,
@@ -133,7 +114,8 @@ async def test_every_way_a_task_ends_leaves_the_ledger_exact(
                 spec=_spec(expected_steps=2), model=MODEL, refund=refund, max_tokens=3000
             ),
         )
-        await _cancel_once_streaming(cancelled)
+        await wait_until_streaming(cancelled)
+        await cancelled.cancel()
         timed_out = await s.client.start_workflow(
             wf.MultiStepAgent.run,
             wf.StepsInput(spec=_spec(expected_steps=2), model=MODEL, steps=2, max_tokens=3000),

@@ -26,7 +26,6 @@ from temporalio.worker import Replayer, Worker
 from kvflow.activities.context_store import DirectoryContextStore
 from kvflow.activities.inference import INFER_ACTIVITY
 from kvflow.activities.wire import (
-    AttemptProgress,
     ContextRef,
     InferenceRequest,
     InferenceResult,
@@ -39,13 +38,13 @@ from kvflow.ledger.records import AttemptOutcome, TaskOutcome, TaskRecord
 from kvflow.ledger.report import ReportQuery
 from kvflow.ledger.store import AsyncLedger
 from kvflow.scheduler.fleet import task_queue_for
-from kvflow.simulator.faults import FaultSpec
 from kvflow.workers.reconcile import reconcile
 from kvflow.workflows import agent as agent_module
 from kvflow.workflows import errors, search_attributes
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown, TaskSpec
 from tests import agent_workflows as wf
-from tests.test_workflows import MODEL, PoolPlan, stack
+from tests.history import wait_until_streaming
+from tests.test_workflows import MODEL, PoolPlan, cheap_pool_that_crashes, stack
 
 DATA = Path(__file__).parent / "data"
 PLACE_HISTORY = DATA / "history_one_step_placed.json"
@@ -172,13 +171,7 @@ async def test_cancelled_call_is_billed_and_the_scheduler_frees_its_replica(
             spec=_spec(expected_steps=2), model=MODEL, refund=refund, max_tokens=3000
         )
         handle = await s.start(wf.RefundThenReply.run, task)
-        for _ in range(300):  # cancel once the reply has produced some output
-            pending = (await handle.describe()).raw_description.pending_activities
-            if pending and pending[0].heartbeat_details.payloads:
-                beat = json.loads(pending[0].heartbeat_details.payloads[0].data)
-                if AttemptProgress.model_validate(beat).completion_tokens:
-                    break
-            await asyncio.sleep(0.05)
+        await wait_until_streaming(handle)
         await handle.cancel()
         with pytest.raises(WorkflowFailureError):
             await _result(handle)
@@ -209,13 +202,7 @@ async def test_cancelled_call_is_billed_and_the_scheduler_frees_its_replica(
 async def test_cut_attempt_continued_elsewhere_is_recorded_resumed_and_not_wasted(
     temporal_client: Client, tmp_path: Path
 ):
-    pools = [
-        PoolPlan(
-            "cheap", gpu="H200", prices=("0.05", "0.005", "0.15"), faults=FaultSpec(crash_after=20)
-        ),
-        PoolPlan("backup", gpu="H100", prices=("0.40", "0.04", "1.20")),
-    ]
-    async with stack(temporal_client, tmp_path, pools) as s:
+    async with stack(temporal_client, tmp_path, cheap_pool_that_crashes()) as s:
         task = wf.StepsInput(spec=_spec(), model=MODEL, steps=1, max_tokens=60)
         handle = await s.start(wf.MultiStepAgent.run, task)
         out = await _result(handle)

@@ -8,7 +8,6 @@ through it and checks what an operator and finance would see.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -73,6 +72,7 @@ from kvflow.workers.gpu_worker import GpuWorker
 from kvflow.workflows import errors, search_attributes
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown, TaskSpec
 from tests import agent_workflows as wf
+from tests.history import wait_until_streaming
 
 MODEL = "llama-3.2-1b"
 
@@ -167,6 +167,17 @@ async def assert_replays(handle: WorkflowHandle[Any, Any]) -> None:
     await replayer.replay_workflow(history)
 
 
+def cheap_pool_that_crashes(backups: int = 1) -> list[PoolPlan]:
+    """The scheduler's first choice, whose only replica dies 20 tokens into a stream, and a
+    dearer backup pool where the cut call resumes."""
+    return [
+        PoolPlan(
+            "cheap", gpu="H200", prices=("0.05", "0.005", "0.15"), faults=FaultSpec(crash_after=20)
+        ),
+        PoolPlan("backup", gpu="H100", replicas=backups, prices=("0.40", "0.04", "1.20")),
+    ]
+
+
 def _spec(**kwargs: Any) -> TaskSpec:
     return TaskSpec(**{"tenant": "acme", "expected_steps": 5, **kwargs})
 
@@ -233,14 +244,7 @@ async def test_five_step_task_runs_where_the_scheduler_placed_each_step(
 async def test_replica_that_crashes_mid_stream_is_resumed_elsewhere_and_both_attempts_billed(
     temporal_client: Client, tmp_path: Path
 ):
-    # The cheap pool is the scheduler's first choice; its only replica dies mid-stream.
-    pools = [
-        PoolPlan(
-            "cheap", gpu="H200", prices=("0.05", "0.005", "0.15"), faults=FaultSpec(crash_after=20)
-        ),
-        PoolPlan("backup", gpu="H100", prices=("0.40", "0.04", "1.20")),
-    ]
-    async with stack(temporal_client, tmp_path, pools) as s:
+    async with stack(temporal_client, tmp_path, cheap_pool_that_crashes()) as s:
         task = wf.StepsInput(spec=_spec(expected_steps=1), model=MODEL, steps=1, max_tokens=60)
         handle = await s.start(wf.MultiStepAgent.run, task)
         out = await handle.result()
@@ -763,13 +767,7 @@ tier = 1
                     wf.MultiStepAgent.run, task, id=f"doomed-{uuid.uuid4()}", task_queue=queue
                 )
                 # Kill it once a heartbeat has carried some output.
-                for _ in range(300):
-                    pending = (await handle.describe()).raw_description.pending_activities
-                    if pending and pending[0].heartbeat_details.payloads:
-                        beat = json.loads(pending[0].heartbeat_details.payloads[0].data)
-                        if AttemptProgress.model_validate(beat).completion_tokens:
-                            break
-                    await asyncio.sleep(0.05)
+                await wait_until_streaming(handle)
                 doomed.send_signal(signal.SIGKILL)
                 out = await handle.result()
                 breakdown = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
