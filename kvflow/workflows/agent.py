@@ -243,10 +243,9 @@ class Agent:
 
     def __init__(self, spec: TaskSpec) -> None:
         self.spec = spec
-        info = workflow.info()
-        self._started_at = info.start_time
+        self._started_at = _task_started_at(workflow.info())
         self._deadline = (
-            info.start_time + timedelta(seconds=spec.latency_budget_s)
+            self._started_at + timedelta(seconds=spec.latency_budget_s)
             if spec.latency_budget_s
             else None
         )
@@ -1022,6 +1021,21 @@ def _is_cancellation(exc: BaseException) -> bool:
             return True
         seen = seen.cause if isinstance(seen, ActivityError) else seen.__cause__
     return False
+
+
+def _task_started_at(info: workflow.Info) -> datetime:
+    """When the task's latency budget starts counting: when its workflow was started.
+
+    `Info.start_time` is the first workflow task's time, later than the start by however long
+    no workflow worker was polling (an outage, a deploy); the budget counts that wait too.
+    `workflow_start_time` comes from the `WorkflowExecutionStarted` event, so replay agrees.
+    A cron run or a workflow retry is created when the previous run closes and then waits out
+    its backoff by design: its budget starts with its first workflow task. A `start_delay`
+    cannot be told apart from an outage here, so a delayed task counts its delay.
+    """
+    if info.cron_schedule or info.attempt > 1:
+        return info.start_time
+    return info.workflow_start_time
 
 
 def _usd(micros: int) -> str:
