@@ -131,8 +131,8 @@ def fleet_check(
     )
 
 
-def _wait_for_stop_signal(server: EmbeddedTemporal) -> None:
-    """Block until Ctrl-C / SIGTERM, or until the server dies on its own."""
+def _stop_on_signal() -> threading.Event:
+    """An event that Ctrl-C / SIGTERM sets, from now on, instead of interrupting."""
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -140,6 +140,11 @@ def _wait_for_stop_signal(server: EmbeddedTemporal) -> None:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    return stop
+
+
+def _wait_for_stop_signal(server: EmbeddedTemporal, stop: threading.Event) -> None:
+    """Block until `stop` is set, or until the server dies on its own."""
     while not stop.wait(0.5):
         if server.pid is not None and not _alive(server):
             fail(f"the Temporal dev server stopped unexpectedly; see {server.log_path}", code=1)
@@ -171,13 +176,15 @@ def server(
     except DevServerError as exc:
         fail(str(exc))
     try:
+        # Before the banner: a Ctrl-C right after "Ctrl-C stops it." must stop it in order.
+        stop = _stop_on_signal()
         out.print(
             f"Temporal dev server at [bold]{temporal.address}[/] "
             f"(namespace 'default', state {temporal.db_path or 'in memory'})",
             highlight=False,
         )
         out.print(f"Web UI: [bold]{temporal.ui_url}[/]   Ctrl-C stops it.", highlight=False)
-        _wait_for_stop_signal(temporal)
+        _wait_for_stop_signal(temporal, stop)
     finally:
         temporal.stop()
     out.print("Temporal dev server stopped.")
