@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
+import sys
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -18,7 +20,7 @@ from kvflow.workflows.search_attributes import OUTCOME, SPEND_MICROS, TENANT
 
 # This file defines a workflow, so the sandbox re-imports it; pass the process code through.
 with workflow.unsafe.imports_passed_through():
-    from kvflow.workers.devserver import EmbeddedTemporal, PortInUse, free_port
+    from kvflow.workers.devserver import EmbeddedTemporal, PortInUse, free_port, port_is_free
 
 
 @activity.defn
@@ -88,3 +90,38 @@ def test_second_server_on_a_taken_port_names_the_flag(tmp_path: Path):
             second.start()
     assert str(first.port) in str(caught.value)
     assert "--port" in str(caught.value)
+
+
+def _tcp_states(port: int) -> set[str]:
+    """The states (hex codes of /proc/net/tcp, 06 = TIME_WAIT) of sockets on local `port`."""
+    states = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].rsplit(":", 1)[1], 16) == port:
+            states.add(fields[3])
+    return states
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads TCP states from /proc/net/tcp")
+def test_a_port_held_only_by_time_wait_is_free_and_a_listener_is_not(tmp_path: Path):
+    # What a server leaves when it stops while clients are connected: it closes first, so its
+    # side of each connection waits in TIME_WAIT on the server's port for a minute.
+    listener = socket.socket()
+    # As Temporal's listeners do (Go sets it on every listener); the TIME_WAIT sockets inherit
+    # it, and Linux lets a new bind through only where both sides set it.
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    assert not port_is_free(port), "a live listener must make the port taken"
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = listener.accept()
+    accepted.close()
+    assert client.recv(1) == b""  # the server's FIN arrived; now the client closes
+    client.close()
+    listener.close()
+    assert "06" in _tcp_states(port), "no TIME_WAIT socket was left on the port"
+    assert port_is_free(port), "a port held only by TIME_WAIT sockets read as taken"
+    # The embedded server's own check agrees: it starts there.
+    with EmbeddedTemporal(port=port, ui_port=None, state_dir=tmp_path, db_filename=None) as server:
+        assert server.pid is not None

@@ -113,8 +113,16 @@ def dynamic_config_args() -> list[str]:
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether nothing listens on `host:port` (so a server could bind it)."""
+    """Whether a server could listen on `host:port` now: nothing else listens there.
+
+    The probe binds with `SO_REUSEADDR`, as Temporal's Go listeners and most servers do, so a
+    port held only by closed connections (TIME_WAIT for a minute after a server stops while
+    clients were connected) counts as free, while a live listener still makes it taken.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        if os.name == "posix":
+            # Not on Windows, where SO_REUSEADDR would let the probe bind over a live listener.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:
