@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvflow.scheduler.blocks import ROOT_HASH, hash_block
+from kvflow.scheduler.config import DEFAULT_AXES, REQUIRED_AXIS
 from kvflow.simulator.policies import ALL_POLICIES, POLICIES, PolicySetup
 from kvflow.simulator.policy_bench import (
     Outcome,
@@ -23,7 +24,9 @@ from kvflow.simulator.policy_bench import (
     figures,
     percentile,
     run_policy,
+    run_workload,
     simulated_replicas,
+    zero_miss_floor,
 )
 from kvflow.simulator.workloads import WORKLOADS, Call, Step, Task, Workload
 
@@ -98,10 +101,11 @@ def test_tokens_of_turns_every_block_of_a_task_back_into_its_token_ids() -> None
                     parent = h
 
 
-def _chain(blocks: int) -> list[int]:
+def _chain(blocks: int, first_token: int = 0) -> list[int]:
     hashes, parent = [], ROOT_HASH
     for b in range(blocks):
-        parent = hash_block(parent, range(b * 16, b * 16 + 16))
+        start = first_token + b * 16
+        parent = hash_block(parent, range(start, start + 16))
         hashes.append(parent)
     return hashes
 
@@ -147,6 +151,58 @@ def test_cost_and_hit_rate_of_a_two_step_task_match_the_hand_computed_figures() 
     assert fig.prefix_hit_rate == pytest.approx(80 / 192)
     assert fig.wasted_spend_share == 0.0
     assert fig.slo_attainment == {"1": 1.0}
+
+
+def test_zero_miss_floor_of_a_task_and_a_fan_out_matches_the_hand_computed_figures() -> None:
+    # The two-step task of the test above, then a second task whose one step fans out into
+    # two calls sharing 4 blocks (64 tokens) of its own and adding 16 tokens each.
+    fleet = bench_fleet("agent", 1)
+    chain = _chain(10)
+    other = _chain(4, first_token=1000)
+    first = Task(
+        0,
+        "acme",
+        1,
+        0.0,
+        100.0,
+        [Step([Call(64, 32, chain[:6])], 1.0), Step([Call(128, 32, chain[:10])], 0.0)],
+    )
+    fan_out = Task(
+        1,
+        "acme",
+        1,
+        1.0,
+        100.0,
+        [Step([Call(80, 16, other[:4] + [11, 12]), Call(80, 16, other[:4] + [21, 22])], 0.0)],
+    )
+    floor = zero_miss_floor([first, fan_out], fleet, block_size=16, warmup_tasks=0)
+    # Task 0: 29 µ$ (nothing cached), then the 6 blocks step 1 sent are cached (96 tokens,
+    # one block more than the engine could reuse: a floor is optimistic):
+    # 32·0.18 + 96·0.018 + 32·0.54 = 24.768 → 25 µ$.
+    # Task 1: the first call pays for all 80 tokens: 80·0.18 + 16·0.54 = 23.04 → 23 µ$; its
+    # sibling finds the 4 shared blocks: 16·0.18 + 64·0.018 + 16·0.54 = 12.672 → 13 µ$.
+    assert floor.cost_per_task_usd == Decimal(29 + 25 + 23 + 13) / 2 / 1_000_000
+    assert floor.prefix_hit_rate == pytest.approx((96 + 64) / (64 + 128 + 80 + 80))
+    # Warm-up tasks leave blocks behind for the counted ones but are not billed.
+    counted = zero_miss_floor([first, fan_out], fleet, block_size=16, warmup_tasks=1)
+    assert counted.cost_per_task_usd == Decimal(23 + 13) / 1_000_000
+
+
+def test_no_policy_costs_less_than_the_zero_miss_floor() -> None:
+    result = run_workload("agent", replicas=2, tasks=24, load=0.8)
+    assert result.floor is not None and result.floor.cost_per_task_usd is not None
+    for fig in [*result.policies.values(), result.oracle]:
+        assert fig.cost_per_successful_task_usd is not None, fig.policy
+        assert fig.cost_per_successful_task_usd >= result.floor.cost_per_task_usd, fig.policy
+        assert fig.prefix_hit_rate <= result.floor.prefix_hit_rate, fig.policy
+
+
+def test_ablation_runs_kvflow_once_without_each_axis_but_the_required_one() -> None:
+    result = run_workload("agent", replicas=2, tasks=8, policies=["kvflow"], ablate=True)
+    assert list(result.ablations) == [a for a in DEFAULT_AXES if a != REQUIRED_AXIS]
+    for axis, fig in result.ablations.items():
+        assert fig.tasks == 6, axis  # 8 tasks, the first 2 warm-up
+        assert fig.success_rate > 0, axis
 
 
 def test_figures_of_a_hand_made_outcome() -> None:
@@ -229,7 +285,16 @@ def test_bench_policies_prints_the_table_and_writes_the_json_schema(tmp_path: Pa
         "task_rate_per_s": data["workload"]["task_rate_per_s"],
         "warmup_tasks": 1,
         "oracle_utilisation": data["workload"]["oracle_utilisation"],
+        "zero_miss_floor": {
+            "cost_per_successful_task_usd": data["workload"]["zero_miss_floor"][
+                "cost_per_successful_task_usd"
+            ],
+            "prefix_hit_rate": data["workload"]["zero_miss_floor"]["prefix_hit_rate"],
+        },
     }
+    Decimal(data["workload"]["zero_miss_floor"]["cost_per_successful_task_usd"])
+    assert "zero-miss floor" in done.stdout
+    assert data["ablations"] == {}
 
 
 @pytest.mark.parametrize(
