@@ -6,7 +6,7 @@ from pydantic import BaseModel, Field
 from temporalio import activity, workflow
 
 with workflow.unsafe.imports_passed_through():
-    from kvflow.activities.wire import ChatMessage, Sampling
+    from kvflow.activities.wire import ChatMessage, ContextRef, Sampling
     from kvflow.workflows.agent import Agent, TaskSpec
 
 
@@ -155,5 +155,31 @@ class LongReport:
             )
 
 
-ALL_WORKFLOWS = [MultiStepAgent, RefundThenReply, StructuredVerdict, LongReport]
+class ReadInput(BaseModel):
+    spec: TaskSpec
+    ref: ContextRef
+    model: str | None = None
+    """With a model, the reference goes to a model call as a message (the GPU worker reads it)."""
+
+
+@workflow.defn
+class ReadContext:
+    """Read a context reference for the task's tenant: with `Agent.read`, or in a model call."""
+
+    @workflow.run
+    async def run(self, task: ReadInput) -> str:
+        agent = Agent(task.spec)
+        async with agent:
+            if task.model is None:
+                return await agent.read(task.ref)
+            answer = await agent.infer(
+                [ChatMessage(role="user", content=task.ref)],
+                model=task.model,
+                max_tokens=4,
+                step="summarise",
+            )
+            return answer.text
+
+
+ALL_WORKFLOWS = [MultiStepAgent, RefundThenReply, StructuredVerdict, LongReport, ReadContext]
 ALL_ACTIVITIES = [issue_refund, reverse_refund]

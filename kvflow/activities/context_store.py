@@ -37,10 +37,19 @@ DEFAULT_CONTEXT_DIR = Path(".kvflow/context")
 TENANTS_DIR = "tenants"
 """The folder under the store's root that holds one folder per tenant."""
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 class ContextNotFound(KeyError):
     """A reference names content the store does not hold."""
+
+
+class ContextKeyInvalid(ContextNotFound):
+    """A key is not a SHA-256 hex digest, so it names no content (and no path) in the store.
+
+    A `ContextNotFound`, so that callers which treat a missing content as permanent (the
+    control-plane activities) refuse a forged key the same way.
+    """
 
 
 def tenant_folder(tenant: str) -> str:
@@ -57,6 +66,14 @@ class DirectoryContextStore:
         self.root = root
 
     def _path(self, digest: str, tenant: str | None) -> Path:
+        # The digest becomes a file name: only a content hash may, so that a forged reference
+        # (`../`, an absolute path; `ContextRef.model_construct` skips validation) cannot read
+        # or touch a file outside the store.
+        if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+            raise ContextKeyInvalid(
+                f"context key {digest!r:.80} is not a SHA-256 digest (64 lower-case hex "
+                "characters); the store refuses it"
+            )
         base = self.root if tenant is None else self.root / TENANTS_DIR / tenant_folder(tenant)
         return base / digest[:2] / digest
 
