@@ -474,7 +474,28 @@ def test_a_deadline_refusal_names_the_fallback_when_the_request_forbids_degradin
     assert refusal.reason is RefusalReason.DEADLINE
     assert refusal.alternative_model == SMALL
     assert not refusal.retryable
-    assert "1.2 s share" in refusal.message and "would fit" in refusal.message
+    assert "remaining 1.2 s" in refusal.message and "would fit" in refusal.message
+
+
+def test_a_step_over_its_share_of_the_deadline_runs_if_the_task_can_still_make_it() -> None:
+    scheduler = make_scheduler()
+    # 400 tokens of the 8B take about 2 s: over this step's share of a 6 s deadline with 5
+    # steps left (about 1.2 s), within the 6 s. Refusing would fail a task that can still end
+    # on time; the share lowers P(on time) instead.
+    result = placed(
+        scheduler.place(
+            request(
+                prompt(21, 1000),
+                max_output_tokens=400,
+                deadline_s_remaining=6.0,
+                steps_remaining=5,
+                allow_fallback=False,
+            )
+        )
+    )
+    assert result.model == BIG
+    assert result.step_budget_s is not None and result.est_duration_s > result.step_budget_s
+    assert result.est_duration_s <= 6.0
 
 
 def test_nothing_fits_a_tiny_deadline_and_the_refusal_says_so() -> None:

@@ -698,8 +698,13 @@ class LatencyBudget(Axis):
     """The step's share of the task deadline, and the chance of finishing within it.
 
     step budget = min(remaining, step_share_multiplier · remaining / steps remaining)
-    admits iff estimate ≤ step budget
+    admits iff estimate ≤ remaining
     P(on time) = 1 / (1 + (estimate / step budget) ^ deadline_shape)   (1 without a deadline)
+
+    A step that overruns its share can still leave the task on time (later steps may be
+    shorter, or find their prefix cached), so only a call that cannot end before the task's
+    deadline is refused; the share prices the risk through P(on time). Refusing at the share
+    failed tier-1 tasks in bursts that the routers without a deadline then served in time.
 
     Inputs: the request's remaining deadline and steps, the estimated duration.
     Config: `latency.*`. Filter: `deadline`; term: P(success) × P(on time).
@@ -720,9 +725,9 @@ class LatencyBudget(Axis):
         share = self._share * remaining / max(1, steps_remaining)
         return min(remaining, share)
 
-    def admits(self, estimate_s: float, budget_s: float | None) -> bool:
-        """Whether the estimate fits the step budget."""
-        return budget_s is None or estimate_s <= budget_s
+    def admits(self, estimate_s: float, remaining_s: float | None) -> bool:
+        """Whether the estimate ends before the task's deadline (`remaining_s` from now)."""
+        return remaining_s is None or estimate_s <= max(0.0, remaining_s)
 
     def p_on_time(self, estimate_s: float, budget_s: float | None) -> float:
         """Probability that a call estimated at `estimate_s` finishes within the budget."""
@@ -764,12 +769,12 @@ class LatencyBudget(Axis):
     def evaluate(
         self, state: ReplicaState, decision: Decision, estimate: Estimate
     ) -> Filter | None:
-        """`deadline` when the estimate misses the step budget; else P(on time) into p."""
+        """`deadline` when the estimate misses the task's deadline; else P(on time) into p."""
         budget = decision.budget_s
         if budget is None:
             return None
         duration = estimate.duration_s
-        if not self.admits(duration, budget):
+        if not self.admits(duration, decision.request.deadline_s_remaining):
             return Filter.DEADLINE
         estimate.p_success *= self.p_on_time(duration, budget)
         return None

@@ -156,10 +156,9 @@ def no_fit(
         )
     elif furthest is Filter.DEADLINE:
         message = (
-            f"no replica can run {spec.name} within this step's "
-            f"{seconds(decision.budget_s or 0.0)} share of the remaining "
-            f"{seconds(request.deadline_s_remaining or 0.0)} deadline ({summary}); a fallback "
-            "model, fewer output tokens or a longer deadline would help"
+            f"no replica can run {spec.name} within the task's remaining "
+            f"{seconds(request.deadline_s_remaining or 0.0)} before its deadline ({summary}); "
+            "a fallback model, fewer output tokens or a longer deadline would help"
         )
     elif furthest is Filter.SPEND:
         message = (
