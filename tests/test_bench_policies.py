@@ -173,7 +173,7 @@ def test_zero_miss_floor_of_a_task_and_a_fan_out_matches_the_hand_computed_figur
         1,
         1.0,
         100.0,
-        [Step([Call(80, 16, other[:4] + [11, 12]), Call(80, 16, other[:4] + [21, 22])], 0.0)],
+        [Step([Call(80, 16, [*other[:4], 11, 12]), Call(80, 16, [*other[:4], 21, 22])], 0.0)],
     )
     floor = zero_miss_floor([first, fan_out], fleet, block_size=16, warmup_tasks=0)
     # Task 0: 29 µ$ (nothing cached), then the 6 blocks step 1 sent are cached (96 tokens,

@@ -1071,26 +1071,31 @@ def goals(result: WorkloadResult) -> list[Goal]:
                 return None
             return float(cost / fig.cost_per_successful_task_usd)
 
+        floor = None if result.floor is None else result.floor.cost_per_task_usd
+
+        def floor_note(other: str) -> str:
+            """How close to `other` any placement could come at best (the zero-miss floor)."""
+            cost = result.policies[other].cost_per_successful_task_usd
+            if floor is None or not cost:
+                return ""
+            return (
+                f"; no placement can go below {float(floor / cost):.3f}× {other} "
+                f"(the zero-miss floor, ${floor:.6f})"
+            )
+
         rr = ratio("round-robin")
         found.append(
             Goal(
                 "cost per successful task ≤ 0.5× round-robin",
                 rr is not None and rr <= 0.5,
-                "no comparison" if rr is None else f"{rr:.3f}×",
+                "no comparison" if rr is None else f"{rr:.3f}×" + floor_note("round-robin"),
             )
         )
         anchors = {a: r for a in ANCHORS if (r := ratio(a)) is not None}
         if anchors:
             # The anchor kvflow compares worst with: the cheapest one.
             best = max(anchors, key=lambda a: anchors[a])
-            detail = f"{anchors[best]:.3f}× {best}"
-            anchor_cost = result.policies[best].cost_per_successful_task_usd
-            floor = None if result.floor is None else result.floor.cost_per_task_usd
-            if floor is not None and anchor_cost:
-                detail += (
-                    f"; no placement can go below {float(floor / anchor_cost):.3f}× {best} "
-                    f"(the zero-miss floor, ${floor:.6f})"
-                )
+            detail = f"{anchors[best]:.3f}× {best}" + floor_note(best)
             found.append(
                 Goal(
                     "cost per successful task ≤ 0.85× the best of llm-d, llm-d-precise, "
