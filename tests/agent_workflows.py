@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from pydantic import BaseModel, Field
 from temporalio import activity, workflow
+from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
+    from kvflow.activities.tools import tool_idempotency_key
     from kvflow.activities.wire import ChatMessage, ContextRef, Sampling
     from kvflow.workflows.agent import Agent, TaskSpec
 
@@ -181,5 +185,88 @@ class ReadContext:
             return answer.text
 
 
-ALL_WORKFLOWS = [MultiStepAgent, RefundThenReply, StructuredVerdict, LongReport, ReadContext]
-ALL_ACTIVITIES = [issue_refund, reverse_refund]
+class Trip(BaseModel):
+    traveller: str
+    """Unique per test: the records below are shared by every test in the process."""
+    card_declined: bool = True
+    lose_first_booking_answer: bool = False
+    """The first booking attempt books, then fails as if its answer was lost on the way."""
+
+
+BOOKINGS: dict[str, str] = {}
+"""The hotel's bookings by idempotency key: a key seen again returns its booking."""
+BOOKING_KEYS: dict[str, list[str]] = {}
+"""The idempotency key each attempt of `book_hotel` saw, by traveller."""
+CANCELLED: list[str] = []
+"""Travellers whose booking `cancel_hotel` undid."""
+CHARGE_ATTEMPTS: dict[str, list[int]] = {}
+"""The attempt numbers `charge_card` ran, by traveller."""
+
+
+@activity.defn
+async def book_hotel(trip: Trip) -> str:
+    key = tool_idempotency_key()
+    BOOKING_KEYS.setdefault(trip.traveller, []).append(key)
+    booking = BOOKINGS.setdefault(key, f"booking-{len(BOOKINGS) + 1}")
+    if trip.lose_first_booking_answer and activity.info().attempt == 1:
+        raise RuntimeError("connection reset after the hotel confirmed")
+    return booking
+
+
+@activity.defn
+async def cancel_hotel(trip: Trip) -> None:
+    CANCELLED.append(trip.traveller)
+
+
+@activity.defn
+async def charge_card(trip: Trip) -> str:
+    CHARGE_ATTEMPTS.setdefault(trip.traveller, []).append(activity.info().attempt)
+    if trip.card_declined:
+        raise RuntimeError(f"the card of {trip.traveller} was declined by the processor")
+    return "charged"
+
+
+class TripInput(BaseModel):
+    spec: TaskSpec
+    trip: Trip
+    charge_attempts: int | None = None
+    """`maximum_attempts` of the charge's retry policy (0: unlimited); None: the default."""
+
+
+@workflow.defn
+class BookTrip:
+    """Book a hotel (a tool with a compensation), then charge the card (a tool)."""
+
+    @workflow.run
+    async def run(self, task: TripInput) -> str:
+        agent = Agent(task.spec)
+        async with agent:
+            booking: str = await agent.tool(
+                book_hotel,
+                task.trip,
+                compensation=cancel_hotel,
+                step="book hotel",
+                result_type=str,
+            )
+            policy = (
+                None
+                if task.charge_attempts is None
+                else RetryPolicy(
+                    initial_interval=timedelta(milliseconds=500),
+                    backoff_coefficient=1.0,
+                    maximum_attempts=task.charge_attempts,
+                )
+            )
+            await agent.tool(charge_card, task.trip, step="charge card", retry_policy=policy)
+            return booking
+
+
+ALL_WORKFLOWS = [
+    MultiStepAgent,
+    RefundThenReply,
+    StructuredVerdict,
+    LongReport,
+    ReadContext,
+    BookTrip,
+]
+ALL_ACTIVITIES = [issue_refund, reverse_refund, book_hotel, cancel_hotel, charge_card]

@@ -52,6 +52,7 @@ from temporalio.exceptions import (
     ApplicationError,
     CancelledError,
     FailureError,
+    RetryState,
     TimeoutError,
     TimeoutType,
 )
@@ -136,6 +137,16 @@ LEDGER_RETRY = RetryPolicy(
 """Ledger writes from the workflow (task row, lost attempt, resumed marks) ride out a busy or
 restarting database for about a minute."""
 LEDGER_SCHEDULE_TO_CLOSE = timedelta(minutes=2)
+TOOL_START_TO_CLOSE = timedelta(seconds=60)
+"""The start-to-close limit of one attempt of a tool call (`Agent.tool`)."""
+TOOL_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1),
+    backoff_coefficient=2.0,
+    maximum_interval=timedelta(seconds=10),
+    maximum_attempts=3,
+)
+"""How a tool call is retried unless `Agent.tool` is given a policy: three attempts in about
+3 s, enough for a blip; a tool that keeps failing fails its task instead of holding it."""
 MAX_ADMISSION_WAITS = 60
 """How many times one step waits for admission before it fails (without a deadline)."""
 KEEP_INLINE_MESSAGES = 2
@@ -746,25 +757,48 @@ class Agent:
         compensation_arg: Any = None,
         step: str | None = None,
         result_type: type | None = None,
-        start_to_close: timedelta = timedelta(seconds=60),
+        start_to_close: timedelta = TOOL_START_TO_CLOSE,
         retry_policy: RetryPolicy | None = None,
     ) -> Any:
         """Run a tool activity; when it succeeds, remember its compensation for the saga.
 
         The compensation receives `compensation_arg` (default: the tool's own argument) and
-        runs, newest first, if the task later fails or is cancelled. `retry_policy` defaults to
-        Temporal's (retry until the timeout): a tool that fails for good should raise a
-        non-retryable `ApplicationError`, or pass a policy with `maximum_attempts`.
+        runs, newest first, if the task later fails or is cancelled.
+
+        A tool call is bounded twice. Each attempt gets `start_to_close`, and all attempts
+        together end at the task's deadline (Temporal's schedule-to-close timeout) when the
+        task has a latency budget. `retry_policy` (default `TOOL_RETRY`: 3 attempts, 1 s then
+        2 s apart) says how often an attempt that raised is tried again; a tool that fails
+        for good raises a non-retryable `ApplicationError` and is not retried. When the
+        attempts are spent or the error is not retryable the task fails with `ToolFailed`;
+        when the deadline cuts the tool off, with `DeadlineExceeded`. Either way the
+        compensations of the tools that succeeded run.
+
+        Any attempt may have done its work before it failed (its worker died before
+        reporting), so a tool that changes the world must not do it twice: inside the
+        activity, `kvflow.tool_idempotency_key()` is the same on every attempt of this call
+        and different for every other call; give it to the system the tool changes.
         """
         name = step or (activity if isinstance(activity, str) else activity.__name__)
         record = StepSpend(index=len(self.steps) + 1, name=name, kind="tool")
         self.steps.append(record)
+        policy = retry_policy or TOOL_RETRY
+        remaining = self._remaining_s()
+        if remaining is not None and remaining <= 0:
+            record.outcome = "failed"
+            raise self._error(
+                errors.TaskErrorType.DEADLINE_EXCEEDED,
+                record,
+                f"the task's {self.spec.latency_budget_s:g} s latency budget is spent",
+            )
+        until_deadline = timedelta(seconds=remaining) if remaining is not None else None
         try:
             result = await workflow.execute_activity(
                 cast(Any, activity),
                 arg,
-                start_to_close_timeout=start_to_close,
-                retry_policy=retry_policy,
+                start_to_close_timeout=min(start_to_close, until_deadline or start_to_close),
+                schedule_to_close_timeout=until_deadline,
+                retry_policy=policy,
                 result_type=result_type,
                 summary=f"tool {name}",
             )
@@ -773,9 +807,19 @@ class Agent:
             self._publish()
             if _is_cancellation(err):
                 raise
-            cause = err.cause
-            message = cause.message if isinstance(cause, ApplicationError) else str(cause)
-            raise self._error(errors.TaskErrorType.TOOL_FAILED, record, message) from None
+            what = _tool_failure(err.cause)
+            if self._deadline is not None and (
+                err.retry_state == RetryState.TIMEOUT or workflow.now() >= self._deadline
+            ):
+                raise self._error(
+                    errors.TaskErrorType.DEADLINE_EXCEEDED,
+                    record,
+                    f"the task's {self.spec.latency_budget_s:g} s latency budget ran out "
+                    f"before the tool succeeded; last failure: {what}",
+                ) from None
+            if err.retry_state == RetryState.MAXIMUM_ATTEMPTS_REACHED:
+                what = f"{what} (attempt {policy.maximum_attempts} of {policy.maximum_attempts})"
+            raise self._error(errors.TaskErrorType.TOOL_FAILED, record, what) from None
         record.outcome = "ok"
         if compensation is not None:
             self._compensations.append(
@@ -1021,6 +1065,17 @@ def _is_cancellation(exc: BaseException) -> bool:
             return True
         seen = seen.cause if isinstance(seen, ActivityError) else seen.__cause__
     return False
+
+
+def _tool_failure(cause: BaseException | None) -> str:
+    """What made a tool call fail, in one line: `RuntimeError: card declined`."""
+    if isinstance(cause, ApplicationError):
+        return f"{cause.type or 'ApplicationError'}: {cause.message}"
+    if isinstance(cause, TimeoutError):
+        kind = cause.type.name.lower().replace("_", "-") if cause.type else "a"
+        last = f" after {_tool_failure(cause.cause)}" if cause.cause else ""
+        return f"{kind} timeout{last}"
+    return str(cause) if cause else "no cause given"
 
 
 def _task_started_at(info: workflow.Info) -> datetime:
