@@ -1,12 +1,17 @@
-"""`kvflow server` and `kvflow demo` as a user runs them: real processes, real ports."""
+"""`kvflow server` and `kvflow demo` as a user runs them: real processes, real ports.
+
+Both must leave nothing behind however they end: Ctrl-C, SIGTERM, even SIGKILL.
+"""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import httpx
@@ -57,6 +62,69 @@ def _time_wait_on(port: int) -> bool:
         if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "06":
             return True
     return False
+
+
+def _process_table() -> dict[int, tuple[int, str]]:
+    """pid → (parent pid, state) of every process, from /proc/*/stat."""
+    table: dict[int, tuple[int, str]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue  # ended while we looked
+        # The command name in parentheses may hold spaces; the fields after it do not.
+        state, ppid = text[text.rindex(")") + 2 :].split()[:2]
+        table[int(stat.parent.name)] = (int(ppid), state)
+    return table
+
+
+def _descendants(pid: int) -> set[int]:
+    """The live processes below `pid`: children, their children, and so on."""
+    table = _process_table()
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {
+            child
+            for child, (ppid, state) in table.items()
+            if ppid in frontier and state != "Z" and child not in found
+        }
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    entry = _process_table().get(pid)
+    return entry is not None and entry[1] != "Z"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return "(gone)"
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float = 60) -> bool:
+    """Poll `condition` until it holds or `timeout_s` passes; whether it held."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def _assert_all_exit(pids: Iterable[int], what: str) -> None:
+    """Wait for every pid to end; kill and name the ones that did not."""
+    pids = set(pids)
+    if _wait_for(lambda: not any(_alive(p) for p in pids)):
+        return
+    left = {p: _cmdline(p) for p in pids if _alive(p)}
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)  # they are this test's own grandchildren
+    raise AssertionError(f"{what} left these processes running: {left}")
 
 
 def test_server_prints_the_ui_address_serves_it_and_stops_on_ctrl_c(tmp_path: Path):
@@ -146,3 +214,81 @@ def test_server_restarts_at_once_on_a_port_its_clients_left_in_time_wait(tmp_pat
     finally:
         if second.poll() is None:
             second.kill()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="parent-death signals are Linux's")
+@pytest.mark.timeout(180)
+def test_server_killed_with_sigkill_takes_the_temporal_server_with_it(tmp_path: Path):
+    port, ui_port = free_port(), free_port()
+    process = _start_server(port, ui_port, tmp_path)
+    try:
+        _read_until(process, "Web UI")
+        children = _descendants(process.pid)
+        assert any("temporal" in _cmdline(p) for p in children), children
+        process.kill()
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    _assert_all_exit(children, "kvflow server killed with SIGKILL")
+    assert _wait_for(lambda: port_is_free(port) and port_is_free(ui_port)), (
+        "the Temporal ports were not freed after kvflow server was killed"
+    )
+
+
+def _start_demo(port: int, ui_port: int, state_dir: Path) -> tuple[subprocess.Popen[str], int]:
+    """`kvflow demo --keep-running` with one task, up to "The stack stays up".
+
+    Returns the process whose output to read and kvflow's pid.
+    """
+    command = [
+        str(KVFLOW),
+        "demo",
+        "--tasks",
+        "1",
+        "--keep-running",
+        "--port",
+        str(port),
+        "--ui-port",
+        str(ui_port),
+        "--state-dir",
+        str(state_dir),
+    ]
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    pid = process.pid
+    try:
+        _read_until(process, "The stack stays up", timeout_s=240)
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)
+        process.kill()
+        raise
+    return process, pid
+
+
+def _simulators_and_temporal(pid: int) -> set[int]:
+    """The demo's child processes; asserts that there are simulators and a Temporal server."""
+    children = _descendants(pid)
+    commands = [_cmdline(p) for p in children]
+    assert any("kvflow.cli.sim" in c for c in commands), commands
+    assert any("temporal" in c for c in commands), commands
+    return children
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="parent-death signals are Linux's")
+@pytest.mark.timeout(360)
+def test_demo_killed_with_sigkill_takes_its_simulators_and_temporal_with_it(tmp_path: Path):
+    port, ui_port = free_port(), free_port()
+    process, pid = _start_demo(port, ui_port, tmp_path)
+    children = _simulators_and_temporal(pid)
+    process.kill()
+    process.wait(timeout=30)
+    _assert_all_exit(children, "kvflow demo killed with SIGKILL")
+    assert _wait_for(lambda: port_is_free(port) and port_is_free(ui_port)), (
+        "the Temporal ports were not freed after kvflow demo was killed"
+    )

@@ -1133,7 +1133,10 @@ class SimProcess:
     """`kvflow sim serve` as a child process (its own Python), for crash faults and demos.
 
     `args` are the CLI's options after `serve`, e.g. `["--gpu", "H100", "--model",
-    "llama-3.2-1b"]`; `--port` is added.
+    "llama-3.2-1b"]`; `--port` is added. `preexec_fn` runs in the child before it execs
+    (the embedded fleet uses it so that simulators die with the process that started them).
+    `start()` launches and waits for `/health`; `spawn()` and `wait_ready()` split the two,
+    so that several can be launched from one thread and waited for in others.
     """
 
     def __init__(
@@ -1144,12 +1147,14 @@ class SimProcess:
         host: str = "127.0.0.1",
         log_path: Path | None = None,
         env: dict[str, str] | None = None,
+        preexec_fn: Callable[[], None] | None = None,
     ) -> None:
         self.args = list(args)
         self.host = host
         self.port = port or _free_port(host)
         self.log_path = log_path
         self.env = env
+        self.preexec_fn = preexec_fn
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -1164,6 +1169,10 @@ class SimProcess:
 
     def start(self, timeout: float = 30.0) -> Self:
         """Start the process and wait until `/health` answers."""
+        return self.spawn().wait_ready(timeout)
+
+    def spawn(self) -> Self:
+        """Start the process without waiting for it to serve."""
         command = [
             sys.executable,
             "-m",
@@ -1182,10 +1191,16 @@ class SimProcess:
                 stdout=output,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **(self.env or {})},
+                preexec_fn=self.preexec_fn,
             )
         finally:
             if self.log_path:
                 output.close()  # type: ignore[union-attr]
+        return self
+
+    def wait_ready(self, timeout: float = 30.0) -> Self:
+        """Wait until `/health` answers; stop the process if it does not within `timeout`."""
+        assert self.process is not None, "spawn() the process first"
         deadline = time.monotonic() + timeout
         with httpx.Client(timeout=1.0) as client:
             while True:

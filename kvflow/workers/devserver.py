@@ -8,6 +8,7 @@ through `WorkflowEnvironment.start_local` with `dev_server_args()`, so both agre
 
 from __future__ import annotations
 
+import ctypes
 import importlib.metadata
 import logging
 import os
@@ -15,8 +16,10 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -112,6 +115,41 @@ def dynamic_config_args() -> list[str]:
     return args
 
 
+_PR_SET_PDEATHSIG = 1
+"""`prctl` option from <linux/prctl.h>: the signal a process gets when its parent dies."""
+
+
+def stop_with_parent(sig: signal.Signals = signal.SIGTERM) -> Callable[[], None] | None:
+    """A `Popen` `preexec_fn`: Linux sends the child `sig` when this process dies (or None).
+
+    The signal comes however the parent dies, SIGKILL included. Without it a `kvflow server`
+    or `kvflow demo` killed with SIGKILL would leave its children running: Temporal holding
+    its ports and SQLite file, simulators and vLLM servers theirs. The setting survives `exec`, so
+    the child needs no cooperation. None off Linux, or where libc has no `prctl`.
+
+    Linux sends it when the *thread* that started the child exits, not the whole process
+    (prctl(2)): start the child from a thread that lives as long as it should, such as the
+    main thread or the event loop's thread, never from a short-lived worker thread.
+    """
+    if sys.platform != "linux":
+        return None
+    try:
+        # Resolved here, in the parent: loading a library between fork and exec can deadlock.
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        log.debug("prctl is not available; children will not stop with this process")
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(sig))
+        if os.getppid() != parent:
+            # The parent died before the line above armed the signal: it will never come.
+            os._exit(1)
+
+    return arm
+
+
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     """Whether a server could listen on `host:port` now: nothing else listens there.
 
@@ -142,7 +180,8 @@ class EmbeddedTemporal:
     """A `temporal server start-dev` process with kvflow's settings.
 
     Use it as a context manager, or call `start()` and `stop()`. `start()` returns once the
-    frontend answers (and the UI, when enabled).
+    frontend answers (and the UI, when enabled). On Linux the server gets SIGTERM if the
+    thread that called `start()` ends without stopping it (see `stop_with_parent`).
     """
 
     def __init__(
@@ -208,9 +247,14 @@ class EmbeddedTemporal:
         log.info("starting Temporal dev server: %s", " ".join(cmd))
         with self.log_path.open("ab") as log_file:
             # Its own session, so a Ctrl-C in the terminal reaches kvflow first and kvflow stops
-            # the server in order, instead of both racing to shut down.
+            # the server in order, instead of both racing to shut down; and a SIGTERM when
+            # kvflow dies without stopping it, so it does not keep the ports and the database.
             self._process = subprocess.Popen(
-                cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+                cmd,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=stop_with_parent(),
             )
         try:
             self._wait_ready()

@@ -35,6 +35,7 @@ from kvflow.simulator import (
     resolve_models,
 )
 from kvflow.workers.control_plane import ControlPlane
+from kvflow.workers.devserver import stop_with_parent
 from kvflow.workers.gpu_worker import GpuWorker
 from kvflow.workers.workflow_worker import DEFAULT_WORKFLOW_QUEUE, workflow_worker
 
@@ -165,10 +166,13 @@ class EmbeddedFleet:
             if self.max_model_len is not None:
                 args += ["--max-model-len", str(self.max_model_len)]
             args += _fault_flags(self.faults.get(name, FaultSpec()))
-            processes[name] = SimProcess(args)
+            # Launched from the event loop's thread, which outlives them: Linux sends the
+            # parent-death signal when the launching thread ends, and a to_thread worker
+            # thread is not ours to keep alive.
+            processes[name] = SimProcess(args, preexec_fn=stop_with_parent()).spawn()
             self._exits.callback(processes[name].stop)
-        # Python start-up dominates; start them side by side.
-        await asyncio.gather(*(asyncio.to_thread(p.start) for p in processes.values()))
+        # Python start-up dominates; wait for them side by side.
+        await asyncio.gather(*(asyncio.to_thread(p.wait_ready) for p in processes.values()))
         self.sims.update(processes)
         for index, name in enumerate(pool.replica_names()):
             if name not in self.without_gpu_worker:

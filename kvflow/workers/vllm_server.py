@@ -10,14 +10,12 @@ real-vLLM fixtures both start their servers with it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -28,7 +26,7 @@ from types import TracebackType
 
 import httpx
 
-from kvflow.workers.devserver import free_port
+from kvflow.workers.devserver import free_port, stop_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -108,17 +106,6 @@ def log_tail(path: Path, lines: int = 40) -> str:
     except OSError:
         return "(no log)"
     return "\n".join(text.splitlines()[-lines:])
-
-
-def _stop_with_parent() -> None:
-    """Ask Linux to SIGTERM the server if the process that started it dies without stopping it.
-
-    Runs in the child between fork and exec. Once serving, the API server then stops its
-    engine and worker itself; during its start-up (about 30 s) vLLM loses that signal.
-    """
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -284,7 +271,10 @@ class VllmServer:
                 stderr=subprocess.STDOUT,
                 env=self.environment(),
                 start_new_session=True,
-                preexec_fn=_stop_with_parent if sys.platform == "linux" else None,
+                # SIGTERM if this process dies without stopping it. Once serving, the API
+                # server then stops its engine and worker itself; during its start-up (about
+                # 30 s) vLLM loses that signal.
+                preexec_fn=stop_with_parent(),
             )
         return self
 
