@@ -236,10 +236,14 @@ def test_server_killed_with_sigkill_takes_the_temporal_server_with_it(tmp_path: 
     )
 
 
-def _start_demo(port: int, ui_port: int, state_dir: Path) -> tuple[subprocess.Popen[str], int]:
+def _start_demo(
+    port: int, ui_port: int, state_dir: Path, *, in_background: bool = False
+) -> tuple[subprocess.Popen[str], int]:
     """`kvflow demo --keep-running` with one task, up to "The stack stays up".
 
-    Returns the process whose output to read and kvflow's pid.
+    With `in_background` it runs as `sh -c 'kvflow demo ... &'` starts it: a non-interactive
+    shell starts a background job with SIGINT ignored. Returns the process whose output to
+    read (kvflow, or the shell) and kvflow's pid.
     """
     command = [
         str(KVFLOW),
@@ -254,6 +258,8 @@ def _start_demo(port: int, ui_port: int, state_dir: Path) -> tuple[subprocess.Po
         "--state-dir",
         str(state_dir),
     ]
+    if in_background:
+        command = ["/bin/sh", "-c", '"$@" & echo "kvflow pid $!"; wait $!', "sh", *command]
     process = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
@@ -263,6 +269,9 @@ def _start_demo(port: int, ui_port: int, state_dir: Path) -> tuple[subprocess.Po
     )
     pid = process.pid
     try:
+        if in_background:
+            seen = _read_until(process, "kvflow pid")
+            pid = int(seen.rsplit("kvflow pid", 1)[1].split()[0])
         _read_until(process, "The stack stays up", timeout_s=240)
     except BaseException:
         os.kill(pid, signal.SIGKILL)
@@ -292,3 +301,30 @@ def test_demo_killed_with_sigkill_takes_its_simulators_and_temporal_with_it(tmp_
     assert _wait_for(lambda: port_is_free(port) and port_is_free(ui_port)), (
         "the Temporal ports were not freed after kvflow demo was killed"
     )
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads processes from /proc")
+@pytest.mark.timeout(360)
+def test_demo_in_a_shells_background_stops_in_order_on_sigterm(tmp_path: Path):
+    port, ui_port = free_port(), free_port()
+    shell, pid = _start_demo(port, ui_port, tmp_path, in_background=True)
+    children = _simulators_and_temporal(pid)
+    try:
+        os.kill(pid, signal.SIGTERM)
+        try:
+            code = shell.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("kvflow demo still ran 120 s after its SIGTERM") from None
+        # The shell's `wait $!` returns kvflow's exit status: 0 for a stop on request.
+        assert code == 0, f"kvflow demo exited {code} on SIGTERM, not 0"
+        assert shell.stdout is not None
+        rest = shell.stdout.read()
+        assert "Embedded stack stopped." in rest, rest
+        assert "Traceback" not in rest, rest
+    finally:
+        if shell.poll() is None:
+            os.kill(pid, signal.SIGKILL)
+            shell.kill()
+    # It stopped them itself: nothing is left, not even for the parent-death signal to end.
+    assert not any(_alive(p) for p in children), {p: _cmdline(p) for p in children}
+    assert port_is_free(port) and port_is_free(ui_port)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import time
 from pathlib import Path
+from types import FrameType
 from typing import Annotated
 
 import typer
@@ -26,6 +26,33 @@ from kvflow.workers.console import (
 )
 from kvflow.workers.devserver import DEFAULT_STATE_DIR, DevServerError, EmbeddedTemporal
 from kvflow.workers.vllm_server import Engine
+
+
+class _StopOnSigterm:
+    """A SIGTERM handler that stops the demo in order, as Ctrl-C does.
+
+    While the demo's event loop runs, it cancels the loop's main task (what asyncio does on
+    Ctrl-C), so the workers and the simulators shut down in order; before and after, it
+    raises KeyboardInterrupt. It does not go through SIGINT: a shell starts a background job
+    with SIGINT ignored, and a SIGINT sent to itself would then do nothing.
+    Only the first SIGTERM acts; later ones would cut the shutdown short.
+    """
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[None] | None = None
+        self.received = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.received:
+            return
+        self.received = True
+        task = self.task
+        if task is not None and not task.done():
+            task.cancel()
+            # Wake the loop up if it sleeps in select(), as asyncio's own Ctrl-C handler does.
+            task.get_loop().call_soon_threadsafe(lambda: None)
+        else:
+            raise KeyboardInterrupt
 
 
 def demo(
@@ -72,6 +99,7 @@ def demo(
     """Run agent tasks of three tenants on a simulated fleet, then show what they cost.
 
     With --endpoints or --engine vllm they run on real vLLM servers (one pool, `vllm`).
+    Ctrl-C or SIGTERM stops the whole stack in order (exit status 0), --keep-running too.
     """
     from kvflow.workers.demo import (
         DemoOptions,
@@ -133,11 +161,12 @@ def demo(
         )
     else:
         where = f"{len(urls) or replicas or 2} vLLM server(s), prices of fleet {fleet}"
-    # SIGTERM stops the stack as Ctrl-C does (as a SIGINT, which asyncio.run turns into a
-    # clean cancellation), so no vLLM or Temporal process is left behind.
-    signal.signal(signal.SIGTERM, lambda signum, frame: os.kill(os.getpid(), signal.SIGINT))
+    # SIGTERM stops the stack as Ctrl-C does, so no vLLM or Temporal process is left behind.
+    sigterm = _StopOnSigterm()
+    signal.signal(signal.SIGTERM, sigterm)
 
     async def run() -> None:
+        sigterm.task = asyncio.current_task()
         client = await connect_local(temporal.address)
         await run_demo(
             client,
@@ -197,9 +226,14 @@ def demo(
                 highlight=False,
                 soft_wrap=True,
             )
-            asyncio.run(run())
+            try:
+                asyncio.run(run())
+            except asyncio.CancelledError:
+                if not sigterm.received:
+                    raise
+                raise KeyboardInterrupt from None
         except KeyboardInterrupt:
-            out.print("Interrupted.")
+            out.print("Interrupted." if not sigterm.received else "Stopped by SIGTERM.")
         except DevServerError as exc:
             fail(str(exc))
         except (VllmServerError, EndpointError) as exc:

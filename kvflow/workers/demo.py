@@ -322,7 +322,8 @@ async def run_demo(
     --fleet FILE --replica NAME`), as a real deployment's vLLM servers would.
 
     With `keep_running`, the fleet and its workers stay up after the reports until the task
-    running this coroutine is cancelled (Ctrl-C), so the Temporal UI can be explored.
+    running this coroutine is cancelled (Ctrl-C or SIGTERM), so the Temporal UI can be
+    explored.
     """
     samples = load_samples()
     started = time.monotonic()
@@ -424,7 +425,7 @@ async def run_demo(
                     soft_wrap=True,
                 )
             if keep_running:
-                console.print("The stack stays up; Ctrl-C stops it.")
+                console.print("The stack stays up; Ctrl-C or SIGTERM stops it.")
                 await asyncio.Event().wait()
     await ledger.close()
     return runs
