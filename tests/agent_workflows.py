@@ -261,6 +261,32 @@ class BookTrip:
             return booking
 
 
+class CallInput(BaseModel):
+    spec: TaskSpec
+    model: str
+    messages: list[ChatMessage] | None = None
+    prompt: str | None = None
+    max_tokens: int = 16
+
+
+@workflow.defn
+class OneCall:
+    """One model call made exactly as the input gives it, however wrong."""
+
+    @workflow.run
+    async def run(self, task: CallInput) -> str:
+        agent = Agent(task.spec)
+        async with agent:
+            result = await agent.infer(
+                task.messages,
+                prompt=task.prompt,
+                model=task.model,
+                max_tokens=task.max_tokens,
+                step="call",
+            )
+            return result.text
+
+
 ALL_WORKFLOWS = [
     MultiStepAgent,
     RefundThenReply,
@@ -268,5 +294,6 @@ ALL_WORKFLOWS = [
     LongReport,
     ReadContext,
     BookTrip,
+    OneCall,
 ]
 ALL_ACTIVITIES = [issue_refund, reverse_refund, book_hotel, cancel_hotel, charge_card]

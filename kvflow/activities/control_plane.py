@@ -80,6 +80,42 @@ def permanent_errors_fail_at_once() -> Iterator[None]:
         raise ApplicationError(message, type=type(exc).__name__, non_retryable=True) from exc
 
 
+def check_servable(fleet: Fleet, request: PlacementRequest) -> None:
+    """Raise `PlacementInputError` for a call no state of `fleet` could ever serve.
+
+    That is a tenant or a model the fleet does not list, or a prompt and output longer than
+    the context of the model and of every fallback it could degrade to. The message names the
+    value and what would fix it, for the task's error in the Temporal UI; a call that fits
+    some model is the scheduler's to place or refuse.
+    """
+    tenants = sorted(t.name for t in fleet.tenants)
+    if request.tenant not in tenants:
+        raise PlacementInputError(
+            f"unknown tenant {request.tenant!r}: set TaskSpec.tenant to one of "
+            f"{', '.join(tenants)}, or add it as a [[tenants]] entry of the fleet file"
+        )
+    models = {m.name: m for m in fleet.models}
+    model = models.get(request.model)
+    if model is None:
+        raise PlacementInputError(
+            f"unknown model {request.model!r}: ask for one of {', '.join(sorted(models))}, "
+            "or add it as a [[models]] entry of the fleet file"
+        )
+    chain = [model]
+    while chain[-1].fallback in models and models[chain[-1].fallback] not in chain:
+        chain.append(models[chain[-1].fallback])
+    needed = request.prompt_tokens + request.max_output_tokens
+    longest = max(chain, key=lambda m: m.context_length)
+    if needed > longest.context_length:
+        contexts = ", ".join(f"{m.name} {m.context_length:,}" for m in chain)
+        raise PlacementInputError(
+            f"the prompt's {request.prompt_tokens:,} tokens and max_tokens "
+            f"{request.max_output_tokens:,} exceed the context of every model that could "
+            f"serve the call ({contexts} tokens): shorten the prompt or lower max_tokens to "
+            f"fit {longest.context_length:,} tokens, or ask for a model with a longer context"
+        )
+
+
 class PlacementPolicy(Protocol):
     """The scheduler, as the control plane uses it."""
 
@@ -172,6 +208,7 @@ class ControlPlaneActivities:
                     "block_hashes": block_hashes(ids, self.block_size),
                 }
             )
+            check_servable(self.fleet, request)
             answer = self.scheduler.place(request)
         # The placement's bookkeeping runs once this answer is on its way, not before.
         asyncio.get_running_loop().call_soon(self.scheduler.settle)

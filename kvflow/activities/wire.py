@@ -165,9 +165,34 @@ class InferenceRequest(BaseModel):
 
     @model_validator(mode="after")
     def _messages_or_prompt(self) -> Self:
-        if (self.messages is None) == (self.prompt is None):
-            raise ValueError("give exactly one of `messages` (chat) or `prompt` (completion)")
+        problem = call_input_problem(self.model, self.messages, self.prompt, self.max_tokens)
+        if problem is not None:
+            raise ValueError(problem)
         return self
+
+
+def call_input_problem(
+    model: str,
+    messages: Sequence[ChatMessage] | None,
+    prompt: str | ContextRef | None,
+    max_tokens: int,
+) -> str | None:
+    """What makes a model call's input unusable, and how to fix it; None when it is usable.
+
+    The rule of `InferenceRequest`, kept in one function so that the step API can check a
+    call before it builds one and fail the task with a typed error instead.
+    """
+    if not model:
+        return "the model is empty: name a model of the fleet"
+    if (messages is None) == (prompt is None):
+        return "give exactly one of `messages` (chat) or `prompt` (completion)"
+    if messages is not None and not messages:
+        return "`messages` is empty: give at least one ChatMessage"
+    if prompt == "":
+        return "`prompt` is empty: give the text to complete"
+    if max_tokens < 1:
+        return f"max_tokens is {max_tokens}: ask for at least 1 output token"
+    return None
 
 
 class Usage(BaseModel):

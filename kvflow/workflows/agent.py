@@ -93,6 +93,7 @@ with workflow.unsafe.imports_passed_through():
         ResumedAttempts,
         Sampling,
         UnreadableDetails,
+        call_input_problem,
         digest_of,
         first_error,
         needs_store,
@@ -155,18 +156,52 @@ SPEND_QUERY = "kvflow_spend"
 """The query that returns the task's `SpendBreakdown`."""
 
 
-class TaskSpec(BaseModel):
-    """The budgets of one agent task; put it in the workflow's input."""
+MAX_LATENCY_BUDGET_S = 30 * 86_400
+"""The longest latency budget a `TaskSpec` takes: 30 days."""
+MAX_RETRY_BUDGET = 100
+"""The most re-placements a `TaskSpec` may allow."""
+MAX_EXPECTED_STEPS = 10_000
+"""The most model calls a `TaskSpec` may expect."""
+MAX_SCHEMA_REPAIRS = 10
+"""The most re-asks for schema-invalid output a `TaskSpec` may allow."""
+MAX_BUDGET_MICROS = 1_000_000 * 1_000_000
+"""The largest spend cap a `TaskSpec` takes: $1,000,000, in micro-dollars."""
 
-    tenant: str = Field(min_length=1)
+
+class TaskSpec(BaseModel):
+    """The budgets of one agent task; put it in the workflow's input.
+
+    Out-of-range budgets are refused where the spec is built, before the task starts: a
+    negative one, and one too large to be meant (30 days, 100 re-placements, 10,000 steps,
+    10 repairs, $1,000,000), which is usually a unit mistake. The tenant is checked against
+    the fleet at the first model call (`InvalidTask`).
+    """
+
+    tenant: str = Field(min_length=1, description="a tenant of the fleet file's [[tenants]]")
     latency_budget_s: float | None = Field(
-        default=None, gt=0, description="seconds from the workflow's start to its deadline"
+        default=None,
+        gt=0,
+        le=MAX_LATENCY_BUDGET_S,
+        allow_inf_nan=False,
+        description="seconds from the workflow's start to its deadline; None: no deadline",
     )
-    retry_budget: int = Field(default=3, ge=0, description="re-placements the task may use")
-    expected_steps: int = Field(default=1, ge=1, description="model calls the task will make")
-    schema_repairs: int = Field(default=2, ge=0, description="re-asks for schema-invalid output")
+    retry_budget: int = Field(
+        default=3, ge=0, le=MAX_RETRY_BUDGET, description="re-placements the task may use"
+    )
+    expected_steps: int = Field(
+        default=1, ge=1, le=MAX_EXPECTED_STEPS, description="model calls the task will make"
+    )
+    schema_repairs: int = Field(
+        default=2,
+        ge=0,
+        le=MAX_SCHEMA_REPAIRS,
+        description="re-asks for schema-invalid output",
+    )
     budget_micros: int | None = Field(
-        default=None, ge=0, description="the most the task may spend, in micro-dollars"
+        default=None,
+        ge=0,
+        le=MAX_BUDGET_MICROS,
+        description="the most the task may spend, in micro-dollars; None: no cap",
     )
 
 
@@ -349,6 +384,12 @@ class Agent:
         """
         record = StepSpend(index=len(self.steps) + 1, name=step, kind="infer", model=model)
         self.steps.append(record)
+        problem = call_input_problem(model, messages, prompt, max_tokens)
+        if problem is not None:
+            # Refused here: the same rule raised while building the request would fail the
+            # workflow task, which Temporal retries forever.
+            record.outcome = errors.TaskErrorType.INVALID_TASK
+            raise self._error(errors.TaskErrorType.INVALID_TASK, record, problem)
         chat = await self._externalize(list(messages)) if messages is not None else None
         text_prompt: str | ContextRef | None = None
         if prompt is not None:
@@ -698,7 +739,7 @@ class Agent:
                 f"{LOCAL_SCHEDULE_TO_CLOSE.total_seconds():g} s; see the workflow worker's log",
             ),
         )
-        what = f"{activity}: {message}; {fix}"
+        what = f"{activity}: {message}; {fix}" if fix else f"{activity}: {message}"
         if record is not None:
             record.outcome = error_type
             return self._error(error_type, record, what, cause=kind)
@@ -1022,10 +1063,8 @@ class Agent:
 
 
 _CONTROL_PLANE_FIXES: dict[str, tuple[errors.TaskErrorType, str]] = {
-    "PlacementInputError": (
-        errors.TaskErrorType.INVALID_TASK,
-        "fix the task's TaskSpec.tenant or model, or add it to the fleet file",
-    ),
+    # The control plane's message names the value and the fix itself.
+    "PlacementInputError": (errors.TaskErrorType.INVALID_TASK, ""),
     "ContextNotFound": (
         errors.TaskErrorType.CONTEXT_NOT_FOUND,
         "every worker must use the same context store (--context-dir)",

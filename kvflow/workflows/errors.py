@@ -30,7 +30,9 @@ class TaskErrorType(StrEnum):
     TOOL_FAILED = "ToolFailed"
     """A tool call failed."""
     INVALID_TASK = "InvalidTask"
-    """The task names a tenant or model the fleet does not know: fix the task or the fleet."""
+    """The task's input can never be served: a tenant or model the fleet does not list, a
+    prompt and output longer than the model's context, an empty or missing prompt, no output
+    tokens. The message names the value and the fix; nothing was retried."""
     CONTEXT_NOT_FOUND = "ContextNotFound"
     """A context reference names content the store does not hold (workers use other stores)."""
     CONTROL_PLANE_FAILED = "ControlPlaneFailed"
