@@ -849,8 +849,11 @@ class Agent:
             if _is_cancellation(err):
                 raise
             what = _tool_failure(err.cause)
+            # Cut off by the deadline: no time for another try, or the last one timed out at
+            # it. A tool's own non-retryable error stays its verdict, whenever it came.
             if self._deadline is not None and (
-                err.retry_state == RetryState.TIMEOUT or workflow.now() >= self._deadline
+                err.retry_state == RetryState.TIMEOUT
+                or (isinstance(err.cause, TimeoutError) and workflow.now() >= self._deadline)
             ):
                 raise self._error(
                     errors.TaskErrorType.DEADLINE_EXCEEDED,
