@@ -297,6 +297,21 @@ def test_bench_policies_prints_the_table_and_writes_the_json_schema(tmp_path: Pa
     assert data["ablations"] == {}
 
 
+def test_plot_without_matplotlib_names_the_extra_to_install(tmp_path: Path) -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("matplotlib is installed: the message is for environments without it")
+    done = _kvflow(
+        "--workload", "agent", "--replicas", "2", "--tasks", "4", "--no-sweep",
+        "--plot", str(tmp_path / "p.png"),
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "pip install 'kvflow[bench]'" in done.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvflow.scheduler.bench import (
@@ -38,7 +39,8 @@ _err = Console(stderr=True, width=_PIPE_WIDTH)
 
 
 def _usage_error(message: str) -> typer.Exit:
-    _err.print(f"[bold red]error:[/] {message}", highlight=False)
+    # The message is plain text: a `[bench]` in it is not a markup tag.
+    _err.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     return typer.Exit(2)
 
 
