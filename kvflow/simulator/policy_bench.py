@@ -263,7 +263,7 @@ class ZeroMissFloor:
 
 
 def zero_miss_floor(
-    tasks: Iterable[Task], fleet: Fleet, *, block_size: int, warmup_tasks: int
+    tasks: Iterable[Task], fleet: Fleet, *, block_size: int, warmup_tasks: int, model: str = MODEL
 ) -> ZeroMissFloor:
     """A lower bound on cost per successful task, and the hit rate behind it.
 
@@ -271,12 +271,16 @@ def zero_miss_floor(
     `warmup_tasks`) is billed as if it found cached
     every full block that an earlier call had computed (its own task's earlier steps and
     sibling calls, and a system prompt some earlier-arriving task sent first), with an
-    unbounded cache, at the
-    cheapest pool's prices, and every task succeeds at its first attempt. A call can only
-    reuse blocks already computed, so only the blocks new to the whole fleet are billed at
-    the input price: what remains is output and cached input, which placement cannot change.
+    unbounded cache, at the cheapest prices of a pool serving `model`, and every task
+    succeeds at its first attempt. A call can only reuse blocks already computed, so only the
+    blocks new to the whole fleet are billed at the input price: what remains is output and
+    cached input, which placement cannot change. (Degrading calls to a cheaper fallback
+    model can cost less: that changes the answer, not only where it is computed.)
     """
-    prices = {pool.token_prices.exact() for pool in fleet.pools}
+    # A call degraded to a cheaper fallback model is a different call (another model's
+    # answer), so only the pools serving the model asked for set the floor.
+    serving = [pool for pool in fleet.pools if model in pool.warm_models] or fleet.pools
+    prices = {pool.token_prices.exact() for pool in serving}
     size = block_size
     seen: set[int] = set()
     micros = counted = prompt_tokens = cached_tokens = 0
