@@ -157,6 +157,50 @@ async def test_task_row_that_cannot_be_written_leaves_a_succeeded_task_for_recon
         assert row.spend_micros == sum(a.cost_micros for a in attempts) > 0
 
 
+# ---- search attributes: what changed, at most every interval, exact at the close ----------------
+
+
+async def test_search_attributes_upsert_what_changed_and_end_exact(
+    temporal_client: Client, tmp_path: Path
+):
+    async with stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
+        steps = 8
+        handle = await s.start(
+            wf.MultiStepAgent.run, wf.StepsInput(spec=_spec(), model=MODEL, steps=steps)
+        )
+        await _result(handle)
+        history = await handle.fetch_history()
+        upserts = [
+            e
+            for e in history.events
+            if e.event_type == EventType.EVENT_TYPE_UPSERT_WORKFLOW_SEARCH_ATTRIBUTES
+        ]
+        seen: dict[str, bytes] = {}
+        running_at: list[float] = []
+        for event in upserts:
+            fields = event.upsert_workflow_search_attributes_event_attributes.search_attributes
+            indexed = fields.indexed_fields
+            # Each upsert carries only the attributes whose value changed.
+            for name, payload in indexed.items():
+                assert seen.get(name) != payload.data, (name, payload.data)
+                seen[name] = payload.data
+            if "KvflowSpendMicros" in indexed and "KvflowOutcome" not in indexed:
+                running_at.append(event.event_time.ToDatetime().timestamp())
+        # The running figures are upserted at most once per interval of workflow time (the
+        # event time is the end of the workflow task whose start is the workflow's clock).
+        interval = agent_module.SEARCH_ATTRIBUTE_INTERVAL.total_seconds()
+        for earlier, later in zip(running_at, running_at[1:], strict=False):
+            assert later - earlier >= interval - 0.5
+        assert len(upserts) <= steps + 2
+        # Closed, the task shows the exact figures.
+        breakdown = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
+        attrs = (await handle.describe()).typed_search_attributes
+        assert attrs.get(search_attributes.OUTCOME) == "succeeded"
+        assert attrs.get(search_attributes.SPEND_MICROS) == breakdown.spend_micros > 0
+        assert attrs.get(search_attributes.STEPS) == steps
+        assert attrs.get(search_attributes.RETRIES) == 0
+
+
 # ---- a cancelled call is billed and its replica freed ------------------------------------------
 
 

@@ -46,7 +46,7 @@ from typing import Any, TypeVar, cast, overload
 
 from pydantic import BaseModel, Field, ValidationError
 from temporalio import workflow
-from temporalio.common import Priority, RetryPolicy
+from temporalio.common import Priority, RetryPolicy, SearchAttributeUpdate
 from temporalio.exceptions import (
     ActivityError,
     ApplicationError,
@@ -112,6 +112,8 @@ T = TypeVar("T", bound=BaseModel)
 R = TypeVar("R")
 
 HEARTBEAT_TIMEOUT = timedelta(seconds=2)
+SEARCH_ATTRIBUTE_INTERVAL = timedelta(seconds=2)
+"""A running task upserts its spend, steps and re-placements at most this often."""
 """How long a silent GPU worker is trusted: a crashed replica is noticed after this, and a
 cancellation reaches a running call within 0.8 x this (the SDK's heartbeat interval)."""
 DEFAULT_CALL_TIMEOUT = timedelta(minutes=10)
@@ -305,6 +307,9 @@ class Agent:
         workflow.upsert_search_attributes(
             [attrs.TENANT.value_set(spec.tenant), attrs.OUTCOME.value_set("running")]
         )
+        self._published: dict[str, str | int] = {attrs.OUTCOME.name: "running"}
+        """The search attributes' values as last upserted (`_publish`)."""
+        self._published_at: datetime | None = None
 
     # ---- the task's bracket ------------------------------------------------------------------
 
@@ -978,16 +983,38 @@ class Agent:
         return result
 
     def _publish(self) -> None:
-        """Search attributes and current details after a step."""
+        """Search attributes and current details after a step.
+
+        Only the attributes that changed are upserted, and the running figures (spend, steps,
+        re-placements) at most once per `SEARCH_ATTRIBUTE_INTERVAL` of workflow time: each
+        upsert is a history event, and a task of quick steps would otherwise write one per
+        step. A change of outcome is upserted at once, and the close always is, so the
+        figures a finished task shows are exact; while it runs they may trail by the steps of
+        the last interval (the `kvflow.spend` query is always exact).
+        """
         done = sum(1 for s in self.steps if s.outcome == "ok")
-        workflow.upsert_search_attributes(
-            [
+        values: dict[str, tuple[SearchAttributeUpdate[Any], str | int]] = {
+            attrs.SPEND_MICROS.name: (
                 attrs.SPEND_MICROS.value_set(self.spend_micros),
-                attrs.STEPS.value_set(done),
-                attrs.RETRIES.value_set(self.retries),
-                attrs.OUTCOME.value_set(self.outcome),
-            ]
+                self.spend_micros,
+            ),
+            attrs.STEPS.name: (attrs.STEPS.value_set(done), done),
+            attrs.RETRIES.name: (attrs.RETRIES.value_set(self.retries), self.retries),
+            attrs.OUTCOME.name: (attrs.OUTCOME.value_set(self.outcome), self.outcome),
+        }
+        changed = {
+            name: pair for name, pair in values.items() if self._published.get(name) != pair[1]
+        }
+        now = workflow.now()
+        due = (
+            attrs.OUTCOME.name in changed
+            or self._published_at is None
+            or now - self._published_at >= SEARCH_ATTRIBUTE_INTERVAL
         )
+        if changed and due:
+            workflow.upsert_search_attributes([update for update, _ in changed.values()])
+            self._published.update({name: value for name, (_, value) in changed.items()})
+            self._published_at = now
         workflow.set_current_details(self._details_table())
 
     def _details_table(self) -> str:
