@@ -112,10 +112,10 @@ T = TypeVar("T", bound=BaseModel)
 R = TypeVar("R")
 
 HEARTBEAT_TIMEOUT = timedelta(seconds=2)
-SEARCH_ATTRIBUTE_INTERVAL = timedelta(seconds=2)
-"""A running task upserts its spend, steps and re-placements at most this often."""
 """How long a silent GPU worker is trusted: a crashed replica is noticed after this, and a
 cancellation reaches a running call within 0.8 x this (the SDK's heartbeat interval)."""
+SEARCH_ATTRIBUTE_INTERVAL = timedelta(seconds=2)
+"""A running task upserts its spend, steps and re-placements at most this often."""
 DEFAULT_CALL_TIMEOUT = timedelta(minutes=10)
 """The start-to-close limit of a call when the task has no latency budget."""
 LOCAL_TIMEOUT = timedelta(seconds=10)
