@@ -17,7 +17,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvflow.activities.tools import tool_idempotency_key
+    from kvflow.activities.tools import tool_heartbeats, tool_idempotency_key
     from kvflow.activities.wire import ChatMessage, ContextRef, InferenceResult, Usage
     from kvflow.scheduler.fleet import Fleet, format_usd, task_queue_for
     from kvflow.workers.config import FleetConfig, FleetConfigError, load_fleet
@@ -47,6 +47,7 @@ _WHERE = {
     "format_usd": "kvflow.scheduler.fleet",
     "load_fleet": "kvflow.workers.config",
     "task_queue_for": "kvflow.scheduler.fleet",
+    "tool_heartbeats": "kvflow.activities.tools",
     "tool_idempotency_key": "kvflow.activities.tools",
 }
 
@@ -70,6 +71,7 @@ __all__ = [
     "format_usd",
     "load_fleet",
     "task_queue_for",
+    "tool_heartbeats",
     "tool_idempotency_key",
 ]
 

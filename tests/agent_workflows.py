@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 
 from pydantic import BaseModel, Field
@@ -9,7 +10,7 @@ from temporalio import activity, workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
-    from kvflow.activities.tools import tool_idempotency_key
+    from kvflow.activities.tools import tool_heartbeats, tool_idempotency_key
     from kvflow.activities.wire import ChatMessage, ContextRef, Sampling
     from kvflow.workflows.agent import Agent, TaskSpec
 
@@ -261,6 +262,35 @@ class BookTrip:
             return booking
 
 
+@activity.defn
+async def check_in(trip: Trip) -> str:
+    """Heartbeats while it works; its first attempt then goes silent, as a dead worker does."""
+    async with tool_heartbeats(timedelta(milliseconds=200)):
+        await asyncio.sleep(0.3)
+    if activity.info().attempt == 1:
+        await asyncio.sleep(5)  # no heartbeats: Temporal gives up on this attempt first
+        return "too late"
+    return f"checked in {trip.traveller}"
+
+
+@workflow.defn
+class CheckIn:
+    """One tool that heartbeats, with a heartbeat timeout far below its start-to-close."""
+
+    @workflow.run
+    async def run(self, task: TripInput) -> str:
+        agent = Agent(task.spec)
+        async with agent:
+            result: str = await agent.tool(
+                check_in,
+                task.trip,
+                step="check in",
+                result_type=str,
+                heartbeat_timeout=timedelta(seconds=1),
+            )
+            return result
+
+
 class CallInput(BaseModel):
     spec: TaskSpec
     model: str
@@ -294,6 +324,14 @@ ALL_WORKFLOWS = [
     LongReport,
     ReadContext,
     BookTrip,
+    CheckIn,
     OneCall,
 ]
-ALL_ACTIVITIES = [issue_refund, reverse_refund, book_hotel, cancel_hotel, charge_card]
+ALL_ACTIVITIES = [
+    issue_refund,
+    reverse_refund,
+    book_hotel,
+    cancel_hotel,
+    charge_card,
+    check_in,
+]

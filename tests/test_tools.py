@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from temporalio.api.enums.v1 import EventType, RetryState
+from temporalio.api.enums.v1 import EventType, RetryState, TimeoutType
 from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle, WorkflowHistory
 from temporalio.exceptions import ApplicationError
@@ -193,3 +193,31 @@ async def test_booking_retried_after_its_answer_was_lost_is_made_once_under_one_
     assert wf.BOOKING_KEYS[trip.traveller] == [key, key]
     assert wf.BOOKINGS[key] == booking
     assert trip.traveller not in wf.CANCELLED
+
+
+async def test_a_tool_that_heartbeats_is_retried_when_its_heartbeats_stop(
+    temporal_client: Client, tmp_path: Path
+) -> None:
+    async with stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
+        trip = _trip()
+        handle = await s.start(
+            wf.CheckIn.run, wf.TripInput(spec=TaskSpec(tenant="acme"), trip=trip)
+        )
+        assert await asyncio.wait_for(handle.result(), RESULT_TIMEOUT_S) == (
+            f"checked in {trip.traveller}"
+        )
+        history = await handle.fetch_history()
+        [scheduled] = _scheduled(history, "check_in")
+        assert scheduled.activity_task_scheduled_event_attributes.heartbeat_timeout.seconds == 1
+        # The attempt that went silent was given up on for its heartbeats, not after the 60 s
+        # start-to-close limit: the attempt that succeeded records it as its last failure.
+        [started] = [
+            e
+            for e in history.events
+            if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED
+            and e.activity_task_started_event_attributes.scheduled_event_id == scheduled.event_id
+        ]
+        attrs = started.activity_task_started_event_attributes
+        assert attrs.attempt == 2
+        timeout = attrs.last_failure.timeout_failure_info
+        assert timeout.timeout_type == TimeoutType.TIMEOUT_TYPE_HEARTBEAT, attrs.last_failure

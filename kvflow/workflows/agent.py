@@ -805,6 +805,7 @@ class Agent:
         result_type: type | None = None,
         start_to_close: timedelta = TOOL_START_TO_CLOSE,
         retry_policy: RetryPolicy | None = None,
+        heartbeat_timeout: timedelta | None = None,
     ) -> Any:
         """Run a tool activity; when it succeeds, remember its compensation for the saga.
 
@@ -824,6 +825,10 @@ class Agent:
         reporting), so a tool that changes the world must not do it twice: inside the
         activity, `kvflow.tool_idempotency_key()` is the same on every attempt of this call
         and different for every other call; give it to the system the tool changes.
+
+        An attempt whose worker died is noticed when `start_to_close` passes, unless the tool
+        heartbeats (`async with kvflow.tool_heartbeats():` around its body) and
+        `heartbeat_timeout` is given: then it is retried once the heartbeats stop.
         """
         name = step or (activity if isinstance(activity, str) else activity.__name__)
         record = StepSpend(index=len(self.steps) + 1, name=name, kind="tool")
@@ -844,6 +849,7 @@ class Agent:
                 arg,
                 start_to_close_timeout=min(start_to_close, until_deadline or start_to_close),
                 schedule_to_close_timeout=until_deadline,
+                heartbeat_timeout=heartbeat_timeout,
                 retry_policy=policy,
                 result_type=result_type,
                 summary=f"tool {name}",
