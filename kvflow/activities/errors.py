@@ -12,7 +12,9 @@ retries. HTTP statuses and transport errors are mapped here and nowhere else.
     │   ├── ReplicaOverloaded            429
     │   ├── ReplicaServerError           5xx
     │   ├── ReplicaShuttingDown          its GPU worker stopped mid-call and handed it back
-    │   └── StreamCut                    the stream ended before the answer did
+    │   ├── StreamCut                    the stream ended before the answer did
+    │   ├── MalformedResponse            a 200 answer that is not an OpenAI stream
+    │   └── InvalidUsage                 token counts missing, or ones that cannot be true
     └── PermanentInferenceError          the request itself is wrong; retrying cannot help
         ├── ContextLengthExceeded        prompt + max_tokens over the model's context
         ├── UnknownModel                 404 / model not served
@@ -23,7 +25,8 @@ retries. HTTP statuses and transport errors are mapped here and nowhere else.
 from __future__ import annotations
 
 import json
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import httpx
 from temporalio.exceptions import ApplicationError
@@ -102,6 +105,23 @@ class StreamCut(RetryableInferenceError):
     """The stream ended before a finish reason; details carry the partial output."""
 
 
+class MalformedResponse(RetryableInferenceError):
+    """The replica answered 200 with something other than an OpenAI event stream.
+
+    A body that is not an event stream, an event whose data is not a JSON object, or a chunk
+    of the wrong shape. Details carry the output parsed before it, to continue from.
+    """
+
+
+class InvalidUsage(RetryableInferenceError):
+    """The replica's token counts are missing or cannot be true, so its bill cannot be either.
+
+    The attempt is billed from its last valid report, or from what the stream showed (the
+    prompt, by the built-in tokenizer, once an answer chunk arrived; the chunks decoded), and
+    its output is not continued: an engine that miscounts the prompt may not have seen it all.
+    """
+
+
 class PermanentInferenceError(InferenceError):
     """The request itself is wrong; sending it again anywhere gives the same answer."""
 
@@ -131,6 +151,8 @@ RETRYABLE_TYPES: frozenset[str] = frozenset(
         ReplicaServerError,
         ReplicaShuttingDown,
         StreamCut,
+        MalformedResponse,
+        InvalidUsage,
     )
 ) | {"WorkerShutdown"}  # the SDK's type for a call that a stopping worker did not finish
 """`ApplicationError.type` values that the step API re-places on another replica."""
@@ -155,6 +177,69 @@ def vllm_error_text(body: bytes | str) -> str:
 def from_status(status: int, body: bytes | str, *, replica: str) -> InferenceError:
     """Map a non-2xx answer from a vLLM server to the error it means."""
     message = vllm_error_text(body)
+    return _error_class(status, message)(message, replica=replica, status=status)
+
+
+_STATUS_OF_ERROR_TYPE = {
+    "badrequesterror": 400,
+    "bad request": 400,
+    "invalid_request_error": 400,
+    "notfounderror": 404,
+    "not_found_error": 404,
+    "ratelimiterror": 429,
+    "rate_limit_error": 429,
+    "internalservererror": 500,
+    "server_error": 500,
+    "serviceunavailableerror": 503,
+}
+"""The HTTP status an error body's `type` stands for, when its `code` is not one."""
+
+
+def error_of(document: object) -> Mapping[str, Any] | None:
+    """The error a JSON document reports, or None when it reports none.
+
+    vLLM writes `{"error": {"message", "type", "param", "code"}}`; versions before 0.6 wrote
+    the fields at the top level with `"object": "error"`. Either may come with status 200: in
+    the body of a streamed answer, or as one of its events.
+    """
+    if not isinstance(document, Mapping):
+        return None
+    error = document.get("error")
+    if isinstance(error, Mapping):
+        return error
+    if error is not None:
+        return {"message": str(error)}
+    if document.get("object") == "error":
+        return document
+    return None
+
+
+def from_error_body(error: Mapping[str, Any], *, replica: str) -> InferenceError:
+    """Map an error reported inside a 200 answer (see `error_of`) to the error it means.
+
+    Its `code` is the HTTP status the engine meant (vLLM writes it), or else its `type` names
+    one; an error that says neither is taken for the replica's own fault (500, retryable).
+    """
+    status = _status_of(error)
+    message = str(error.get("message") or error.get("type") or "(no message)")[:500]
+    return _error_class(status, message)(
+        f"error in a 200 answer (code {status}): {message}", replica=replica
+    )
+
+
+def _status_of(error: Mapping[str, Any]) -> int:
+    code = error.get("code")
+    if isinstance(code, str) and code.strip().isdigit():
+        code = int(code)
+    if isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599:
+        return code
+    kind = error.get("type")
+    if isinstance(kind, str):
+        return _STATUS_OF_ERROR_TYPE.get(kind.lower(), 500)
+    return 500
+
+
+def _error_class(status: int, message: str) -> type[InferenceError]:
     lowered = message.lower()
     cls: type[InferenceError]
     if status == 429:
@@ -169,7 +254,7 @@ def from_status(status: int, body: bytes | str, *, replica: str) -> InferenceErr
         cls = ReplicaTimeout
     else:
         cls = InvalidRequest
-    return cls(message, replica=replica, status=status)
+    return cls
 
 
 def from_transport(exc: httpx.TransportError, *, replica: str) -> InferenceError:

@@ -14,13 +14,15 @@ continuation, so a partial JSON document cannot be continued safely; they start 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import httpx
 from opentelemetry import trace
@@ -29,8 +31,12 @@ from temporalio import activity
 from kvflow.activities.context_store import DirectoryContextStore
 from kvflow.activities.errors import (
     InferenceError,
+    InvalidUsage,
+    MalformedResponse,
     ReplicaShuttingDown,
     StreamCut,
+    error_of,
+    from_error_body,
     from_status,
     from_transport,
 )
@@ -47,6 +53,7 @@ from kvflow.activities.wire import (
     needs_store,
 )
 from kvflow.ledger.records import AttemptOutcome, AttemptRecord
+from kvflow.scheduler.builtin_tokenizer import Tokenizer as BuiltinTokenizer
 from kvflow.scheduler.fleet import Pool, replica_name
 
 log = logging.getLogger(__name__)
@@ -72,6 +79,12 @@ class Progress:
     cached_tokens: int = 0
     first_token_at: float | None = None
     finish_reason: str | None = None
+    chunks: int = 0
+    """Well-formed answer chunks received: once one has arrived, the prompt was processed."""
+    reported: Usage | None = None
+    """The engine's last valid usage report; None while it has sent none."""
+    resumable: bool = True
+    """False once the output must not be continued (its engine miscounted tokens)."""
 
     def usage(self) -> Usage:
         """Tokens of the current attempt so far."""
@@ -82,7 +95,9 @@ class Progress:
         )
 
     def checkpoint(self) -> Checkpoint:
-        """The partial output, to continue from."""
+        """The partial output, to continue from (none when it is not `resumable`)."""
+        if not self.resumable:
+            return Checkpoint()
         return Checkpoint(
             text=self.text, completion_tokens=self.reused_tokens + self.completion_tokens
         )
@@ -386,20 +401,53 @@ class InferenceActivities:
             await asyncio.sleep(self.heartbeat_interval_s)
 
     async def _stream(self, request: InferenceRequest, resumed: str, progress: Progress) -> None:
+        """Stream the call into `progress`; every way the answer can be wrong is typed.
+
+        What is billed when the engine's counts are missing or wrong: its last valid report;
+        without one, the prompt (estimated) once an answer chunk arrived, and the output
+        chunks received. An answer whose counts cannot be trusted is not continued.
+        """
         url, body = _request_body(await self._resolve(request), resumed, progress.reused_tokens)
         replica = self.replica.name
+        bounds = UsageBounds.of(body)
         try:
             async with self.http.stream("POST", self.replica.base_url + url, json=body) as response:
                 if response.status_code >= 400:
-                    raw = await response.aread()
+                    raw = await _read_capped(response)
                     raise from_status(response.status_code, raw, replica=replica)
+                media_type = response.headers.get("content-type", "").split(";")[0].strip()
+                if media_type and media_type != "text/event-stream":
+                    raise _not_a_stream(
+                        await _read_capped(response), media_type, progress, bounds, replica
+                    )
                 async for chunk in _sse_chunks(response, replica):
-                    _apply_chunk(chunk, progress, chat=request.messages is not None)
+                    _apply_chunk(
+                        chunk,
+                        progress,
+                        chat=request.messages is not None,
+                        bounds=bounds,
+                        replica=replica,
+                    )
         except httpx.TransportError as exc:
             raise from_transport(exc, replica=replica) from exc
+        except InvalidUsage:
+            progress.resumable = False
+            raise
+        finally:
+            if progress.reported is None and progress.chunks:
+                # The engine answered, so it processed the prompt, but never said how long
+                # it was: bill the built-in tokenizer's count of what was sent.
+                progress.prompt_tokens = _estimated_prompt_tokens(body)
         if progress.finish_reason is None:
             raise StreamCut(
                 f"stream ended after {progress.completion_tokens} tokens without a finish reason",
+                replica=replica,
+            )
+        if progress.reported is None:
+            progress.resumable = False
+            raise InvalidUsage(
+                "the answer came without usage, so it cannot be billed exactly: kvflow asks "
+                "for stream_options.include_usage, which vLLM supports; is this a vLLM server?",
                 replica=replica,
             )
 
@@ -468,36 +516,259 @@ def _request_body(
     return "/v1/completions", body
 
 
+ERROR_BODY_LIMIT = 64 * 1024
+"""Bytes of an error or non-stream body read: enough for any message, bounded for a broken one."""
+
+_SSE_LINE = re.compile(r"[A-Za-z_-]*(?::.*)?")
+"""A line the event-stream format allows: blank, a `:` comment, or a field (`data: ...`)."""
+
+
+async def _read_capped(response: httpx.Response) -> bytes:
+    """Up to `ERROR_BODY_LIMIT` bytes of the body; what arrived if the connection drops."""
+    parts: list[bytes] = []
+    size = 0
+    try:
+        async for piece in response.aiter_bytes():
+            parts.append(piece)
+            size += len(piece)
+            if size >= ERROR_BODY_LIMIT:
+                break
+    except httpx.TransportError:
+        pass  # the status already says what went wrong; the body only adds a message
+    return b"".join(parts)[:ERROR_BODY_LIMIT]
+
+
+def _not_a_stream(
+    raw: bytes, media_type: str, progress: Progress, bounds: UsageBounds, replica: str
+) -> InferenceError:
+    """The error a 200 answer that is not an event stream means.
+
+    An error body (vLLM's JSON error with status 200) is that error. Anything else is a
+    `MalformedResponse`; a complete JSON answer (a server that ignored `stream`) still bills
+    the usage it reports, since the engine did the work.
+    """
+    text = raw.decode("utf-8", "replace")
+    try:
+        document = json.loads(text)
+    except ValueError:
+        return MalformedResponse(
+            f"answered 200 with {media_type or 'a body'} that is not an event stream: "
+            f"{_snippet(text)}",
+            replica=replica,
+        )
+    error = error_of(document)
+    if error is not None:
+        return from_error_body(error, replica=replica)
+    if isinstance(document, dict) and document.get("usage") is not None:
+        # Already failing: a report that cannot be trusted is simply not billed.
+        with contextlib.suppress(InvalidUsage):
+            _apply_usage(document["usage"], progress, bounds, replica)
+    return MalformedResponse(
+        f"answered 200 with JSON, not an event stream (does it honour stream=true?): "
+        f"{_snippet(text)}",
+        replica=replica,
+    )
+
+
+def _snippet(text: str) -> str:
+    text = text.strip()
+    return repr(text[:200] + ("..." if len(text) > 200 else "")) if text else "(empty body)"
+
+
 async def _sse_chunks(response: httpx.Response, replica: str) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of an OpenAI event stream, up to `[DONE]`; errors in it are raised."""
     async for line in response.aiter_lines():
         if not line.startswith("data:"):
+            if _SSE_LINE.fullmatch(line) is None:
+                # Not the event-stream format: an error body, or a proxy's page.
+                error = error_of(_json_or_none(line))
+                if error is not None:
+                    raise from_error_body(error, replica=replica)
+                raise MalformedResponse(
+                    f"a line of the stream is not an event: {_snippet(line)}", replica=replica
+                )
             continue
         data = line[5:].strip()
         if data == "[DONE]":
             return
-        chunk = json.loads(data)
-        if isinstance(chunk, dict) and "error" in chunk:
-            error = chunk["error"]
-            status = int(error.get("code") or 500) if isinstance(error, dict) else 500
-            raise from_status(status, data, replica=replica)
+        chunk = _json_or_none(data)
+        if not isinstance(chunk, dict):
+            raise MalformedResponse(
+                f"an event's data is not a JSON object: {_snippet(data)}", replica=replica
+            )
+        error = error_of(chunk)
+        if error is not None:
+            raise from_error_body(error, replica=replica)
         yield chunk
 
 
-def _apply_chunk(chunk: dict[str, Any], progress: Progress, *, chat: bool) -> None:
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _apply_chunk(
+    chunk: dict[str, Any], progress: Progress, *, chat: bool, bounds: UsageBounds, replica: str
+) -> None:
+    """Add one chunk to `progress`; a chunk of the wrong shape or wrong usage raises."""
+    pieces, finish = _chunk_parts(chunk, chat=chat, replica=replica)
     usage = chunk.get("usage")
-    for choice in chunk.get("choices") or []:
-        piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+    # `{}` and null say nothing: some servers send them on every chunk before the real one.
+    reported = _apply_usage(usage, progress, bounds, replica) if usage else False
+    progress.chunks += 1
+    for piece in pieces:
+        if progress.first_token_at is None:
+            progress.first_token_at = time.monotonic()
+        progress.text += piece
+        if not reported:
+            progress.completion_tokens += 1
+    if finish:
+        progress.finish_reason = finish
+
+
+def _chunk_parts(
+    chunk: dict[str, Any], *, chat: bool, replica: str
+) -> tuple[list[str], str | None]:
+    """The text pieces and the finish reason of a chunk, checked for the shape vLLM sends."""
+
+    def malformed(what: str) -> MalformedResponse:
+        return MalformedResponse(
+            f"a chunk's {what}: {_snippet(json.dumps(chunk))}", replica=replica
+        )
+
+    choices = chunk.get("choices") or []
+    if not isinstance(choices, list):
+        raise malformed("choices are not a list")
+    pieces: list[str] = []
+    finish: str | None = None
+    for choice in choices:
+        if not isinstance(choice, dict):
+            raise malformed("choice is not an object")
+        holder = (choice.get("delta") or {}) if chat else choice
+        if not isinstance(holder, dict):
+            raise malformed("delta is not an object")
+        piece = holder.get("content" if chat else "text")
+        if piece is not None and not isinstance(piece, str):
+            raise malformed("text is not a string")
+        reason = choice.get("finish_reason")
+        if reason is not None and not isinstance(reason, str):
+            raise malformed("finish_reason is not a string")
         if piece:
-            if progress.first_token_at is None:
-                progress.first_token_at = time.monotonic()
-            progress.text += piece
-            if not usage:
-                progress.completion_tokens += 1
-        if choice.get("finish_reason"):
-            progress.finish_reason = choice["finish_reason"]
-    if usage:
-        progress.prompt_tokens = usage.get("prompt_tokens") or progress.prompt_tokens
-        progress.completion_tokens = usage.get("completion_tokens") or progress.completion_tokens
-        details = usage.get("prompt_tokens_details") or {}
-        if details.get("cached_tokens") is not None:
-            progress.cached_tokens = details["cached_tokens"]
+            pieces.append(piece)
+        finish = reason or finish
+    return pieces, finish
+
+
+@dataclass(frozen=True)
+class UsageBounds:
+    """What a truthful usage report can say about one request, from what was sent.
+
+    A token of the tokenizers vLLM serves (byte-level BPE, SentencePiece with byte fallback)
+    stands for at least one byte of text and at most `MAX_TOKEN_BYTES`, so the UTF-8 size of
+    what was sent bounds the prompt's tokens both ways, once the chat template's own tokens
+    (`TEMPLATE_TOKENS`, plus `MESSAGE_TOKENS` a message) are allowed for. The bounds are wide
+    on purpose: they catch an engine that counts another prompt, a truncated one or garbage,
+    never a tokenizer that merely differs.
+    """
+
+    MAX_TOKEN_BYTES: ClassVar[int] = 256
+    TEMPLATE_TOKENS: ClassVar[int] = 2048
+    MESSAGE_TOKENS: ClassVar[int] = 64
+
+    min_prompt: int
+    max_prompt: int
+    max_completion: int
+
+    @classmethod
+    def of(cls, body: dict[str, Any]) -> UsageBounds:
+        """The bounds of the request `body` as it is sent (`_request_body`)."""
+        messages = body.get("messages")
+        if messages is not None:
+            texts = [str(m.get("content") or "") for m in messages]
+            overhead = cls.TEMPLATE_TOKENS + cls.MESSAGE_TOKENS * len(messages)
+        else:
+            texts = [str(body.get("prompt") or "")]
+            overhead = cls.TEMPLATE_TOKENS
+        size = sum(len(t.encode("utf-8")) for t in texts)
+        return cls(
+            min_prompt=max(1, size // cls.MAX_TOKEN_BYTES),
+            max_prompt=size + overhead,
+            max_completion=int(body["max_tokens"]),
+        )
+
+    def problem(self, usage: Usage, previous: Usage | None) -> str | None:
+        """What makes `usage` impossible for this request, after `previous`; None if nothing."""
+        if not self.min_prompt <= usage.prompt_tokens <= self.max_prompt:
+            return (
+                f"prompt_tokens {usage.prompt_tokens} for a prompt that must have "
+                f"{self.min_prompt} to {self.max_prompt} tokens"
+            )
+        if usage.cached_tokens > usage.prompt_tokens:
+            return f"cached_tokens {usage.cached_tokens} > prompt_tokens {usage.prompt_tokens}"
+        if usage.completion_tokens > self.max_completion:
+            return (
+                f"completion_tokens {usage.completion_tokens} > the {self.max_completion} "
+                "max_tokens asked for"
+            )
+        if previous is not None and usage.prompt_tokens != previous.prompt_tokens:
+            return (
+                f"prompt_tokens changed from {previous.prompt_tokens} to {usage.prompt_tokens} "
+                "within one stream"
+            )
+        if previous is not None and usage.completion_tokens < previous.completion_tokens:
+            return (
+                f"completion_tokens fell from {previous.completion_tokens} to "
+                f"{usage.completion_tokens} within one stream"
+            )
+        return None
+
+
+def _apply_usage(raw: Any, progress: Progress, bounds: UsageBounds, replica: str) -> bool:
+    """Check a usage report and take its counts into `progress`; `InvalidUsage` if wrong.
+
+    vLLM sends `prompt_tokens` and `completion_tokens` in every report, and the cached
+    tokens (`prompt_tokens_details.cached_tokens`) in the last one only: a report without
+    them keeps the cached count already known.
+    """
+    if not isinstance(raw, dict):
+        raise InvalidUsage(f"usage is not an object: {_snippet(json.dumps(raw))}", replica=replica)
+    details = raw.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else details
+    fields = {
+        "prompt_tokens": raw.get("prompt_tokens"),
+        "completion_tokens": raw.get("completion_tokens"),
+        "cached_tokens": progress.cached_tokens if cached is None else cached,
+    }
+    counts: dict[str, int] = {}
+    for name, value in fields.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidUsage(
+                f"{name} is {json.dumps(value)[:40]}, not a count of tokens", replica=replica
+            )
+        counts[name] = value
+    usage = Usage(**counts)
+    problem = bounds.problem(usage, progress.reported)
+    if problem is not None:
+        raise InvalidUsage(problem, replica=replica)
+    progress.prompt_tokens = usage.prompt_tokens
+    progress.completion_tokens = usage.completion_tokens
+    progress.cached_tokens = usage.cached_tokens
+    progress.reported = usage
+    return True
+
+
+def _estimated_prompt_tokens(body: dict[str, Any]) -> int:
+    """The prompt's tokens by the built-in tokenizer (exact for the simulator's models)."""
+    tokenizer = BuiltinTokenizer()
+    messages = body.get("messages")
+    if messages is not None:
+        return len(
+            tokenizer.encode_chat(
+                messages,
+                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                continue_final_message=bool(body.get("continue_final_message", False)),
+            )
+        )
+    return len(tokenizer.encode(str(body.get("prompt") or "")))
