@@ -156,6 +156,9 @@ KEEP_INLINE_MESSAGES = 2
 """The newest messages of a conversation sent inline; earlier ones travel as one reference."""
 SPEND_QUERY = "kvflow_spend"
 """The query that returns the task's `SpendBreakdown`."""
+LOST_ATTEMPT_PATCH = "kvflow-lost-attempt-billed-from-ledger"
+"""The patch under which a lost attempt is billed at its ledger row's figures: runs started
+before it replay without the ledger reads it added."""
 
 
 MAX_LATENCY_BUDGET_S = 30 * 86_400
@@ -303,6 +306,8 @@ class Agent:
         self._compensations: list[tuple[str, Callable[..., Any] | str, Any]] = []
         self._refs: dict[str, ContextRef] = {}
         self._last_replica: str | None = None
+        self._lost: list[AttemptSpend] = []
+        """Attempts whose GPU worker went silent, billed from the ledger (see `_record_task`)."""
         workflow.set_query_handler(SPEND_QUERY, self.breakdown)
         workflow.upsert_search_attributes(
             [attrs.TENANT.value_set(spec.tenant), attrs.OUTCOME.value_set("running")]
@@ -613,7 +618,14 @@ class Agent:
         failure: _Failure,
         dispatched_at: datetime,
     ) -> None:
-        """Bill an attempt whose GPU worker died: it cannot write its own ledger row."""
+        """Bill an attempt whose GPU worker went silent, at its ledger row's figures.
+
+        The worker may have died before writing its row, or after (its completion lost on the
+        way to Temporal, by a crash or a server outage). The workflow writes a provisional
+        row from the last heartbeat, which an exact row under the same key beats whenever it
+        arrives, then bills the attempt at whichever row the ledger holds: never the estimate
+        next to the worker's real bill, never both.
+        """
         info = workflow.info()
         spent = failure.attempt
         await self._ledger_write(
@@ -638,6 +650,44 @@ class Agent:
             ),
             f"ledger: attempt lost on {placement.replica}",
         )
+        self._lost.append(spent)
+        await self._bill_from_ledger(spent)
+
+    async def _bill_from_ledger(self, spent: AttemptSpend) -> None:
+        """Set `spent`'s cost and usage to its ledger row's, when the ledger can say."""
+        if not workflow.patched(LOST_ATTEMPT_PATCH):
+            return
+        bill = await self._stored_bill(spent.activity_id)
+        if bill is not None:
+            _charge(spent, bill)
+
+    async def _stored_bill(self, activity_id: str) -> AttemptBill | None:
+        """The attempt's bill as its ledger row holds it; None without a row or a ledger.
+
+        A ledger that stays unreachable leaves the workflow's own figure standing (logged):
+        bookkeeping never changes how the task ends.
+        """
+        info = workflow.info()
+        key = AttemptKey(workflow_id=info.workflow_id, run_id=info.run_id, activity_id=activity_id)
+        try:
+            bill: AttemptBill | None = await _uncancellable(
+                workflow.execute_local_activity(
+                    ATTEMPT_BILL_ACTIVITY,
+                    key,
+                    result_type=AttemptBill,
+                    start_to_close_timeout=LOCAL_TIMEOUT,
+                    schedule_to_close_timeout=LOCAL_SCHEDULE_TO_CLOSE,
+                    retry_policy=LOCAL_RETRY,
+                )
+            )
+        except FailureError as err:
+            if _is_cancellation(err):
+                raise
+            workflow.logger.warning(
+                "ledger: no bill for attempt %s, its own figure stands: %s", activity_id, err
+            )
+            return None
+        return bill
 
     async def _cancelled(
         self,
@@ -653,18 +703,9 @@ class Agent:
             # The worker died while the cancellation was on its way: bill its last heartbeat.
             await self._record_lost_attempt(err, call, placement, failure, dispatched_at)
         else:
-            info = workflow.info()
-            key = AttemptKey(
-                workflow_id=info.workflow_id, run_id=info.run_id, activity_id=err.activity_id or ""
-            )
-            bill: AttemptBill | None = await self._local(
-                ATTEMPT_BILL_ACTIVITY, key, AttemptBill, call.record
-            )
+            bill = await self._stored_bill(err.activity_id or "")
             if bill is not None:
-                failure.attempt.cost_micros = bill.cost_micros
-                failure.attempt.prompt_tokens = bill.usage.prompt_tokens
-                failure.attempt.cached_tokens = bill.usage.cached_tokens
-                failure.attempt.completion_tokens = bill.usage.completion_tokens
+                _charge(failure.attempt, bill)
         await self._observe(placement, failure)
         self._publish()
 
@@ -1071,6 +1112,25 @@ class Agent:
         error, the attribute says so, and `kvflow ledger reconcile` writes the row from it.
         """
         self.outcome = outcome.value
+        closing = asyncio.ensure_future(self._record_task(outcome))
+        try:
+            await asyncio.shield(closing)
+        except asyncio.CancelledError:
+            # Cancelled while closing: the task's work is over and its outcome stands.
+            await closing
+        self._publish()
+
+    async def _record_task(self, outcome: TaskOutcome) -> None:
+        """Write the task row: its spend is the sum of the task's attempt rows.
+
+        Every attempt is billed at its row's figures: the result's or the error's (the GPU
+        worker computed both from the same count) or, for a lost attempt, the row read back
+        from the ledger. A lost attempt's exact row may have come after the workflow billed
+        it (a spool replayed, a cut-off worker that finished), so it is read once more here.
+        """
+        if self._lost and workflow.patched(LOST_ATTEMPT_PATCH):
+            for spent in self._lost:
+                await self._bill_from_ledger(spent)
         info = workflow.info()
         compensation_micros = sum(s.cost_micros for s in self.steps if s.kind == "compensation")
         record = TaskRecord(
@@ -1087,15 +1147,7 @@ class Agent:
             compensation_micros=compensation_micros,
             source="workflow",
         )
-        write = asyncio.ensure_future(
-            self._ledger_write(RECORD_TASK_ACTIVITY, record, f"ledger: task {outcome.value}")
-        )
-        try:
-            await asyncio.shield(write)
-        except asyncio.CancelledError:
-            # Cancelled while closing: the task's work is over and its outcome stands.
-            await write
-        self._publish()
+        await self._ledger_write(RECORD_TASK_ACTIVITY, record, f"ledger: task {outcome.value}")
 
 
 _CONTROL_PLANE_FIXES: dict[str, tuple[errors.TaskErrorType, str]] = {
@@ -1166,6 +1218,14 @@ def _task_started_at(info: workflow.Info) -> datetime:
     if info.cron_schedule or info.attempt > 1:
         return info.start_time
     return info.workflow_start_time
+
+
+def _charge(spent: AttemptSpend, bill: AttemptBill) -> None:
+    """Bill `spent` at `bill`, its ledger row's figures."""
+    spent.cost_micros = bill.cost_micros
+    spent.prompt_tokens = bill.usage.prompt_tokens
+    spent.cached_tokens = bill.usage.cached_tokens
+    spent.completion_tokens = bill.usage.completion_tokens
 
 
 def _usd(micros: int) -> str:

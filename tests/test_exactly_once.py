@@ -1,0 +1,308 @@
+"""Every attempt is billed exactly once, even when its completion or the ledger is lost.
+
+Real Temporal dev server, simulated replicas, real GPU workers and the real ledger, on SQLite
+and on PostgreSQL. Three ways the books could drift apart are reproduced on purpose:
+
+- a GPU worker bills its attempt and its result never reaches Temporal (the worker died, or
+  the server was down when it completed): the workflow sees a heartbeat timeout, bills the
+  attempt and runs the step again;
+- the worker's row reaches the ledger only after the workflow billed the attempt from its
+  last heartbeat (a spool replayed when the ledger or the worker came back);
+- the ledger's PostgreSQL connection is cut for a few seconds while tasks run.
+
+Afterwards every attempt has one row, written by the GPU worker, and each task's row, its
+`kvflow_spend` query and its spend search attribute all equal the sum of its attempt rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+from temporalio import activity, workflow
+from temporalio.client import Client, WorkflowHandle
+from temporalio.worker import Replayer, Worker
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
+
+from kvflow.activities.context_store import DirectoryContextStore
+from kvflow.activities.inference import (
+    INFER_ACTIVITY,
+    InferenceActivities,
+    ReplicaBinding,
+    default_http_client,
+)
+from kvflow.activities.wire import InferenceRequest, InferenceResult
+from kvflow.ledger import AsyncLedger, AttemptRecord
+from kvflow.ledger.store import open_async_ledger
+from kvflow.scheduler.fleet import Fleet, Pool, Tenant, TokenPrices, task_queue_for
+from kvflow.simulator import BUILTIN_MODELS
+from kvflow.workers.embedded import EmbeddedFleet
+from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
+from tests import agent_workflows as wf
+from tests.test_ledger_invariants import assert_books_balance
+from tests.test_workflows import MODEL, PoolPlan, Stack, _spec
+
+# This file defines a workflow, so the sandbox re-imports it; pass kvflow through.
+with workflow.unsafe.imports_passed_through():
+    from kvflow.activities.wire import ChatMessage, Sampling
+    from kvflow.workflows.agent import Agent, TaskSpec
+
+
+class PausedInput(BaseModel):
+    spec: TaskSpec
+    model: str
+    max_tokens: int = 24
+
+
+@workflow.defn
+class AnswersThenWaits:
+    """One model call, then a wait for `finish` before the task closes."""
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    @workflow.run
+    async def run(self, task: PausedInput) -> str:
+        agent = Agent(task.spec)
+        async with agent:
+            answer = await agent.infer(
+                [ChatMessage(role="user", content="Summarize the incident.")],
+                model=task.model,
+                max_tokens=task.max_tokens,
+                step="summary",
+                sampling=Sampling(ignore_eos=True),
+            )
+            await workflow.wait_condition(lambda: self.finished)
+            return answer.text
+
+    @workflow.signal
+    def finish(self) -> None:
+        self.finished = True
+
+
+def _pools() -> list[PoolPlan]:
+    """A cheap pool the scheduler tries first, whose GPU worker loses completions, and a
+    dearer backup."""
+    return [
+        PoolPlan("lossy", gpu="H200", prices=("0.05", "0.005", "0.15"), gpu_worker=False),
+        PoolPlan("backup", gpu="H100", prices=("0.40", "0.04", "1.20")),
+    ]
+
+
+def _fleet(pools: list[PoolPlan]) -> Fleet:
+    return Fleet(
+        models=[BUILTIN_MODELS[MODEL]],
+        pools=[
+            Pool(
+                name=plan.name,
+                gpu=plan.gpu,
+                replicas=plan.replicas,
+                price_per_gpu_hour_usd=Decimal("2.00"),
+                token_prices=TokenPrices(
+                    input_per_mtok_usd=Decimal(plan.prices[0]),
+                    cached_input_per_mtok_usd=Decimal(plan.prices[1]),
+                    output_per_mtok_usd=Decimal(plan.prices[2]),
+                ),
+                warm_models=[MODEL],
+                max_concurrency=16,
+            )
+            for plan in pools
+        ],
+        tenants=[Tenant(name="acme", tier=1, fairness_weight=3.0)],
+    )
+
+
+@asynccontextmanager
+async def ledger_stack(
+    client: Client, tmp_path: Path, ledger_url: str, pools: list[PoolPlan]
+) -> AsyncIterator[tuple[Stack, EmbeddedFleet]]:
+    """`tests.test_workflows.stack` on the ledger at `ledger_url` (SQLite or PostgreSQL)."""
+    fleet = _fleet(pools)
+    by_name = {p.name: p for p in pools}
+    replicas = [name for pool in fleet.pools for name in pool.replica_names()]
+    ledger = await open_async_ledger(ledger_url, migrate=True)
+    task_queue = f"agents-{uuid.uuid4()}"
+    try:
+        async with EmbeddedFleet(
+            client,
+            fleet,
+            ledger=ledger,
+            store=DirectoryContextStore(tmp_path / "context"),
+            max_model_len=4096,
+            without_gpu_worker=[r for r in replicas if not by_name[r.split("/")[0]].gpu_worker],
+        ) as embedded:
+            worker = await embedded.workflow_worker(
+                workflows=[*wf.ALL_WORKFLOWS, AnswersThenWaits],
+                activities=wf.ALL_ACTIVITIES,
+                task_queue=task_queue,
+            )
+            async with worker:
+                assert embedded.control_plane is not None
+                yield (
+                    Stack(
+                        client,
+                        fleet,
+                        ledger,
+                        task_queue,
+                        embedded.control_plane,
+                        embedded.gpu_workers,
+                    ),
+                    embedded,
+                )
+    finally:
+        await ledger.close()
+
+
+class HeldRows:
+    """A GPU worker's attempt rows, held back instead of written (a spool not yet replayed)."""
+
+    def __init__(self) -> None:
+        self.rows: list[AttemptRecord] = []
+
+    async def record_attempt(self, record: AttemptRecord) -> bool:
+        self.rows.append(record)
+        return True
+
+
+class LosesCompletions:
+    """A GPU worker whose calls run and are billed, and whose results never reach Temporal.
+
+    Each call streams from the replica and writes its attempt row like any GPU worker's,
+    then goes silent instead of completing: what Temporal sees of a worker killed right
+    after its ledger write, or of a completion lost while the server was down.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        embedded: EmbeddedFleet,
+        replica: str,
+        ledger: AsyncLedger | HeldRows,
+    ) -> None:
+        pool_name, index = replica.split("/")
+        pool = embedded.fleet.pool(pool_name)
+        binding = ReplicaBinding(
+            pool=pool, index=int(index), base_url=embedded.sims[replica].base_url
+        )
+        self.http = default_http_client()
+        self.inference = InferenceActivities(
+            binding, self.http, ledger, store=embedded.store, heartbeat_interval_s=0.2
+        )
+        self.lost: list[str] = []
+        """Activity ids of the calls whose completion was lost."""
+        self.worker = Worker(
+            client,
+            task_queue=task_queue_for(pool.name, int(index)),
+            activities=[self.infer],
+        )
+
+    @activity.defn(name=INFER_ACTIVITY)
+    async def infer(self, request: InferenceRequest) -> InferenceResult:
+        result = await self.inference.infer(request)
+        self.lost.append(activity.info().activity_id)
+        await asyncio.Event().wait()  # the completion never leaves the worker
+        return result
+
+    async def __aenter__(self) -> LosesCompletions:
+        await self.worker.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.worker.__aexit__(None, None, None)
+        await self.http.aclose()
+
+
+async def _assert_replays(handle: WorkflowHandle[Any, Any]) -> None:
+    """The run's history replays: billing from the ledger added no nondeterminism."""
+    history = await handle.fetch_history()
+    # As the workflow worker runs them: kvflow passed through, and this module with it.
+    runner = SandboxedWorkflowRunner(
+        restrictions=SandboxRestrictions.default.with_passthrough_modules("kvflow", "tests")
+    )
+    replayer = Replayer(
+        workflows=[*wf.ALL_WORKFLOWS, AnswersThenWaits],
+        data_converter=handle._client.data_converter,
+        workflow_runner=runner,
+    )
+    await replayer.replay_workflow(history)
+
+
+async def _run_id(handle: WorkflowHandle[Any, Any]) -> str:
+    return (await handle.describe()).run_id or ""
+
+
+async def _assert_lost_attempt_billed_from_its_row(
+    s: Stack, handle: WorkflowHandle[Any, Any], activity_id: str
+) -> None:
+    """The lost attempt's one row is the worker's exact one, and the task counted exactly it."""
+    rows = await s.ledger.attempts_for(handle.id, await _run_id(handle))
+    [row] = [r for r in rows if r.activity_id == activity_id]
+    assert row.replica == "lossy/0" and not row.provisional and row.cost_micros > 0
+    breakdown = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
+    [billed] = [
+        a for step in breakdown.steps for a in step.attempts if a.activity_id == activity_id
+    ]
+    assert billed.outcome == "TimeoutHeartbeat", billed
+    assert billed.cost_micros == row.cost_micros
+    assert billed.completion_tokens == row.completion_tokens
+
+
+@pytest.mark.timeout(240)
+async def test_completion_lost_after_the_worker_billed_it_is_counted_once_at_its_real_cost(
+    temporal_client: Client, tmp_path: Path, ledger_url: str
+) -> None:
+    async with (
+        ledger_stack(temporal_client, tmp_path, ledger_url, _pools()) as (s, embedded),
+        LosesCompletions(temporal_client, embedded, "lossy/0", s.ledger) as lossy,
+    ):
+        task = wf.StepsInput(spec=_spec(expected_steps=2), model=MODEL, steps=2, max_tokens=24)
+        handles = [await s.start(wf.MultiStepAgent.run, task) for _ in range(3)]
+        outs = await asyncio.wait_for(asyncio.gather(*(h.result() for h in handles)), 180)
+        assert all(r == "backup/0" for out in outs for r in out.replicas)
+        assert lossy.lost, "no call went to the lossy replica"
+        for handle in handles:
+            task_row = await assert_books_balance(s, handle)
+            rows = await s.ledger.attempts_for(handle.id, task_row.run_id)
+            for row in rows:
+                if row.activity_id in lossy.lost:
+                    await _assert_lost_attempt_billed_from_its_row(s, handle, row.activity_id)
+            await _assert_replays(handle)
+
+
+@pytest.mark.timeout(240)
+async def test_worker_row_that_arrives_after_the_estimate_replaces_it_before_the_task_closes(
+    temporal_client: Client, tmp_path: Path, ledger_url: str
+) -> None:
+    held = HeldRows()
+    async with (
+        ledger_stack(temporal_client, tmp_path, ledger_url, _pools()) as (s, embedded),
+        LosesCompletions(temporal_client, embedded, "lossy/0", held) as lossy,
+    ):
+        task = PausedInput(spec=_spec(expected_steps=1), model=MODEL)
+        handle = await s.start(AnswersThenWaits.run, task)
+        # The step is answered by the backup once the lossy call went silent.
+        for _ in range(600):
+            breakdown = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
+            if breakdown.steps and breakdown.steps[0].outcome == "ok":
+                break
+            await asyncio.sleep(0.05)
+        [activity_id] = lossy.lost
+        [late] = held.rows
+        rows = await s.ledger.attempts_for(handle.id, await _run_id(handle))
+        [estimate] = [r for r in rows if r.activity_id == activity_id]
+        assert estimate.provisional and estimate.cost_micros < late.cost_micros
+
+        # The worker's row reaches the ledger now (its spool replayed), then the task ends.
+        assert await s.ledger.record_attempt(late) is True
+        await handle.signal(AnswersThenWaits.finish)
+        await asyncio.wait_for(handle.result(), 60)
+        await assert_books_balance(s, handle)
+        await _assert_lost_attempt_billed_from_its_row(s, handle, activity_id)
+        await _assert_replays(handle)
