@@ -39,13 +39,14 @@ from kvflow.activities.inference import (
     default_http_client,
 )
 from kvflow.activities.wire import InferenceRequest, InferenceResult
-from kvflow.ledger import AsyncLedger, AttemptRecord
+from kvflow.ledger import AsyncLedger, AttemptRecord, Ledger
 from kvflow.ledger.store import open_async_ledger
 from kvflow.scheduler.fleet import Fleet, Pool, Tenant, TokenPrices, task_queue_for
 from kvflow.simulator import BUILTIN_MODELS
 from kvflow.workers.embedded import EmbeddedFleet
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
 from tests import agent_workflows as wf
+from tests.fixtures_ledger import attempt_record, task_record
 from tests.test_ledger_invariants import assert_books_balance
 from tests.test_workflows import MODEL, PoolPlan, Stack, _spec
 
@@ -306,3 +307,53 @@ async def test_worker_row_that_arrives_after_the_estimate_replaces_it_before_the
         await assert_books_balance(s, handle)
         await _assert_lost_attempt_billed_from_its_row(s, handle, activity_id)
         await _assert_replays(handle)
+
+
+# ---- rows that come after the task row ---------------------------------------------------------
+
+
+def test_exact_row_after_the_close_moves_the_task_row_from_the_estimate_to_the_bill(
+    ledger: Ledger,
+) -> None:
+    answered = attempt_record(activity_id="1", completion_tokens=40)
+    exact = attempt_record(activity_id="2", completion_tokens=102)
+    estimate = exact.model_copy(
+        update={"completion_tokens": 45, "cost_micros": 33, "provisional": True}
+    )
+    ledger.record_attempt(answered)
+    ledger.record_attempt(estimate)
+    ledger.record_task(task_record(attempts=2, spend_micros=answered.cost_micros + 33))
+
+    # The worker's spool is replayed after the workflow closed, then replayed once more.
+    assert ledger.record_attempt(exact) is True
+    assert ledger.record_attempt(exact) is False
+    _assert_task_row_is_the_sum(ledger, attempts=2)
+
+
+def test_row_after_a_reconciled_task_row_is_added_to_it_once(ledger: Ledger) -> None:
+    first = attempt_record(activity_id="1")
+    ledger.record_attempt(first)
+    reconciled = task_record(attempts=1, spend_micros=first.cost_micros)
+    ledger.record_task(reconciled.model_copy(update={"source": "reconcile"}))
+
+    # The timed-out run's last attempt is billed by its GPU worker after reconcile ran.
+    late = attempt_record(activity_id="2", completion_tokens=7)
+    assert ledger.record_attempt(late) is True
+    assert ledger.record_attempt(late) is False
+    _assert_task_row_is_the_sum(ledger, attempts=2)
+
+
+def test_row_after_the_workflow_closed_is_not_counted_twice(ledger: Ledger) -> None:
+    # The workflow counted the answer from its result; the row was in a spool at the close.
+    answer = attempt_record(activity_id="1")
+    ledger.record_task(task_record(attempts=1, spend_micros=answer.cost_micros))
+    assert ledger.record_attempt(answer) is True
+    _assert_task_row_is_the_sum(ledger, attempts=1)
+
+
+def _assert_task_row_is_the_sum(ledger: Ledger, *, attempts: int) -> None:
+    rows = ledger.attempts_for("wf-1", "run-1")
+    task = ledger.task("wf-1", "run-1")
+    assert task is not None and len(rows) == attempts == task.attempts
+    assert not any(row.provisional for row in rows)
+    assert task.spend_micros == sum(row.cost_micros for row in rows)

@@ -1,11 +1,13 @@
 """The production ledger: PostgreSQL through psycopg 3.
 
-One autocommit connection; each write is one `INSERT ... ON CONFLICT DO NOTHING`, so
-concurrent writers of the same key never fail and exactly one of them writes the row.
-Migrations take a transaction-scoped advisory lock so that workers starting together apply
-them once. A connection the server dropped (restart, failover) is reopened and the statement
-run again, which is safe because every statement the ledger runs outside a transaction is
-idempotent.
+One autocommit connection; each write is an `INSERT ... ON CONFLICT DO NOTHING`, so
+concurrent writers of the same key never fail and exactly one of them writes the row (an
+attempt's runs in a short transaction with the update of its task row, if any). Migrations
+take a transaction-scoped advisory lock so that workers starting together apply them once. A
+connection the server dropped (restart, failover) is reopened and the statement run again,
+which is safe because every statement the ledger runs outside a transaction is idempotent; a
+connection lost inside a transaction raises `LedgerUnavailable`, and the caller's retry runs
+the whole write again.
 """
 
 from __future__ import annotations
@@ -122,6 +124,27 @@ class PostgresLedger(Ledger):
                         )
                     )
                 yield
+
+    @contextmanager
+    def _write_transaction(self) -> Iterator[None]:
+        with self._lock:
+            # Run as a statement, so that a session the server dropped while idle is reopened
+            # (nothing has run yet). A connection lost later raises LedgerUnavailable, and the
+            # caller runs the whole write again: each write is idempotent as a whole.
+            self._execute("BEGIN")
+            try:
+                yield
+                self._execute("COMMIT")
+            except BaseException:
+                conn = self._conn
+                if not conn.broken and conn.info.transaction_status != pq.TransactionStatus.IDLE:
+                    try:
+                        conn.execute("ROLLBACK")
+                    except psycopg.Error:
+                        # The error that got us here is the one to report; a session this
+                        # broken is reopened by the next call.
+                        log.warning("ledger %s: rollback failed", self.url, exc_info=True)
+                raise
 
     @contextmanager
     def _snapshot(self) -> Iterator[None]:

@@ -117,10 +117,11 @@ class AttemptRecord(_Record):
 class TaskRecord(_Record):
     """One task (one workflow run) once it has closed.
 
-    Key: `(workflow_id, run_id)`. `spend_micros` is the total the writer saw; the report
-    recomputes every figure from the attempt rows, so both reconcile to the micro-dollar when
-    the writer saw every attempt. `compensation_micros` is the part of that spend made by saga
-    compensations (informational: it is already inside `spend_micros`).
+    Key: `(workflow_id, run_id)`. `spend_micros` is the sum of the task's attempt rows (see
+    "Every attempt is billed exactly once" in `kvflow.ledger`); the report recomputes every
+    figure from the attempt rows, so both agree to the micro-dollar. `compensation_micros` is
+    the part of that spend made by saga compensations (informational: it is already inside
+    `spend_micros`).
     """
 
     workflow_id: str = Field(min_length=1)

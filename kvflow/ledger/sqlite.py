@@ -85,16 +85,23 @@ class SqliteLedger(Ledger):
 
     @contextmanager
     def _migration_transaction(self) -> Iterator[None]:
+        with self._write_transaction():
+            yield
+
+    @contextmanager
+    def _write_transaction(self) -> Iterator[None]:
         with self._lock:
-            # IMMEDIATE takes the write lock now, so concurrent migrations run one at a time.
+            # IMMEDIATE takes the write lock now: concurrent writers (and migrations) run one
+            # at a time instead of failing to upgrade a read lock mid-transaction.
             self._execute("BEGIN IMMEDIATE")
             try:
                 yield
+                self._execute("COMMIT")
             except BaseException:
+                # Also after a failed COMMIT: a transaction left open would refuse the next.
                 if self._conn.in_transaction:
                     self._conn.execute("ROLLBACK")
                 raise
-            self._execute("COMMIT")
 
     @contextmanager
     def _snapshot(self) -> Iterator[None]:

@@ -3,7 +3,8 @@
 `open_ledger("sqlite:///.kvflow/ledger.db")` or `open_ledger("postgresql://user@host:5432/db")`
 returns a `Ledger`. Both backends run the same SQL (`INSERT ... ON CONFLICT DO NOTHING` for
 idempotent writes) through plain drivers (stdlib `sqlite3`, psycopg 3); only the connection,
-the transaction that serializes migrations and two column types differ.
+the transactions (an attempt write with the task row it moves; a migration) and two column
+types differ.
 
 A `Ledger` holds one connection and is safe to share between threads (calls are serialized).
 Async code (activities) uses `AsyncLedger`, which runs each call in a worker thread.
@@ -146,6 +147,10 @@ class Ledger(ABC):
         """A transaction that no other migration of the same database runs alongside."""
 
     @abstractmethod
+    def _write_transaction(self) -> AbstractContextManager[None]:
+        """A transaction for writes that must land together or not at all."""
+
+    @abstractmethod
     def _snapshot(self) -> AbstractContextManager[None]:
         """A read-only transaction whose statements all see the same committed state."""
 
@@ -242,6 +247,11 @@ class Ledger(ABC):
         An exact row (not `provisional`) whose key holds a provisional row replaces it and
         returns True: the GPU worker's bill wins over the workflow's estimate from the last
         heartbeat, whichever was written first. A provisional row never replaces anything.
+
+        A row that comes after its task's row (see the package docstring) keeps the task row
+        the sum of its attempt rows, in the same transaction: an exact row replacing an
+        estimate moves the task's spend by the difference; a new row adds itself to a row
+        `kvflow ledger reconcile` summed from the attempts it found.
         """
         prices = record.prices
         values: tuple[object, ...] = (
@@ -270,22 +280,37 @@ class Ledger(ABC):
             record.error_type,
             record.provisional,
         )
+        estimate: int | None = None
         with self._lock:
-            if self._insert("attempts", _ATTEMPT_COLUMNS, values, ", ".join(_ATTEMPT_KEY)):
+            with self._write_transaction():
+                written = self._insert(
+                    "attempts", _ATTEMPT_COLUMNS, values, ", ".join(_ATTEMPT_KEY)
+                )
+                if written:
+                    self._add_late_row(record)
+                elif not record.provisional:
+                    estimate = self._supersede(record, values)
+            # Counted once committed: a rolled-back write is retried and counted then.
+            if written:
                 self._metrics.attempt_written(record)
                 return True
-            if record.provisional:
+            if estimate is None:
                 return False
-            return self._supersede(record, values)
+            self._metrics.attempt_superseded(record, estimate_micros=estimate)
+            return True
 
-    def _supersede(self, record: AttemptRecord, values: Sequence[object]) -> bool:
-        """Replace the provisional row under `record`'s key with `record`; False if none."""
+    def _supersede(self, record: AttemptRecord, values: Sequence[object]) -> int | None:
+        """Replace the provisional row under `record`'s key with `record`.
+
+        Returns the estimate's cost, or None when there was no provisional row to replace.
+        A task row that counted the estimate is moved to the exact cost.
+        """
         key = " AND ".join(f"{name} = ?" for name in _ATTEMPT_KEY)
         _, rows = self._execute(
             f"SELECT cost_micros FROM attempts WHERE {key} AND provisional", record.key
         )
         if not rows:
-            return False
+            return None
         assert _ATTEMPT_COLUMNS[: len(_ATTEMPT_KEY)] == _ATTEMPT_KEY
         columns = (*_ATTEMPT_COLUMNS[len(_ATTEMPT_KEY) :], "recorded_at")
         rest = (*values[len(_ATTEMPT_KEY) :], self._time_in(datetime.now(UTC)))
@@ -296,9 +321,30 @@ class Ledger(ABC):
             (*rest, *record.key),
         )
         if count != 1:
-            return False
-        self._metrics.attempt_superseded(record, estimate_micros=int(rows[0][0]))
-        return True
+            return None
+        estimate = int(rows[0][0])
+        if record.cost_micros != estimate:
+            # Whoever wrote the task row counted the estimate (the workflow billed the lost
+            # attempt from it, reconcile summed it): the row now counts the bill instead.
+            self._execute(
+                "UPDATE tasks SET spend_micros = spend_micros + ? "
+                "WHERE workflow_id = ? AND run_id = ?",
+                (record.cost_micros - estimate, record.workflow_id, record.run_id),
+            )
+        return estimate
+
+    def _add_late_row(self, record: AttemptRecord) -> None:
+        """Count a new attempt row in its task's row if reconcile summed that without it.
+
+        A workflow's own task row counts every attempt it made from the attempt's result,
+        error or stored row, so a row of it that arrives after the close (a spool replayed)
+        is already in it; a reconciled row counts only the rows there were when it ran.
+        """
+        self._execute(
+            "UPDATE tasks SET spend_micros = spend_micros + ?, attempts = attempts + 1 "
+            "WHERE workflow_id = ? AND run_id = ? AND source = ?",
+            (record.cost_micros, record.workflow_id, record.run_id, "reconcile"),
+        )
 
     def record_task(self, record: TaskRecord) -> bool:
         """Write one task row; True if written now, False if its key was already there."""
