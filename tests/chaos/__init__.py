@@ -1,0 +1,1 @@
+"""The fault suite: kvflow's real processes, killed, stopped and broken while tasks run."""
