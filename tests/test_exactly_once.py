@@ -17,6 +17,7 @@ Afterwards every attempt has one row, written by the GPU worker, and each task's
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -39,7 +40,8 @@ from kvflow.activities.inference import (
     default_http_client,
 )
 from kvflow.activities.wire import InferenceRequest, InferenceResult
-from kvflow.ledger import AsyncLedger, AttemptRecord, Ledger
+from kvflow.ledger import AsyncLedger, AttemptRecord, Ledger, LedgerUnavailable, open_ledger
+from kvflow.ledger.spool import AttemptSpool, SpooledAttemptWriter
 from kvflow.ledger.store import open_async_ledger
 from kvflow.scheduler.fleet import Fleet, Pool, Tenant, TokenPrices, task_queue_for
 from kvflow.simulator import BUILTIN_MODELS
@@ -357,3 +359,71 @@ def _assert_task_row_is_the_sum(ledger: Ledger, *, attempts: int) -> None:
     assert task is not None and len(rows) == attempts == task.attempts
     assert not any(row.provisional for row in rows)
     assert task.spend_micros == sum(row.cost_micros for row in rows)
+
+
+# ---- a spool that cannot be written ------------------------------------------------------------
+
+
+class LedgerDown:
+    """The real ledger behind a switch: while `down`, every write is refused."""
+
+    def __init__(self, ledger: AsyncLedger) -> None:
+        self.ledger = ledger
+        self.down = True
+
+    async def record_attempt(self, record: AttemptRecord) -> bool:
+        if self.down:
+            raise LedgerUnavailable("ledger: connection refused")
+        return await self.ledger.record_attempt(record)
+
+
+class FullDisk(AttemptSpool):
+    """A spool on a disk that has no room left while `full`."""
+
+    full = True
+
+    def add(self, record: AttemptRecord) -> None:
+        if self.full:
+            raise OSError(28, "No space left on device")
+        super().add(record)
+
+
+async def test_row_the_spool_cannot_take_is_held_and_written_when_the_ledger_is_back(
+    ledger_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with AsyncLedger(open_ledger(ledger_url, migrate=True)) as ledger:
+        target = LedgerDown(ledger)
+        spool = FullDisk(tmp_path / "attempts-cpu-0.db")
+        writer = SpooledAttemptWriter(target, spool, retries=1, backoff_s=0.01)
+        row = attempt_record()
+        async with writer:
+            # Neither the ledger nor the disk takes it: the call still returns.
+            assert await writer.record_attempt(row) is False
+            assert list(writer.held) == [row.key] and len(spool) == 0
+            # A replay while the ledger is still down keeps it.
+            assert await writer.replay() == 0 and list(writer.held) == [row.key]
+            target.down = False
+            assert await writer.replay() == 1
+            assert writer.held == {}
+            assert await writer.record_attempt(row) is False  # a retry: still one row
+        assert await ledger.attempts_for("wf-1", "run-1") == [row]
+        assert not [r for r in caplog.records if r.levelno >= logging.CRITICAL]
+
+
+async def test_held_row_moves_to_the_spool_when_the_disk_recovers_before_the_ledger(
+    ledger_url: str, tmp_path: Path
+) -> None:
+    async with AsyncLedger(open_ledger(ledger_url, migrate=True)) as ledger:
+        target = LedgerDown(ledger)
+        spool = FullDisk(tmp_path / "attempts-cpu-0.db")
+        row = attempt_record()
+        async with SpooledAttemptWriter(target, spool, retries=0) as writer:
+            await writer.record_attempt(row)
+            spool.full = False
+            await writer.replay()
+            assert writer.held == {} and len(spool) == 1
+        # The worker restarts after the ledger is back and replays its spool.
+        target.down = False
+        restarted = SpooledAttemptWriter(target, AttemptSpool(tmp_path / "attempts-cpu-0.db"))
+        async with restarted:
+            assert await ledger.attempts_for("wf-1", "run-1") == [row]

@@ -8,8 +8,15 @@ every write that succeeds, and every `replay_interval_s` while the worker runs. 
 are idempotent by key, so a row replayed twice is still one row.
 
 The finished call is never failed for its bookkeeping: the answer is returned, and the row
-reaches the ledger once the ledger is back. Only when the spool itself cannot be written (the
-worker's disk) is the row lost, and then it is logged at CRITICAL with its key and cost.
+reaches the ledger once the ledger is back. Failing the call instead would not save the row:
+an inference call is not retried on the same queue, and the workflow would bill the attempt
+again from its error while the answer it paid for is thrown away.
+
+When the spool itself cannot be written (the worker's disk is full or failing), the row is
+kept in memory and retried with every replay, into the ledger first and the spool second.
+Only a row still held when the worker stops, with neither the ledger nor the disk back, is
+lost; it is logged at CRITICAL with its key and cost, and the workflow's estimate from the
+attempt's last heartbeat (if its completion was lost too) stands in for it.
 """
 
 from __future__ import annotations
@@ -95,7 +102,9 @@ class SpooledAttemptWriter:
 
     `retries` more tries follow a failed write, `backoff_s`, then twice that, and so on up to
     `max_backoff_s` apart: with the defaults a write is given up to about 3.5 s before its row
-    is spooled (the inference activity keeps heartbeating meanwhile).
+    is spooled (the inference activity keeps heartbeating meanwhile). Spooled rows are
+    replayed after the next write that succeeds and every `replay_interval_s`: a row reaches
+    the ledger within about 5 s of its return, when no call comes to replay it sooner.
     """
 
     def __init__(
@@ -106,7 +115,7 @@ class SpooledAttemptWriter:
         retries: int = 3,
         backoff_s: float = 0.5,
         max_backoff_s: float = 2.0,
-        replay_interval_s: float = 30.0,
+        replay_interval_s: float = 5.0,
     ) -> None:
         self.ledger = ledger
         self.spool = spool
@@ -118,6 +127,8 @@ class SpooledAttemptWriter:
         self._replaying = asyncio.Lock()
         # Checked on every successful write; a cheap flag instead of a COUNT(*) each time.
         self._maybe_pending = True
+        self.held: dict[tuple[str, str, str, int], AttemptRecord] = {}
+        """Rows that neither the ledger nor the spool took, by key: retried with every replay."""
 
     async def record_attempt(self, record: AttemptRecord) -> bool:
         """Write `record`; True if the ledger wrote it now, False if it was there or spooled."""
@@ -146,15 +157,18 @@ class SpooledAttemptWriter:
         try:
             await asyncio.to_thread(self.spool.add, record)
         except Exception:
-            log.critical(
-                "attempt %s (%d micro-dollars) is lost: neither the ledger nor the spool %s "
-                "took it",
+            self.held[record.key] = record
+            self._maybe_pending = True
+            log.error(
+                "neither the ledger nor the spool %s took attempt %s (%d micro-dollars); it is "
+                "kept in memory and retried with every replay, and lost only if this worker "
+                "stops before either is back",
+                self.spool.path,
                 record.key,
                 record.cost_micros,
-                self.spool.path,
                 exc_info=True,
             )
-            raise
+            return
         self._maybe_pending = True
         log.warning(
             "ledger unavailable: attempt %s (%d micro-dollars) spooled to %s; it is written "
@@ -165,13 +179,37 @@ class SpooledAttemptWriter:
         )
 
     async def replay(self) -> int:
-        """Move spooled rows into the ledger until none is left or a write fails; how many."""
+        """Move held and spooled rows into the ledger until none is left or a write fails.
+
+        Returns how many reached the ledger. A held row the ledger still refuses is moved to
+        the spool if the disk takes it now.
+        """
         replayed = 0
         async with self._replaying:
-            while True:
-                batch = await asyncio.to_thread(self.spool.pending)
+            ledger_up = True
+            for key, record in list(self.held.items()):
+                if ledger_up:
+                    try:
+                        await self.ledger.record_attempt(record)
+                    except Exception as exc:
+                        log.info("held rows stay held, the ledger still fails: %s", exc)
+                        ledger_up = False
+                    else:
+                        del self.held[key]
+                        replayed += 1
+                        continue
+                if await self._spool_held(record):
+                    del self.held[key]
+            while ledger_up:
+                try:
+                    batch = await asyncio.to_thread(self.spool.pending)
+                except Exception:
+                    # The spool's rows are safe on disk or lost with it; either way the next
+                    # replay is the one to try.
+                    log.warning("could not read the spool %s", self.spool.path, exc_info=True)
+                    break
                 if not batch:
-                    self._maybe_pending = False
+                    self._maybe_pending = bool(self.held)
                     break
                 for record in batch:
                     try:
@@ -179,11 +217,24 @@ class SpooledAttemptWriter:
                     except Exception as exc:
                         log.info("spool replay stopped, the ledger still fails: %s", exc)
                         return replayed
-                    await asyncio.to_thread(self.spool.remove, record)
                     replayed += 1
+                    try:
+                        await asyncio.to_thread(self.spool.remove, record)
+                    except Exception:
+                        # Replaying it again later writes nothing twice (idempotent by key).
+                        log.warning("could not clear %s from the spool", record.key, exc_info=True)
+                        return replayed
         if replayed:
             log.info("replayed %d spooled attempt rows into the ledger", replayed)
         return replayed
+
+    async def _spool_held(self, record: AttemptRecord) -> bool:
+        """Spool a held row; False (quietly: it was logged when held) if the disk still fails."""
+        try:
+            await asyncio.to_thread(self.spool.add, record)
+        except Exception:
+            return False
+        return True
 
     async def replay_every(self, interval_s: float) -> None:
         """Replay the spool every `interval_s` seconds, until cancelled."""
@@ -207,6 +258,17 @@ class SpooledAttemptWriter:
         if self._replaying_task is not None:
             self._replaying_task.cancel()
             await asyncio.gather(self._replaying_task, return_exceptions=True)
+        if self.held:
+            # The last chance for rows only this process holds.
+            await self.replay()
+        for key, record in self.held.items():
+            log.critical(
+                "attempt %s (%d micro-dollars) is lost: the worker stops and neither the "
+                "ledger nor the spool %s took it",
+                key,
+                record.cost_micros,
+                self.spool.path,
+            )
         self.spool.close()
 
 
