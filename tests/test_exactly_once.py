@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from pydantic import BaseModel
@@ -40,15 +42,23 @@ from kvflow.activities.inference import (
     default_http_client,
 )
 from kvflow.activities.wire import InferenceRequest, InferenceResult
-from kvflow.ledger import AsyncLedger, AttemptRecord, Ledger, LedgerUnavailable, open_ledger
+from kvflow.ledger import (
+    AsyncLedger,
+    AttemptRecord,
+    Ledger,
+    LedgerUnavailable,
+    TaskOutcome,
+    open_ledger,
+)
 from kvflow.ledger.spool import AttemptSpool, SpooledAttemptWriter
 from kvflow.ledger.store import open_async_ledger
 from kvflow.scheduler.fleet import Fleet, Pool, Tenant, TokenPrices, task_queue_for
 from kvflow.simulator import BUILTIN_MODELS
+from kvflow.workers.devserver import free_port
 from kvflow.workers.embedded import EmbeddedFleet
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
 from tests import agent_workflows as wf
-from tests.fixtures_ledger import attempt_record, task_record
+from tests.fixtures_ledger import attempt_record, task_record, with_schema
 from tests.test_ledger_invariants import assert_books_balance
 from tests.test_workflows import MODEL, PoolPlan, Stack, _spec
 
@@ -427,3 +437,148 @@ async def test_held_row_moves_to_the_spool_when_the_disk_recovers_before_the_led
         restarted = SpooledAttemptWriter(target, AttemptSpool(tmp_path / "attempts-cpu-0.db"))
         async with restarted:
             assert await ledger.attempts_for("wf-1", "run-1") == [row]
+
+
+# ---- the ledger's PostgreSQL connection cut mid-run ------------------------------------------
+
+
+class CuttableTcpProxy:
+    """A TCP proxy in front of PostgreSQL whose connections can be cut, then let back.
+
+    `cut()` drops every open connection and refuses new ones (each is accepted and closed at
+    once, as a restarting server or a failing-over address does) until `restore()`. It runs
+    its own event loop in a thread, so that it answers while the test's loop waits.
+    """
+
+    def __init__(self, upstream_host: str, upstream_port: int) -> None:
+        self.upstream = (upstream_host, upstream_port)
+        self.port = free_port()
+        self.dropped = 0
+        """Open connections cut."""
+        self.refused = 0
+        """Connections refused while cut."""
+        self._refusing = False
+        self._open: set[asyncio.StreamWriter] = set()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: asyncio.Server | None = None
+
+    def start(self) -> CuttableTcpProxy:
+        self._thread.start()
+        self._server = self._call(asyncio.start_server(self._serve, "127.0.0.1", self.port))
+        return self
+
+    def url(self, direct_url: str) -> str:
+        """`direct_url` with its host and port replaced by the proxy's."""
+        parts = urlsplit(direct_url)
+        netloc = parts.netloc.rsplit("@", 1)
+        address = f"127.0.0.1:{self.port}"
+        return urlunsplit(
+            parts._replace(netloc=f"{netloc[0]}@{address}" if len(netloc) == 2 else address)
+        )
+
+    def cut(self) -> None:
+        async def cut() -> None:
+            self._refusing = True
+            for writer in list(self._open):
+                writer.transport.abort()
+                self.dropped += 1
+
+        self._call(cut())
+
+    def restore(self) -> None:
+        async def restore() -> None:
+            self._refusing = False
+
+        self._call(restore())
+
+    def stop(self) -> None:
+        async def stop() -> None:
+            assert self._server is not None
+            self._server.close()
+            for writer in list(self._open):
+                writer.transport.abort()
+
+        self._call(stop())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    def _call(self, work: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(work, self._loop).result(timeout=10)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._refusing:
+            self.refused += 1
+            writer.transport.abort()
+            return
+        try:
+            upstream_reader, upstream_writer = await asyncio.open_connection(*self.upstream)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._open.update((writer, upstream_writer))
+        await asyncio.gather(
+            self._pipe(reader, upstream_writer),
+            self._pipe(upstream_reader, writer),
+            return_exceptions=True,
+        )
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        finally:
+            self._open.discard(writer)
+            writer.transport.abort()
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(300)
+async def test_ledger_connection_cut_mid_run_loses_no_row_and_doubles_none(
+    temporal_client: Client,
+    tmp_path: Path,
+    postgres_server_url: str,
+    postgres_schema_prefix: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    direct = with_schema(postgres_server_url, f"{postgres_schema_prefix}_cut")
+    upstream = urlsplit(postgres_server_url)
+    proxy = CuttableTcpProxy(upstream.hostname or "127.0.0.1", upstream.port or 5432).start()
+    caplog.set_level(logging.WARNING, logger="kvflow.ledger.spool")
+    pools = [PoolPlan("gpu", gpu="H100", replicas=2)]
+    task = wf.StepsInput(spec=_spec(expected_steps=3), model=MODEL, steps=3, max_tokens=24)
+    try:
+        async with ledger_stack(temporal_client, tmp_path, proxy.url(direct), pools) as (s, _):
+            handles = [await s.start(wf.MultiStepAgent.run, task) for _ in range(4)]
+            async with AsyncLedger(open_ledger(direct)) as books:
+                first = handles[0]
+                for _ in range(600):  # until the first task's first step is billed
+                    if await books.attempts_for(first.id, first.result_run_id or ""):
+                        break
+                    await asyncio.sleep(0.05)
+
+                # The ledger's connections are cut for 5 s; tasks started meanwhile run too.
+                proxy.cut()
+                handles += [await s.start(wf.MultiStepAgent.run, task) for _ in range(3)]
+                await asyncio.sleep(5)
+                proxy.restore()
+                outs = await asyncio.wait_for(asyncio.gather(*(h.result() for h in handles)), 180)
+                assert all(len(out.replicas) == 3 for out in outs)
+                assert proxy.dropped >= 1 and proxy.refused >= 1
+                spooled = [r for r in caplog.records if "spooled to" in r.getMessage()]
+                assert spooled, "no attempt ended while the ledger was cut"
+
+                # What the GPU workers spooled reaches the ledger by itself.
+                writers = [w.spooler for w in s.gpu_workers.values() if w.spooler is not None]
+                for _ in range(300):
+                    if all(len(w.spool) == 0 and not w.held for w in writers):
+                        break
+                    await asyncio.sleep(0.1)
+                assert all(len(w.spool) == 0 and not w.held for w in writers)
+                for handle in handles:
+                    task_row = await assert_books_balance(s, handle)
+                    assert task_row.outcome == TaskOutcome.SUCCEEDED
+                    assert len(await books.attempts_for(handle.id, task_row.run_id)) == 3
+    finally:
+        proxy.stop()
