@@ -14,11 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.exceptions import WorkflowAlreadyStartedError
+from temporalio.service import RPCError
 
 from kvflow.workflows.agent import TaskSpec
 from tests import agent_workflows as wf
 from tests.chaos.cluster import MODEL, TENANT
 from tests.chaos.traces import TaskTrace, trace
+
+START_RETRY_S = 60.0
+"""How long starting one task may retry while the Temporal server is unreachable."""
 
 _WORDS = [
     "replica",
@@ -86,12 +91,26 @@ class Workload:
         last = self.tasks if count is None else min(self.tasks, first + count)
         for n in range(first, last):
             workflow_id = f"{self.run_id}-{n:03d}"
-            handle = await self.client.start_workflow(
-                wf.MultiStepAgent.run, self.task(n), id=workflow_id, task_queue=self.task_queue
-            )
+            handle = await self._start_one(n, workflow_id)
             self.handles.append(handle)
             self.group_of[workflow_id] = n % self.groups
             await asyncio.sleep(1.0 / rate_per_s)
+
+    async def _start_one(self, n: int, workflow_id: str) -> WorkflowHandle[Any, Any]:
+        """Start one task, riding out a Temporal outage as a client with retries would."""
+        deadline = time.monotonic() + START_RETRY_S
+        while True:
+            try:
+                return await self.client.start_workflow(
+                    wf.MultiStepAgent.run, self.task(n), id=workflow_id, task_queue=self.task_queue
+                )
+            except WorkflowAlreadyStartedError:
+                # An earlier try reached the server before the answer was lost: it runs.
+                return self.client.get_workflow_handle(workflow_id)
+            except RPCError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
 
     async def wait(self, timeout_s: float) -> dict[str, WorkflowExecutionStatus | None]:
         """Wait, bounded, until every started task closed; each one's final status."""

@@ -1,0 +1,90 @@
+"""(c) The Temporal server stopped and started again mid-run, on its SQLite file.
+
+While it is down, workers cannot poll, heartbeat or report results; GPU workers keep
+streaming and bill what they finish. When it is back, calls whose heartbeats were missed time
+out and are re-placed, and late results are dropped. Every task must complete and every
+attempt a GPU worker took must have exactly one ledger row, however its result was lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+
+import pytest
+
+from kvflow.ledger.store import AsyncLedger
+from tests.chaos.conftest import ClusterFactory
+from tests.chaos.figures import ScenarioFigures
+from tests.chaos.scenario import Outcome, finish
+from tests.chaos.workload import Workload
+
+pytestmark = pytest.mark.chaos
+
+TASKS = 60
+DOWN_S = 8.0
+"""Longer than the heartbeat timeout (2 s): calls running across the outage lose their
+heartbeats, so the restart exercises re-placement and lost results, not just reconnection."""
+RUN_TIMEOUT_S = 150
+
+
+@dataclass
+class Run:
+    outcome: Outcome
+    timed_out: int
+    """Attempts that a GPU worker took and whose result never reached the workflow."""
+
+
+@pytest.fixture(scope="module")
+async def run(
+    chaos_cluster: ClusterFactory, chaos_ledger: AsyncLedger, request: pytest.FixtureRequest
+) -> Run:
+    started_at = time.monotonic()
+    async with chaos_cluster(replicas=4, workflow_workers=3) as cluster:
+        assert cluster.client is not None
+        work = Workload(
+            cluster.client, cluster.task_queue, f"c-{uuid.uuid4().hex[:8]}", tasks=TASKS
+        )
+        # Tasks keep being started through the outage, as clients keep calling.
+        starting = asyncio.create_task(work.start(rate_per_s=4))
+        await asyncio.sleep(5.0)
+        cluster.stop_temporal()
+        in_flight = len(work.handles)
+        await asyncio.sleep(DOWN_S)
+        cluster.start_temporal()
+        await starting
+        await work.wait(RUN_TIMEOUT_S)
+        figures = ScenarioFigures(
+            scenario="c. Temporal server restarted",
+            faults=f"Temporal dev server stopped for {DOWN_S:.0f} s mid-run, restarted on "
+            "its SQLite file",
+            faults_injected=1,
+        )
+        outcome = await finish(cluster, chaos_ledger, work.handles, figures, started_at=started_at)
+    timed_out = sum(
+        a.started and a.outcome == "timed_out" for t in outcome.traces.values() for a in t.attempts
+    )
+    figures.notes.append(
+        f"{in_flight} tasks started before the stop, the rest during and after the outage; "
+        f"{timed_out} attempts lost their result to it and were re-placed"
+    )
+    outcome.record(request.node.nodeid)
+    return Run(outcome, timed_out)
+
+
+def test_every_task_completes_after_the_temporal_server_restarts(run: Run):
+    assert run.outcome.not_completed == {}, run.outcome.not_completed
+    assert run.outcome.figures.tasks_completed == TASKS
+
+
+def test_every_attempt_is_billed_once_and_every_task_row_matches(run: Run):
+    books = run.outcome.books
+    assert books.problems() == [], "\n".join(books.problems())
+    assert books.billed_once == books.attempts
+    assert books.task_rows == TASKS
+
+
+def test_no_secret_reaches_a_log_or_a_history(run: Run):
+    assert run.outcome.secrets_found == 0
