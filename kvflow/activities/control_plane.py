@@ -132,6 +132,14 @@ class PlacementPolicy(Protocol):
         ...
 
 
+class FailureTriage(Protocol):
+    """What the control plane does with a failed call before the scheduler learns of it."""
+
+    def triage(self, observation: Observation) -> Observation:
+        """The observation to record for a failed call; may start checks of its replica."""
+        ...
+
+
 class LedgerSink(AttemptSink, Protocol):
     """Stores task rows, and attempt rows a dead GPU worker could not (`AsyncLedger` does)."""
 
@@ -166,8 +174,11 @@ class ControlPlaneActivities:
         ledger: LedgerSink | None = None,
         store: DirectoryContextStore | None = None,
         tokenizers: FleetTokenizers | None = None,
+        triage: FailureTriage | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.triage = triage
+        """Sees each failed call first (the `ControlPlane`); None: the scheduler alone."""
         self.fleet = fleet
         self.block_size = block_size
         self.ledger = ledger
@@ -220,6 +231,8 @@ class ControlPlaneActivities:
     async def observe(self, observation: Observation) -> None:
         """Tell the scheduler how a call ended (a local activity)."""
         with permanent_errors_fail_at_once():
+            if not observation.ok and self.triage is not None:
+                observation = self.triage.triage(observation)
             self.scheduler.observe(observation)
 
     @activity.defn(name=RECORD_TASK_ACTIVITY)

@@ -1,10 +1,17 @@
 """Scraping vLLM's `/metrics` into the scheduler, off the decision path.
 
 `MetricsScraper` polls every replica's Prometheus endpoint with httpx, parses the text with
-`prometheus_client`'s parser and pushes a `ReplicaMetrics` into `Scheduler.update_metrics`. A
-replica that fails `failures_before_down` scrapes in a row (connection refused, timeout, an
-HTTP error, text that is not vLLM's) is marked down with `Scheduler.set_replica_up`; its next
-good scrape marks it up again.
+`prometheus_client`'s parser and pushes a `ReplicaMetrics` into `Scheduler.update_metrics`.
+
+A replica that refuses the connection is marked down (`Scheduler.set_replica_up`) by that one
+scrape: nothing listens where it answered, so its server is gone (a crash). Any other failure
+(a timeout, an HTTP error, text that is not vLLM's) is confirmed at once, `confirm_after_s`
+later instead of a scrape interval later, and `failures_before_down` failures in a row mark it
+down; so a crashed replica is down within one `interval_s` plus a request, and a slow scrape
+does not drop a healthy replica (and its prefix-index entries). `check_soon` scrapes a replica
+out of turn, when a call on it has just failed. A good scrape marks the replica up again,
+unless its GPU worker is missing (`set_worker_missing`): a replica serves calls only when its
+engine answers and a worker polls its task queue.
 
 Metrics read (summed over engines for counts, the maximum for usage):
 `vllm:kv_cache_usage_perc` (or the older `vllm:gpu_cache_usage_perc`),
@@ -116,6 +123,7 @@ class MetricsScraper:
         interval_s: float = 1.0,
         timeout_s: float = 1.0,
         failures_before_down: int = 2,
+        confirm_after_s: float = 0.1,
         client: httpx.AsyncClient | None = None,
     ) -> None:
         known = set(scheduler.replica_names())
@@ -130,39 +138,103 @@ class MetricsScraper:
         self.endpoints = {name: url.rstrip("/") for name, url in endpoints.items()}
         self.interval_s = interval_s
         self.failures_before_down = failures_before_down
+        self.confirm_after_s = confirm_after_s
         self._owns_client = client is None
         self._client = client or httpx.AsyncClient(timeout=timeout_s)
         self._failures = dict.fromkeys(self.endpoints, 0)
+        self._down: set[str] = set()
+        """Replicas this scraper marked down; a good scrape marks them up."""
+        self._latest: dict[str, ReplicaMetrics] = {}
+        self._worker_missing: set[str] = set()
+        self._checks: dict[str, asyncio.Task[ReplicaMetrics | None]] = {}
         self._served: dict[str, set[str]] = {}
         self._stop = asyncio.Event()
 
     async def scrape_replica(self, replica: str) -> ReplicaMetrics | None:
-        """Scrape one replica and apply the result; None when it did not answer well."""
+        """Scrape one replica and apply the result; None when it did not answer well.
+
+        A refused connection marks it down at once; another failure is tried again after
+        `confirm_after_s`, up to `failures_before_down` failures in a row (module docstring).
+        """
         url = f"{self.endpoints[replica]}/metrics"
-        try:
-            response = await self._client.get(url)
-            response.raise_for_status()
-            metrics = parse_vllm_metrics(response.text)
-        except (httpx.HTTPError, MetricsParseError) as exc:
-            failures = self._failures[replica] + 1
-            self._failures[replica] = failures
-            logger.debug("scrape of %s (%s) failed: %s", replica, url, exc)
-            if failures == self.failures_before_down:
-                logger.warning(
-                    "replica %s stopped answering %s (%d failures: %s); marking it down",
-                    replica,
-                    url,
-                    failures,
-                    exc,
-                )
-                self.scheduler.set_replica_up(replica, False)
-            return None
+        while True:
+            try:
+                response = await self._client.get(url)
+                response.raise_for_status()
+                metrics = parse_vllm_metrics(response.text)
+                break
+            except (httpx.HTTPError, MetricsParseError) as exc:
+                failures = self._failures[replica] + 1
+                self._failures[replica] = failures
+                logger.debug("scrape of %s (%s) failed: %s", replica, url, exc)
+                # Refused: nothing listens where the replica answered, so its server is gone.
+                if isinstance(exc, httpx.ConnectError) or failures >= self.failures_before_down:
+                    self._mark_down(replica, url, failures, exc)
+                    return None
+            await asyncio.sleep(self.confirm_after_s)
         self._failures[replica] = 0
         served = await self._served_models(replica)
         if served - set(metrics.models):
             metrics = replace(metrics, models=tuple(sorted(served | set(metrics.models))))
-        self.scheduler.update_metrics(replica, metrics)
+        self._latest[replica] = metrics
+        self._down.discard(replica)
+        if replica not in self._worker_missing:
+            self.scheduler.update_metrics(replica, metrics)
         return metrics
+
+    def _mark_down(self, replica: str, url: str, failures: int, exc: Exception) -> None:
+        self._latest.pop(replica, None)
+        if replica in self._down:
+            return
+        self._down.add(replica)
+        logger.warning(
+            "replica %s stopped answering %s (%d failure(s): %s); marking it down",
+            replica,
+            url,
+            failures,
+            str(exc) or type(exc).__name__,
+        )
+        self.scheduler.set_replica_up(replica, False)
+
+    def check_soon(self, replica: str) -> None:
+        """Scrape `replica` now, in the background (a call on it has just failed).
+
+        A crashed replica is then down before the failed call is placed again, instead of at
+        the next scrape. A check already running for the replica is not doubled.
+        """
+        if replica not in self.endpoints or replica in self._checks:
+            return
+        check = asyncio.get_running_loop().create_task(self.scrape_replica(replica))
+        self._checks[replica] = check
+        check.add_done_callback(lambda _: self._checks.pop(replica, None))
+
+    def engine_idle(self, replica: str) -> bool | None:
+        """Whether the replica's engine ran and queued nothing at its last good scrape.
+
+        None when it is not scraped, or its last scrape failed.
+        """
+        metrics = self._latest.get(replica)
+        if metrics is None or metrics.running is None:
+            return None
+        return metrics.running + (metrics.waiting or 0) == 0
+
+    def set_worker_missing(self, replica: str, missing: bool) -> None:
+        """Say whether the replica's GPU worker is missing (it stopped polling its queue).
+
+        A replica with a missing worker is down whatever its engine answers; when the worker
+        is back, the replica is up again if its last scrape was good.
+        """
+        if missing:
+            if replica not in self._worker_missing:
+                self._worker_missing.add(replica)
+                self.scheduler.set_replica_up(replica, False)
+            return
+        if replica not in self._worker_missing:
+            return
+        self._worker_missing.discard(replica)
+        latest = self._latest.get(replica)
+        if latest is not None and replica not in self._down:
+            self.scheduler.update_metrics(replica, latest)
 
     async def _served_models(self, replica: str) -> set[str]:
         """Every name the server answers to, from `/v1/models` (asked once per replica).
@@ -200,8 +272,9 @@ class MetricsScraper:
         self._stop.set()
 
     async def aclose(self) -> None:
-        """Stop and close the HTTP client (when the scraper created it)."""
+        """Stop, wait for out-of-turn checks, close the HTTP client (when the scraper made it)."""
         self.stop()
+        await asyncio.gather(*self._checks.values(), return_exceptions=True)
         if self._owns_client:
             await self._client.aclose()
 

@@ -28,6 +28,7 @@ from kvflow.scheduler.config import SchedulerConfig
 from kvflow.scheduler.core import Scheduler
 from kvflow.scheduler.fleet import Fleet
 from kvflow.scheduler.kv_events import KvEventSubscriber
+from kvflow.scheduler.placement import Observation
 from kvflow.scheduler.telemetry import MetricsScraper, fleet_endpoints
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class ControlPlane:
             block_size=self.scheduler.block_size,
             ledger=ledger,
             store=store,
+            triage=self,
         )
         for name in self.scheduler.replica_names():
             if name not in self.endpoints:
@@ -110,6 +112,12 @@ class ControlPlane:
             await self.refresh_tenant_spend()
             self._refreshing = asyncio.create_task(self._refresh_tenant_spend_forever())
         return self
+
+    def triage(self, observation: Observation) -> Observation:
+        """A call failed: scrape its replica now, so a crashed one is down before the retry."""
+        if observation.replica_fault:
+            self.scraper.check_soon(observation.replica)
+        return observation
 
     async def refresh_tenant_spend(self) -> bool:
         """Set each tenant's spend today from the ledger; False (logged) when it fails.

@@ -1,0 +1,244 @@
+"""Liveness of replicas: a crashed engine, a dead GPU worker, an outage of Temporal itself.
+
+A replica serves calls only while its engine answers `/metrics` and a GPU worker polls its
+task queue; a timeout that the control plane's own outage explains is charged to neither the
+replica's circuit nor the tenant's retry budget. The end-to-end tests run the real dev server,
+simulated replicas and real GPU workers, and read where calls went from the ledger.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from temporalio.client import Client, WorkflowHandle
+
+from kvflow.activities.context_store import DirectoryContextStore
+from kvflow.ledger.records import AttemptRecord
+from kvflow.ledger.store import AsyncLedger, open_async_ledger
+from kvflow.scheduler.config import SchedulerConfig
+from kvflow.scheduler.core import Scheduler
+from kvflow.scheduler.fleet import Fleet, Pool, Tenant, TokenPrices
+from kvflow.scheduler.telemetry import MetricsScraper
+from kvflow.simulator import BUILTIN_MODELS, SimServer
+from kvflow.simulator.faults import FaultSpec
+from kvflow.workers.control_plane import ControlPlane
+from kvflow.workers.embedded import EmbeddedFleet
+from kvflow.workflows.agent import TaskSpec
+from tests import agent_workflows as wf
+from tests.fixtures_sim import sim_settings
+
+MODEL = "llama-3.2-1b"
+
+VLLM_PAGE = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="llama-3.2-1b"} 0.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="llama-3.2-1b"} 0.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{model_name="llama-3.2-1b"} 0.1
+"""
+
+
+@dataclass
+class PoolPlan:
+    """One pool of a test fleet: its GPU, prices, concurrency and what is wrong with it."""
+
+    name: str
+    gpu: str = "H100"
+    prices: tuple[str, str, str] = ("0.20", "0.02", "0.60")
+    faults: FaultSpec = field(default_factory=FaultSpec)
+    max_concurrency: int = 16
+
+
+def cheap_first(cheap: PoolPlan | None = None) -> list[PoolPlan]:
+    """A cheap replica the scheduler prefers and a dearer one to fall back to."""
+    return [
+        cheap or PoolPlan("cheap", gpu="H200", prices=("0.05", "0.005", "0.15")),
+        PoolPlan("backup", gpu="H100", prices=("0.40", "0.04", "1.20")),
+    ]
+
+
+def fleet_of(pools: list[PoolPlan]) -> Fleet:
+    return Fleet(
+        models=[BUILTIN_MODELS[MODEL]],
+        pools=[
+            Pool(
+                name=plan.name,
+                gpu=plan.gpu,
+                replicas=1,
+                price_per_gpu_hour_usd=Decimal("2.00"),
+                token_prices=TokenPrices(
+                    input_per_mtok_usd=Decimal(plan.prices[0]),
+                    cached_input_per_mtok_usd=Decimal(plan.prices[1]),
+                    output_per_mtok_usd=Decimal(plan.prices[2]),
+                ),
+                warm_models=[MODEL],
+                max_concurrency=plan.max_concurrency,
+            )
+            for plan in pools
+        ],
+        tenants=[Tenant(name="acme", tier=1), Tenant(name="globex", tier=3)],
+    )
+
+
+@dataclass
+class Stack:
+    client: Client
+    ledger: AsyncLedger
+    task_queue: str
+    embedded: EmbeddedFleet
+
+    @property
+    def control(self) -> ControlPlane:
+        assert self.embedded.control_plane is not None
+        return self.embedded.control_plane
+
+    async def run(self, tenant: str = "acme", steps: int = 1, max_tokens: int = 16) -> Any:
+        handle = await self.start(tenant, steps, max_tokens)
+        return await handle.result()
+
+    async def start(
+        self, tenant: str = "acme", steps: int = 1, max_tokens: int = 16
+    ) -> WorkflowHandle[Any, Any]:
+        task = wf.StepsInput(
+            spec=TaskSpec(tenant=tenant, expected_steps=steps),
+            model=MODEL,
+            steps=steps,
+            max_tokens=max_tokens,
+        )
+        return await self.client.start_workflow(
+            wf.MultiStepAgent.run, task, id=f"task-{uuid.uuid4()}", task_queue=self.task_queue
+        )
+
+    async def attempts(self, handle: WorkflowHandle[Any, Any]) -> list[AttemptRecord]:
+        run_id = (await handle.describe()).run_id or ""
+        return await self.ledger.attempts_for(handle.id, run_id)
+
+
+@asynccontextmanager
+async def fleet_stack(
+    client: Client,
+    tmp_path: Path,
+    pools: list[PoolPlan],
+    *,
+    scheduler: SchedulerConfig | None = None,
+    scrape_interval_s: float = 0.5,
+) -> AsyncIterator[Stack]:
+    """Simulated replicas, a GPU worker each, the control plane and a workflow worker."""
+    fleet = fleet_of(pools)
+    faults = {
+        pool.replica_names()[0]: plan.faults for pool, plan in zip(fleet.pools, pools, strict=True)
+    }
+    ledger = await open_async_ledger(f"sqlite:///{tmp_path}/ledger.db", migrate=True)
+    task_queue = f"agents-{uuid.uuid4()}"
+    try:
+        async with EmbeddedFleet(
+            client,
+            fleet,
+            ledger=ledger,
+            store=DirectoryContextStore(tmp_path / "context"),
+            scheduler_config=scheduler,
+            faults=faults,
+            scrape_interval_s=scrape_interval_s,
+        ) as embedded:
+            worker = await embedded.workflow_worker(
+                workflows=wf.ALL_WORKFLOWS, activities=wf.ALL_ACTIVITIES, task_queue=task_queue
+            )
+            async with worker:
+                yield Stack(client, ledger, task_queue, embedded)
+    finally:
+        await ledger.close()
+
+
+def up(scheduler: Scheduler) -> dict[str, bool]:
+    return {s.replica: s.up for s in scheduler.status()}
+
+
+# ---- a crashed engine ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def lone_sim() -> Iterator[SimServer]:
+    with SimServer(sim_settings()) as server:
+        yield server
+
+
+def one_replica_fleet() -> Fleet:
+    return fleet_of([PoolPlan("cpu")])
+
+
+async def test_a_crashed_engine_is_down_after_one_scrape(lone_sim: SimServer) -> None:
+    fleet = one_replica_fleet()
+    scheduler = Scheduler(fleet)
+    async with MetricsScraper(scheduler, {"cpu/0": lone_sim.base_url}) as scraper:
+        assert await scraper.scrape_once() != {"cpu/0": None}
+        lone_sim.stop()  # nothing listens on its port any more
+        await scraper.scrape_once()
+        assert up(scheduler) == {"cpu/0": False}
+
+
+def flaky_transport(answers: list[int | Exception]) -> httpx.MockTransport:
+    """An HTTP transport that answers `/metrics` with each status (or raises) in turn."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": MODEL}]})
+        answer = answers.pop(0) if len(answers) > 1 else answers[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return httpx.Response(answer, text=VLLM_PAGE)
+
+    return httpx.MockTransport(handle)
+
+
+async def test_a_scrape_that_times_out_twice_marks_the_replica_down_at_once() -> None:
+    url = "http://replica.test"
+    scheduler = Scheduler(one_replica_fleet())
+    timeout = httpx.ReadTimeout("no answer")
+    client = httpx.AsyncClient(transport=flaky_transport([200, timeout, timeout, 200]))
+    async with client, MetricsScraper(scheduler, {"cpu/0": url}, client=client) as scraper:
+        await scraper.scrape_once()
+        await scraper.scrape_once()  # the failure is confirmed in the same round
+        assert up(scheduler) == {"cpu/0": False}
+        await scraper.scrape_once()
+        assert up(scheduler) == {"cpu/0": True}
+
+
+async def test_one_slow_scrape_of_a_healthy_replica_does_not_mark_it_down() -> None:
+    url = "http://replica.test"
+    scheduler = Scheduler(one_replica_fleet())
+    client = httpx.AsyncClient(transport=flaky_transport([200, httpx.ReadTimeout("slow"), 200]))
+    async with client, MetricsScraper(scheduler, {"cpu/0": url}, client=client) as scraper:
+        await scraper.scrape_once()
+        metrics = await scraper.scrape_once()  # fails once, answers when asked again
+        assert metrics["cpu/0"] is not None
+        assert up(scheduler) == {"cpu/0": True}
+
+
+@pytest.mark.timeout(120)
+async def test_a_crashed_replica_takes_no_second_call(
+    temporal_client: Client, tmp_path: Path
+) -> None:
+    crashing = PoolPlan(
+        "cheap", gpu="H200", prices=("0.05", "0.005", "0.15"), faults=FaultSpec(crash_after=20)
+    )
+    # Scrapes a minute apart: only the failed call itself can tell the control plane in time.
+    async with fleet_stack(
+        temporal_client, tmp_path, cheap_first(crashing), scrape_interval_s=60.0
+    ) as s:
+        first = await s.start(max_tokens=60)
+        assert (await first.result()).replicas == ["backup/0"]
+        assert [a.replica for a in await s.attempts(first)] == ["cheap/0", "backup/0"]
+        assert up(s.control.scheduler) == {"cheap/0": False, "backup/0": True}
+        for _ in range(3):
+            handle = await s.start(max_tokens=60)
+            assert (await handle.result()).replicas == ["backup/0"]
+            assert [a.replica for a in await s.attempts(handle)] == ["backup/0"]
