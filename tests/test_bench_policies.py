@@ -205,6 +205,24 @@ def test_ablation_runs_kvflow_once_without_each_axis_but_the_required_one() -> N
         assert fig.success_rate > 0, axis
 
 
+def test_a_run_measures_its_tasks_lifetimes_and_how_long_its_warm_up_filled_the_fleet() -> None:
+    spec = WORKLOADS["agent"]
+    fleet = bench_fleet("agent", 2)
+    outcome = run_policy(
+        "round-robin", spec=spec, fleet=fleet, task_rate=0.5, tasks=12, seed=0, warmup_tasks=4
+    )
+    tasks = list(
+        Workload(spec, [(t.name, t.tier) for t in fleet.tenants], tasks=12, task_rate=0.5, seed=0)
+    )
+    assert outcome.warmup_s == pytest.approx(tasks[4].arrival - tasks[0].arrival)
+    # A task that succeeds lives at least its tool pauses; none outlives its deadline by
+    # more than the cancellation of its last call.
+    counted = tasks[4:]
+    pauses = sum(sum(s.pause_after_s for s in t.steps) for t in counted) / len(counted)
+    deadlines = sum(t.deadline_at - t.arrival for t in counted) / len(counted)
+    assert pauses < outcome.mean_task_s <= deadlines + 1.0
+
+
 def test_figures_of_a_hand_made_outcome() -> None:
     outcome = Outcome(
         policy="p",
@@ -223,6 +241,8 @@ def test_figures_of_a_hand_made_outcome() -> None:
         attempts_by_replica=[3, 1],
         failed_attempts=1,
         refusals=0,
+        warmup_s=30.0,
+        mean_task_s=120.0,
     )
     fig = figures(outcome, oracle_hit_rate=0.8)
     # 1,000 µ$ over 3 successful tasks = $0.000333333 (to the nano-dollar).
@@ -237,6 +257,8 @@ def test_figures_of_a_hand_made_outcome() -> None:
     assert fig.utilisation == pytest.approx(5.0 / 20.0)
     assert fig.max_replica_load_share == 0.75
     assert fig.max_replica_load_over_mean == 1.5
+    # 30 s of warm-up arrivals for tasks that live 120 s: a quarter of a lifetime.
+    assert fig.warmup_lifetimes == 0.25
     assert cost_per_success(1_000, 0) is None
     assert percentile([], 0.5) == 0.0
 

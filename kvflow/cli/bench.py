@@ -429,6 +429,16 @@ def policies_bench(
             )
     for result in results:
         _out.print(_policy_table(result))
+        oracle = result.oracle
+        if oracle.warmup_lifetimes < 1:
+            _out.print(
+                f"  [yellow]not a steady load:[/] the warm-up's arrivals span "
+                f"{oracle.warmup_lifetimes:.2f} of a task's mean lifetime "
+                f"({oracle.mean_task_s:.0f} s under the oracle), so the counted tasks arrive "
+                "while the fleet still fills; more --tasks or fewer --replicas reach a steady "
+                "load",
+                highlight=False,
+            )
         for goal in result.goals:
             mark = "[green]met[/]" if goal.met else "[red]not met[/]"
             _out.print(f"  goal: {goal.text}: {mark} ({goal.detail})", highlight=False)

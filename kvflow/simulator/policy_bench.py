@@ -348,6 +348,10 @@ class Outcome:
     attempts_by_replica: list[int]
     failed_attempts: int
     refusals: int
+    warmup_s: float = 0.0
+    """From the first arrival to the first counted one: how long the fleet had to fill."""
+    mean_task_s: float = 0.0
+    """Mean time from arrival to end of the counted tasks."""
 
 
 class TaskRunner:
@@ -369,6 +373,7 @@ class TaskRunner:
         self.last_task = last_task
         """Index of the last task to arrive: the steady-state window ends at its arrival."""
         self._window: list[tuple[float, float]] = []
+        self._first_arrival: float | None = None
         """(time, engine busy seconds) when the window opens and when it closes."""
         self.max_tokens = max_tokens
         self.retry_budget = retry_budget
@@ -416,6 +421,8 @@ class TaskRunner:
             self.sim.schedule(task.arrival, functools.partial(self._arrive, task))
 
     def _arrive(self, task: Task) -> None:
+        if self._first_arrival is None:
+            self._first_arrival = self.sim.now
         state = _TaskState(task, counted=task.index >= self.warmup_tasks)
         self.states.append(state)
         if task.index == self.warmup_tasks or task.index == self.last_task:
@@ -631,12 +638,14 @@ class TaskRunner:
         tasks_by_tier: dict[int, int] = {}
         successes_by_tier: dict[int, int] = {}
         counted = 0
+        lifetimes = 0.0
         for state in self.states:
             if not state.done:
                 logger.warning("task %d never ended", state.task.index)
             if not state.counted:
                 continue
             counted += 1
+            lifetimes += state.end - state.task.arrival
             tier = state.task.tier
             tasks_by_tier[tier] = tasks_by_tier.get(tier, 0) + 1
             if state.ok:
@@ -663,6 +672,12 @@ class TaskRunner:
             attempts_by_replica=self.attempts,
             failed_attempts=self.failed_attempts,
             refusals=self.refusals,
+            warmup_s=(
+                self._window[0][0] - self._first_arrival
+                if self._window and self._first_arrival is not None
+                else 0.0
+            ),
+            mean_task_s=lifetimes / counted if counted else 0.0,
         )
 
 
@@ -703,6 +718,11 @@ class PolicyFigures:
     max_replica_load_over_mean: float
     refusals: int
     failed_attempts: int
+    mean_task_s: float = 0.0
+    """Mean time from a counted task's arrival to its end."""
+    warmup_lifetimes: float = 0.0
+    """The warm-up's arrivals span this many mean task lifetimes: below 1, the counted tasks
+    arrive while the fleet is still filling, and the load they see is a ramp."""
 
     def as_json(self) -> dict[str, Any]:
         """The issue's JSON shape: money as an exact decimal string."""
@@ -727,6 +747,8 @@ class PolicyFigures:
             "wasted_spend_micros": self.wasted_micros,
             "refusals": self.refusals,
             "failed_attempts": self.failed_attempts,
+            "mean_task_s": round(self.mean_task_s, 3),
+            "warmup_task_lifetimes": round(self.warmup_lifetimes, 3),
         }
 
 
@@ -785,6 +807,10 @@ def figures(outcome: Outcome, oracle_hit_rate: float) -> PolicyFigures:
         ),
         refusals=outcome.refusals,
         failed_attempts=outcome.failed_attempts,
+        mean_task_s=outcome.mean_task_s,
+        warmup_lifetimes=(
+            outcome.warmup_s / outcome.mean_task_s if outcome.mean_task_s > 0 else 0.0
+        ),
     )
 
 
