@@ -30,7 +30,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 from pydantic import BaseModel
 from temporalio import activity, workflow
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowHandle, WorkflowHistory
 from temporalio.worker import Replayer, Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
@@ -582,3 +582,18 @@ async def test_ledger_connection_cut_mid_run_loses_no_row_and_doubles_none(
                     assert len(await books.attempts_for(handle.id, task_row.run_id)) == 3
     finally:
         proxy.stop()
+
+
+# ---- runs started before the ledger reads replay unchanged -----------------------------------
+
+LOST_ATTEMPT_HISTORY = Path(__file__).parent / "data" / "history_lost_attempt_before_patch.json"
+"""One step whose first attempt's completion was lost, recorded before a lost attempt was
+billed from the ledger (no patch marker, no `attempt_bill` reads)."""
+
+
+async def test_run_recorded_before_lost_attempts_were_billed_from_the_ledger_replays(
+    temporal_client: Client,
+) -> None:
+    history = WorkflowHistory.from_json("recorded-lost-attempt", LOST_ATTEMPT_HISTORY.read_text())
+    replayer = Replayer(workflows=wf.ALL_WORKFLOWS, data_converter=temporal_client.data_converter)
+    await replayer.replay_workflow(history)
