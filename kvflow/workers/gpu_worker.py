@@ -6,7 +6,9 @@ shutdown gives in-flight calls `graceful_shutdown_s` to finish before they are c
 cancelled call reaches the workflow as a failure and is re-placed elsewhere.
 
 Attempt rows go to the ledger through a `SpooledAttemptWriter`: a write the ledger refuses is
-retried, then kept in a spool file under `spool_dir` and replayed when the ledger is back.
+retried, then kept in a spool file under `spool_dir` (in memory while that disk refuses it too)
+and replayed when the ledger is back; a call is never failed for its row. A worker restarted
+for the same replica replays what its predecessor spooled, so give it the same `spool_dir`.
 """
 
 from __future__ import annotations
