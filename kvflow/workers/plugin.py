@@ -188,9 +188,9 @@ class KvflowPlugin(SimplePlugin):
                     f"task_queue=task_queue_for({self.inference.replica.pool.name!r}, "
                     f"{self.inference.replica.index}), ...)"
                 )
-            config.setdefault(
-                "max_concurrent_activities", self.inference.replica.pool.max_concurrency
-            )
+            # `Worker` passes every option, unset ones as None: setdefault would keep the None.
+            if config.get("max_concurrent_activities") is None:
+                config["max_concurrent_activities"] = self.inference.replica.pool.max_concurrency
         return super().configure_worker(config)
 
     @asynccontextmanager
