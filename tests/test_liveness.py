@@ -8,6 +8,7 @@ simulated replicas and real GPU workers, and read where calls went from the ledg
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -18,12 +19,14 @@ from typing import Any
 
 import httpx
 import pytest
+from temporalio.api.enums.v1 import EventType, TimeoutType
 from temporalio.client import Client, WorkflowHandle
 
 from kvflow.activities.context_store import DirectoryContextStore
+from kvflow.activities.inference import INFER_ACTIVITY, ReplicaBinding
 from kvflow.ledger.records import AttemptRecord
 from kvflow.ledger.store import AsyncLedger, open_async_ledger
-from kvflow.scheduler.config import SchedulerConfig
+from kvflow.scheduler.config import LatencyConfig, LivenessConfig, SchedulerConfig
 from kvflow.scheduler.core import Scheduler
 from kvflow.scheduler.fleet import Fleet, Pool, Tenant, TokenPrices
 from kvflow.scheduler.telemetry import MetricsScraper
@@ -31,6 +34,7 @@ from kvflow.simulator import BUILTIN_MODELS, SimServer
 from kvflow.simulator.faults import FaultSpec
 from kvflow.workers.control_plane import ControlPlane
 from kvflow.workers.embedded import EmbeddedFleet
+from kvflow.workers.gpu_worker import GpuWorker
 from kvflow.workflows.agent import TaskSpec
 from tests import agent_workflows as wf
 from tests.fixtures_sim import sim_settings
@@ -123,6 +127,31 @@ class Stack:
         return await self.ledger.attempts_for(handle.id, run_id)
 
 
+@dataclass
+class Calls:
+    """The inference calls of one task as its history records them."""
+
+    queues: list[str]
+    """The task queue of each call, in order."""
+    timeouts: list[str]
+    """The timeout type of each call that timed out (`SCHEDULE_TO_START`, `HEARTBEAT`...)."""
+
+
+async def calls_of(handle: WorkflowHandle[Any, Any]) -> Calls:
+    calls = Calls(queues=[], timeouts=[])
+    history = await handle.fetch_history()
+    for event in history.events:
+        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            scheduled = event.activity_task_scheduled_event_attributes
+            if scheduled.activity_type.name == INFER_ACTIVITY:
+                calls.queues.append(scheduled.task_queue.name)
+        elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_TIMED_OUT:
+            failure = event.activity_task_timed_out_event_attributes.failure
+            kind = TimeoutType.Name(failure.timeout_failure_info.timeout_type)
+            calls.timeouts.append(kind.removeprefix("TIMEOUT_TYPE_"))
+    return calls
+
+
 @asynccontextmanager
 async def fleet_stack(
     client: Client,
@@ -131,6 +160,7 @@ async def fleet_stack(
     *,
     scheduler: SchedulerConfig | None = None,
     scrape_interval_s: float = 0.5,
+    time_scale: float = 20.0,
 ) -> AsyncIterator[Stack]:
     """Simulated replicas, a GPU worker each, the control plane and a workflow worker."""
     fleet = fleet_of(pools)
@@ -148,6 +178,7 @@ async def fleet_stack(
             scheduler_config=scheduler,
             faults=faults,
             scrape_interval_s=scrape_interval_s,
+            time_scale=time_scale,
         ) as embedded:
             worker = await embedded.workflow_worker(
                 workflows=wf.ALL_WORKFLOWS, activities=wf.ALL_ACTIVITIES, task_queue=task_queue
@@ -242,3 +273,86 @@ async def test_a_crashed_replica_takes_no_second_call(
             handle = await s.start(max_tokens=60)
             assert (await handle.result()).replicas == ["backup/0"]
             assert [a.replica for a in await s.attempts(handle)] == ["backup/0"]
+
+
+# ---- a dead GPU worker -----------------------------------------------------------------------
+
+CHEAP_QUEUE, BACKUP_QUEUE = "kvflow.gpu.cheap.0", "kvflow.gpu.backup.0"
+WATCHFUL = SchedulerConfig(
+    latency=LatencyConfig(schedule_to_start_margin_s=1.0, min_schedule_to_start_s=1.0),
+    liveness=LivenessConfig(worker_check_interval_s=0.5, worker_stall_s=1.0),
+)
+"""Calls that give up waiting to start after about a second; queues described twice a second."""
+
+
+async def wait_for(condition: Any, timeout_s: float = 30.0) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        if condition():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"still not true after {timeout_s} s")
+
+
+@pytest.mark.timeout(180)
+async def test_a_replica_whose_gpu_worker_died_takes_no_calls_until_a_worker_polls_again(
+    temporal_client: Client, tmp_path: Path
+) -> None:
+    async with fleet_stack(temporal_client, tmp_path, cheap_first(), scheduler=WATCHFUL) as s:
+        assert (await s.run()).replicas == ["cheap/0"]
+        # The cheap replica's worker stops polling; its engine keeps serving /metrics.
+        await s.embedded.gpu_workers["cheap/0"].shutdown()
+
+        # The first call sent there waits out its schedule-to-start timeout: that is how the
+        # control plane learns that nobody polls the queue.
+        first = await s.start()
+        assert (await first.result()).replicas == ["backup/0"]
+        assert await calls_of(first) == Calls([CHEAP_QUEUE, BACKUP_QUEUE], ["SCHEDULE_TO_START"])
+        await wait_for(lambda: not up(s.control.scheduler)["cheap/0"])
+        assert s.embedded.sims["cheap/0"].base_url  # the engine still answers
+        assert (await s.control.scraper.scrape_once())["cheap/0"] is not None
+
+        # From then on every call goes to the live replica, and none waits to start in vain.
+        for _ in range(4):
+            handle = await s.start()
+            assert (await handle.result()).replicas == ["backup/0"]
+            assert await calls_of(handle) == Calls([BACKUP_QUEUE], [])
+
+        # A worker polls the cheap replica's queue again: the replica is back.
+        pool = s.embedded.fleet.pools[0]
+        binding = ReplicaBinding(pool=pool, index=0, base_url=s.embedded.sims["cheap/0"].base_url)
+        async with GpuWorker(temporal_client, binding, ledger=s.ledger, spool_dir=None):
+            await wait_for(lambda: up(s.control.scheduler)["cheap/0"])
+            handle = await s.start()
+            assert (await handle.result()).replicas == ["cheap/0"]
+            assert await calls_of(handle) == Calls([CHEAP_QUEUE], [])
+
+
+@pytest.mark.timeout(180)
+async def test_a_busy_replica_with_a_backlog_stays_up(
+    temporal_client: Client, tmp_path: Path
+) -> None:
+    # One slot, calls of about 1.5 s, patient schedule-to-start timeouts: calls queue up
+    # in Temporal behind a worker that polls only when its slot frees.
+    busy = PoolPlan("busy", gpu="L4", max_concurrency=1)
+    patient = SchedulerConfig(
+        latency=LatencyConfig(schedule_to_start_margin_s=120.0),
+        liveness=LivenessConfig(worker_check_interval_s=0.2, worker_stall_s=1.0),
+    )
+    async with fleet_stack(
+        temporal_client, tmp_path, [busy], scheduler=patient, time_scale=1.0
+    ) as s:
+        await wait_for(lambda: s.control.worker_watch is not None)
+        watch = s.control.worker_watch
+        assert watch is not None
+        handles = [await s.start(max_tokens=100) for _ in range(6)]
+        views, ups = [], []
+        while not all([(await h.describe()).close_time for h in handles]):
+            views.append(await watch.view("busy/0"))
+            ups.append(up(s.control.scheduler)["busy/0"])
+            await asyncio.sleep(0.1)
+        # The backlog was there, older than the stall limit, and the replica stayed up.
+        assert any(v.backlog and v.backlog_age_s >= 1.0 for v in views)
+        assert all(ups) and not watch.liveness.missing("busy/0")
+        for handle in handles:
+            assert (await handle.result()).replicas == ["busy/0"]
+            assert await calls_of(handle) == Calls(["kvflow.gpu.busy.0"], [])

@@ -5,11 +5,13 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvflow.scheduler.config import CircuitBreakerConfig, RetryBudgetConfig
+from kvflow.scheduler.config import CircuitBreakerConfig, LivenessConfig, RetryBudgetConfig
 from kvflow.scheduler.reliability import (
     CircuitBreaker,
     CircuitState,
+    QueueView,
     TenantRetryBudget,
+    WorkerLiveness,
     task_retry_allowed,
 )
 
@@ -134,3 +136,64 @@ def test_a_tenant_may_retry_a_fraction_of_its_calls_per_window() -> None:
     budget.record(True, now=70.0)
     budget.record(True, now=70.0)
     assert not budget.allows_retry(now=70.0)
+
+
+# ---- GPU workers' liveness: t = 1000 s is "now"; the worker last polled at t = 900 s --------
+
+STALL = LivenessConfig(worker_stall_s=3.0)
+IDLE_QUEUE = QueueView(last_poll_at=900.0, backlog=0, backlog_age_s=0.0)
+
+
+def test_a_call_that_timed_out_unpolled_on_an_idle_engine_means_the_worker_is_gone() -> None:
+    liveness = WorkerLiveness(STALL)
+    liveness.stalled("a/0", since=995.0)
+    assert liveness.assess("a/0", IDLE_QUEUE, engine_idle_since=950.0, now=1000.0) is True
+    assert liveness.missing("a/0")
+    # Nothing new: still missing. A newer poll (a worker is back): the replica returns.
+    assert liveness.assess("a/0", IDLE_QUEUE, engine_idle_since=950.0, now=1001.0) is None
+    back = QueueView(last_poll_at=1001.5, backlog=0, backlog_age_s=0.0)
+    assert liveness.assess("a/0", back, engine_idle_since=950.0, now=1002.0) is False
+    assert not liveness.missing("a/0")
+
+
+def test_an_old_backlog_on_an_idle_unpolled_queue_means_the_worker_is_gone() -> None:
+    liveness = WorkerLiveness(STALL)
+    young = QueueView(last_poll_at=900.0, backlog=2, backlog_age_s=2.0)
+    assert liveness.assess("a/0", young, engine_idle_since=950.0, now=1000.0) is None
+    old = QueueView(last_poll_at=900.0, backlog=2, backlog_age_s=3.0)
+    assert liveness.assess("a/0", old, engine_idle_since=950.0, now=1000.0) is True
+
+
+def test_a_busy_engine_means_the_worker_is_there_with_its_slots_full() -> None:
+    liveness = WorkerLiveness(STALL)
+    liveness.stalled("a/0", since=990.0)
+    backlog = QueueView(last_poll_at=900.0, backlog=5, backlog_age_s=60.0)
+    assert liveness.assess("a/0", backlog, engine_idle_since=None, now=1000.0) is None
+    assert not liveness.missing("a/0")
+
+
+def test_a_poll_while_the_call_waited_means_the_worker_is_there() -> None:
+    liveness = WorkerLiveness(STALL)
+    polled = QueueView(last_poll_at=999.0, backlog=5, backlog_age_s=60.0)
+    assert liveness.assess("a/0", polled, engine_idle_since=950.0, now=1000.0) is None
+
+
+def test_an_engine_idle_for_less_than_the_stall_may_be_between_two_calls() -> None:
+    liveness = WorkerLiveness(STALL)
+    liveness.stalled("a/0", since=990.0)
+    # The worker polled at 900 s; the engine went idle 1 s ago: perhaps between two calls.
+    assert liveness.assess("a/0", IDLE_QUEUE, engine_idle_since=999.0, now=1000.0) is None
+    # Still idle, and still nobody polled, 3 s later: the evidence was kept.
+    assert liveness.assess("a/0", IDLE_QUEUE, engine_idle_since=999.0, now=1002.0) is True
+
+
+def test_a_queue_without_any_poller_is_not_missing_a_worker_until_a_call_waits() -> None:
+    liveness = WorkerLiveness(STALL)
+    nobody = QueueView(last_poll_at=None, backlog=0, backlog_age_s=0.0)
+    assert liveness.assess("a/0", nobody, engine_idle_since=0.0, now=1000.0) is None
+    liveness.stalled("a/0", since=998.0)
+    assert liveness.assess("a/0", nobody, engine_idle_since=0.0, now=1000.0) is True
+    # Back only once a worker polls.
+    assert liveness.assess("a/0", nobody, engine_idle_since=0.0, now=1001.0) is None
+    polled = QueueView(last_poll_at=1000.5, backlog=0, backlog_age_s=0.0)
+    assert liveness.assess("a/0", polled, engine_idle_since=0.0, now=1001.0) is False

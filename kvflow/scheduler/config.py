@@ -184,6 +184,32 @@ class RetryBudgetConfig(_Config):
     tenant_window_s: float = Field(default=60.0, gt=0)
 
 
+class LivenessConfig(_Config):
+    """How the control plane tells that a replica's GPU worker is gone.
+
+    A replica serves calls only while its engine answers and a GPU worker polls its task queue.
+    The worker is taken to be missing when a call waited on the queue, for `worker_stall_s` in
+    Temporal's backlog or until its schedule-to-start timeout, while no worker polled the queue
+    and the replica's engine ran and queued nothing: a live worker with a free slot takes a
+    call within milliseconds, and one whose slots are all busy keeps its engine busy. The
+    replica is up again once a worker polls the queue after that.
+
+    Detection delay: at the schedule-to-start timeout of the first call the dead worker leaves
+    waiting (the queue is described at once then), or, when that timeout is longer,
+    `worker_stall_s` + up to 5 s (Temporal refreshes its backlog figures about every 5 s) +
+    up to `worker_check_interval_s`. Until then calls keep being placed on the replica.
+    """
+
+    worker_check_interval_s: float = Field(
+        default=5.0, gt=0, description="seconds between two DescribeTaskQueue of every replica"
+    )
+    worker_stall_s: float = Field(
+        default=3.0,
+        gt=0,
+        description="how long the oldest call in a replica's backlog may wait unpolled",
+    )
+
+
 class PrefixConfig(_Config):
     """The prefix index and the rendezvous fallback."""
 
@@ -330,6 +356,7 @@ class SchedulerConfig(_Config):
     retries: RetryBudgetConfig = RetryBudgetConfig()
     prefix: PrefixConfig = PrefixConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    liveness: LivenessConfig = LivenessConfig()
     allow_cold_start: bool = Field(
         default=True,
         description="place on a replica that must load the model when no warm one fits",

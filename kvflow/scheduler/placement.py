@@ -206,6 +206,13 @@ class Observation(_Wire):
         default=False,
         description="the placement was a cold start: its TTFT includes the model load",
     )
+    dispatched_at: float | None = Field(
+        default=None,
+        description="when the workflow sent the call to the replica's queue (epoch seconds)",
+    )
+    ended_at: float | None = Field(
+        default=None, description="when the workflow learned how it ended (epoch seconds)"
+    )
 
 
 class ReplicaStatus(_Wire):

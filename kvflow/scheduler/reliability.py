@@ -1,16 +1,20 @@
-"""Reliability inside the scheduler: per-replica circuit breakers and retry budgets.
+"""Reliability inside the scheduler: circuit breakers, retry budgets, GPU workers' liveness.
 
-Both are driven by an explicit `now` (seconds from the scheduler's clock), so they never sleep
-and tests step time by hand.
+All are driven by an explicit `now` (seconds from the scheduler's clock), so they never sleep
+and tests step time by hand; the control plane feeds them what it sees (`kvflow.workers`).
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 from enum import StrEnum
 
-from kvflow.scheduler.config import CircuitBreakerConfig, RetryBudgetConfig
+from kvflow.scheduler.config import CircuitBreakerConfig, LivenessConfig, RetryBudgetConfig
+
+SCHEDULE_TO_START = "ScheduleToStart"
+"""`Observation.error` of a call that no worker took before its schedule-to-start timeout."""
 
 
 class CircuitState(StrEnum):
@@ -225,3 +229,81 @@ class TenantRetryBudget:
         """Count one placed call (a first attempt) or one re-placement."""
         (self._retries if retry else self._calls).append(now)
         self._trim(now)
+
+
+@dataclass(frozen=True, slots=True)
+class QueueView:
+    """Temporal's view of one replica's task queue (DescribeTaskQueue)."""
+
+    last_poll_at: float | None
+    """When a worker last polled the queue (the newest poller's last access, epoch seconds);
+    None when Temporal lists no poller. An idle live worker's long poll is renewed only about
+    once a minute, so an old value alone does not mean the worker is gone."""
+    backlog: int
+    """Calls waiting in the queue for a worker."""
+    backlog_age_s: float
+    """How long the oldest of them has waited."""
+
+
+class WorkerLiveness:
+    """Which replicas' GPU workers are missing, from their queues and their engines.
+
+    missing ⇔ a call has waited on the queue since t₀ (the oldest backlog entry, once it has
+    waited `worker_stall_s`, or a call that timed out waiting to start) ∧ the replica's engine
+    has run and queued nothing since tᵢ, for `worker_stall_s` at least ∧ no worker has polled
+    the queue since max(t₀, tᵢ). A live worker with a free slot polls at once and takes the
+    call; one whose slots are all busy keeps its engine busy. Back ⇔ a poll newer than the
+    newest one seen when the worker was declared missing. See `LivenessConfig`.
+    """
+
+    __slots__ = ("_config", "_missing", "_stalls")
+
+    def __init__(self, config: LivenessConfig) -> None:
+        self._config = config
+        self._missing: dict[str, float | None] = {}
+        """Replica → the newest poll seen when its worker was declared missing."""
+        self._stalls: dict[str, float] = {}
+        """Replica → when the earliest call that timed out unstarted was dispatched."""
+
+    def missing(self, replica: str) -> bool:
+        """Whether the replica's GPU worker is missing."""
+        return replica in self._missing
+
+    def stalled(self, replica: str, since: float) -> None:
+        """A call dispatched to the replica at `since` timed out before a worker took it."""
+        self._stalls[replica] = min(since, self._stalls.get(replica, since))
+
+    def assess(
+        self, replica: str, view: QueueView, engine_idle_since: float | None, now: float
+    ) -> bool | None:
+        """Apply one view of the replica's queue; True: its worker went missing, False: back.
+
+        None when nothing changed. `engine_idle_since` is when the engine was first seen
+        idle in its current idle spell; None while it is busy or its load is unknown.
+        """
+        if replica in self._missing:
+            seen = self._missing[replica]
+            if view.last_poll_at is not None and (seen is None or view.last_poll_at > seen):
+                del self._missing[replica]
+                self._stalls.pop(replica, None)
+                return False
+            return None
+        waiting_since = self._stalls.get(replica, math.inf)
+        stall = self._config.worker_stall_s
+        if view.backlog and view.backlog_age_s >= stall:
+            waiting_since = min(waiting_since, now - view.backlog_age_s)
+        if waiting_since == math.inf:
+            return None
+        if engine_idle_since is None:
+            self._stalls.pop(replica, None)  # the engine is busy: the worker's slots are full
+            return None
+        if view.last_poll_at is not None and view.last_poll_at >= max(
+            waiting_since, engine_idle_since
+        ):
+            self._stalls.pop(replica, None)  # a worker polled while the call waited
+            return None
+        if now - engine_idle_since < stall:
+            return None  # the engine may be between two calls: ask again later
+        self._stalls.pop(replica, None)
+        self._missing[replica] = view.last_poll_at
+        return True

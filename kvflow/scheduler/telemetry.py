@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import replace
 from types import TracebackType
@@ -145,6 +146,7 @@ class MetricsScraper:
         self._down: set[str] = set()
         """Replicas this scraper marked down; a good scrape marks them up."""
         self._latest: dict[str, ReplicaMetrics] = {}
+        self._idle_since: dict[str, float] = {}
         self._worker_missing: set[str] = set()
         self._checks: dict[str, asyncio.Task[ReplicaMetrics | None]] = {}
         self._served: dict[str, set[str]] = {}
@@ -177,6 +179,10 @@ class MetricsScraper:
         if served - set(metrics.models):
             metrics = replace(metrics, models=tuple(sorted(served | set(metrics.models))))
         self._latest[replica] = metrics
+        if metrics.running is not None and metrics.running + (metrics.waiting or 0) == 0:
+            self._idle_since.setdefault(replica, time.time())
+        else:
+            self._idle_since.pop(replica, None)
         self._down.discard(replica)
         if replica not in self._worker_missing:
             self.scheduler.update_metrics(replica, metrics)
@@ -184,6 +190,7 @@ class MetricsScraper:
 
     def _mark_down(self, replica: str, url: str, failures: int, exc: Exception) -> None:
         self._latest.pop(replica, None)
+        self._idle_since.pop(replica, None)
         if replica in self._down:
             return
         self._down.add(replica)
@@ -208,15 +215,13 @@ class MetricsScraper:
         self._checks[replica] = check
         check.add_done_callback(lambda _: self._checks.pop(replica, None))
 
-    def engine_idle(self, replica: str) -> bool | None:
-        """Whether the replica's engine ran and queued nothing at its last good scrape.
+    def engine_idle_since(self, replica: str) -> float | None:
+        """Since when the replica's engine has been idle, as scraped (epoch seconds).
 
-        None when it is not scraped, or its last scrape failed.
+        The first of the unbroken run of scrapes, up to the last one, that found it running
+        and queueing nothing; None while it is busy, unscraped, or its last scrape failed.
         """
-        metrics = self._latest.get(replica)
-        if metrics is None or metrics.running is None:
-            return None
-        return metrics.running + (metrics.waiting or 0) == 0
+        return self._idle_since.get(replica)
 
     def set_worker_missing(self, replica: str, missing: bool) -> None:
         """Say whether the replica's GPU worker is missing (it stopped polling its queue).

@@ -5,6 +5,11 @@ with httpx and, where the fleet lists them, the engines' KV-cache events. Its ac
 (`place`, `observe`, `record_task`, `context_put`, `context_get`) run on the workflow worker;
 `place` and `observe` as local activities.
 
+A replica takes calls only while its engine answers and a GPU worker polls its task queue:
+given a Temporal client (`watch`, which `KvflowPlugin` calls for every workflow worker), the
+control plane asks Temporal about each replica's queue (`WorkerWatch`) and marks a replica whose
+worker is missing down (`kvflow.scheduler.config.LivenessConfig` gives the rule and its delay).
+
 Tenants' daily budgets are enforced from the ledger, which every GPU worker bills into: the
 control plane seeds each tenant's spend today from it when it starts, and refreshes it in the
 background every `spend_refresh_s`, so a restart does not reset a budget and N workflow
@@ -22,13 +27,20 @@ from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import Protocol, runtime_checkable
 
+from temporalio.api.enums.v1 import TaskQueueType
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
+from temporalio.client import Client
+from temporalio.service import RPCError
+
 from kvflow.activities.context_store import DirectoryContextStore
 from kvflow.activities.control_plane import ControlPlaneActivities, LedgerSink
-from kvflow.scheduler.config import SchedulerConfig
+from kvflow.scheduler.config import LivenessConfig, SchedulerConfig
 from kvflow.scheduler.core import Scheduler
-from kvflow.scheduler.fleet import Fleet
+from kvflow.scheduler.fleet import Fleet, task_queue_for
 from kvflow.scheduler.kv_events import KvEventSubscriber
 from kvflow.scheduler.placement import Observation
+from kvflow.scheduler.reliability import SCHEDULE_TO_START, QueueView, WorkerLiveness
 from kvflow.scheduler.telemetry import MetricsScraper, fleet_endpoints
 
 log = logging.getLogger(__name__)
@@ -43,6 +55,99 @@ class TenantSpendSource(Protocol):
     async def spend_by_tenant(self, since: datetime, until: datetime) -> dict[str, int]:
         """Micro-dollars of the attempts started in `[since, until)`, by tenant."""
         ...
+
+
+class WorkerWatch:
+    """Asks Temporal whether a GPU worker polls each replica's task queue (DescribeTaskQueue).
+
+    Every `worker_check_interval_s`, and at once for a replica on which a call has just timed
+    out waiting to start, it reads the queue's pollers and backlog, weighs them with the
+    engine's load from `scraper` (`WorkerLiveness`), and tells the scraper when a worker goes
+    missing or comes back. A describe that fails changes nothing.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        queues: Mapping[str, str],
+        scraper: MetricsScraper,
+        config: LivenessConfig,
+        *,
+        rpc_timeout_s: float = 2.0,
+    ) -> None:
+        self.client = client
+        self.queues = dict(queues)
+        """Replica name → its GPU worker's task queue."""
+        self.scraper = scraper
+        self.config = config
+        self.liveness = WorkerLiveness(config)
+        self.rpc_timeout = timedelta(seconds=rpc_timeout_s)
+        self._checks: set[asyncio.Task[None]] = set()
+
+    async def view(self, replica: str) -> QueueView:
+        """Temporal's view of the replica's queue now; raises `RPCError` when it cannot say."""
+        response = await self.client.workflow_service.describe_task_queue(
+            DescribeTaskQueueRequest(
+                namespace=self.client.namespace,
+                task_queue=TaskQueue(name=self.queues[replica]),
+                task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY,
+                report_stats=True,
+            ),
+            timeout=self.rpc_timeout,
+        )
+        polls = [
+            p.last_access_time.seconds + p.last_access_time.nanos / 1e9
+            for p in response.pollers
+            if p.HasField("last_access_time")
+        ]
+        stats = response.stats
+        return QueueView(
+            last_poll_at=max(polls, default=None),
+            backlog=stats.approximate_backlog_count,
+            backlog_age_s=stats.approximate_backlog_age.ToTimedelta().total_seconds(),
+        )
+
+    async def check(self, replica: str) -> None:
+        """Describe the replica's queue and apply the verdict."""
+        try:
+            view = await self.view(replica)
+        except RPCError as exc:
+            log.debug("could not describe the task queue of %s: %s", replica, exc)
+            return
+        idle_since = self.scraper.engine_idle_since(replica)
+        change = self.liveness.assess(replica, view, idle_since, time.time())
+        if change is True:
+            log.warning(
+                "no GPU worker polls %s (replica %s), though calls wait on it: marking the "
+                "replica down until a worker polls again",
+                self.queues[replica],
+                replica,
+            )
+            self.scraper.set_worker_missing(replica, True)
+        elif change is False:
+            log.info(
+                "a GPU worker polls %s again; replica %s is back", self.queues[replica], replica
+            )
+            self.scraper.set_worker_missing(replica, False)
+
+    def stalled(self, replica: str, dispatched_at: float) -> None:
+        """A call sent to the replica at `dispatched_at` timed out unstarted: check it now."""
+        if replica not in self.queues:
+            return
+        self.liveness.stalled(replica, dispatched_at)
+        check = asyncio.get_running_loop().create_task(self.check(replica))
+        self._checks.add(check)
+        check.add_done_callback(self._checks.discard)
+
+    async def run(self) -> None:
+        """Check every replica each `worker_check_interval_s`, until cancelled."""
+        while True:
+            await asyncio.gather(*(self.check(name) for name in self.queues))
+            await asyncio.sleep(self.config.worker_check_interval_s)
+
+    async def aclose(self) -> None:
+        """Wait for the checks started by `stalled`."""
+        await asyncio.gather(*self._checks, return_exceptions=True)
 
 
 class ControlPlane:
@@ -63,8 +168,10 @@ class ControlPlane:
         config: SchedulerConfig | None = None,
         scrape_interval_s: float = 1.0,
         spend_refresh_s: float = 5.0,
+        client: Client | None = None,
     ) -> None:
         self.scheduler = Scheduler(fleet, config)
+        self.fleet = fleet
         self.spend_source = ledger if isinstance(ledger, TenantSpendSource) else None
         """Where tenants' spend today is read from; None when the ledger cannot say."""
         self.spend_refresh_s = spend_refresh_s
@@ -97,6 +204,31 @@ class ControlPlane:
             for name, endpoint in zip(pool.replica_names(), pool.kv_events, strict=True)
         ]
         self._subscribing: list[asyncio.Task[None]] = []
+        self.worker_watch: WorkerWatch | None = None
+        """Whether each replica's GPU worker polls its queue; None until `watch` is called."""
+        self._watching: asyncio.Task[None] | None = None
+        self._entered = False
+        if client is not None:
+            self.watch(client)
+
+    def watch(self, client: Client) -> None:
+        """Watch the replicas' GPU workers through `client`; later calls change nothing.
+
+        Replicas without an endpoint are left out: they are down already.
+        """
+        if self.worker_watch is not None:
+            return
+        queues = {
+            name: task_queue_for(pool.name, index)
+            for pool in self.fleet.pools
+            for index, name in enumerate(pool.replica_names())
+            if name in self.endpoints
+        }
+        self.worker_watch = WorkerWatch(
+            client, queues, self.scraper, self.scheduler.config.liveness
+        )
+        if self._entered:
+            self._watching = asyncio.create_task(self.worker_watch.run())
 
     async def __aenter__(self) -> ControlPlane:
         # Precise prefix index: the engines' KV-cache events, where the fleet lists them.
@@ -111,12 +243,23 @@ class ControlPlane:
             # Seeded before the first placement: a restarted worker keeps enforcing budgets.
             await self.refresh_tenant_spend()
             self._refreshing = asyncio.create_task(self._refresh_tenant_spend_forever())
+        if self.worker_watch is not None:
+            self._watching = asyncio.create_task(self.worker_watch.run())
+        self._entered = True
         return self
 
     def triage(self, observation: Observation) -> Observation:
-        """A call failed: scrape its replica now, so a crashed one is down before the retry."""
+        """A call failed: look at its replica now, so a dead one is down before the retry.
+
+        A call that timed out unstarted makes the worker watch describe the replica's queue;
+        any other fault of the replica, the scraper scrape its engine.
+        """
         if observation.replica_fault:
-            self.scraper.check_soon(observation.replica)
+            if observation.error == SCHEDULE_TO_START:
+                if self.worker_watch is not None and observation.dispatched_at is not None:
+                    self.worker_watch.stalled(observation.replica, observation.dispatched_at)
+            else:
+                self.scraper.check_soon(observation.replica)
         return observation
 
     async def refresh_tenant_spend(self) -> bool:
@@ -151,7 +294,13 @@ class ControlPlane:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self._entered = False
         self.scraper.stop()
+        if self._watching is not None:
+            self._watching.cancel()
+            await asyncio.gather(self._watching, return_exceptions=True)
+        if self.worker_watch is not None:
+            await self.worker_watch.aclose()
         if self._refreshing is not None:
             self._refreshing.cancel()
             await asyncio.gather(self._refreshing, return_exceptions=True)

@@ -202,6 +202,8 @@ class KvflowPlugin(SimplePlugin):
                 added = await ensure_search_attributes(self._client)
                 if added:
                     log.info("registered search attributes %s", ", ".join(added))
+                # Whether each replica's GPU worker polls is Temporal's to say, through a client.
+                self.control_plane.watch(self._client)
                 if self._owns_control_plane:
                     async with self.control_plane:
                         yield

@@ -503,7 +503,7 @@ class Agent:
                     raise asyncio.CancelledError("the task was cancelled") from err
                 if _worker_went_silent(err):
                     await self._record_lost_attempt(err, call, placement, failure, dispatched_at)
-                await self._observe(placement, failure)
+                await self._observe(placement, failure, dispatched_at=dispatched_at)
                 self._publish()
                 if not failure.retryable:
                     record.outcome = failure.error_type
@@ -543,7 +543,7 @@ class Agent:
                     reused_tokens=result.reused_tokens,
                 )
             )
-            await self._observe(placement, None, result)
+            await self._observe(placement, None, result, dispatched_at=dispatched_at)
             if result.reused_tokens and call.carried:
                 await self._mark_resumed(call.carried)
             self._last_replica = result.replica
@@ -706,7 +706,7 @@ class Agent:
             bill = await self._stored_bill(err.activity_id or "")
             if bill is not None:
                 _charge(failure.attempt, bill)
-        await self._observe(placement, failure)
+        await self._observe(placement, failure, dispatched_at=dispatched_at)
         self._publish()
 
     async def _mark_resumed(self, activity_ids: list[str]) -> None:
@@ -796,7 +796,15 @@ class Agent:
         placement: Placement,
         failure: _Failure | None,
         result: InferenceResult | None = None,
+        *,
+        dispatched_at: datetime,
     ) -> None:
+        """Tell the scheduler how an attempt ended, and when it was sent and ended.
+
+        The times let the control plane judge a timeout: a call that waited on a queue no
+        worker polled, or one that an outage of Temporal itself cut.
+        """
+        sent, ended = dispatched_at.timestamp(), workflow.now().timestamp()
         if failure is not None:
             observation = Observation(
                 replica=placement.replica,
@@ -812,6 +820,8 @@ class Agent:
                 cost_micros=failure.attempt.cost_micros,
                 probe=placement.probe,
                 cold_start=placement.cold_start,
+                dispatched_at=sent,
+                ended_at=ended,
             )
         else:
             assert result is not None
@@ -829,6 +839,8 @@ class Agent:
                 cost_micros=result.cost_micros,
                 probe=placement.probe,
                 cold_start=placement.cold_start,
+                dispatched_at=sent,
+                ended_at=ended,
             )
         # The scheduler must hear how the call ended (its in-flight count), cancelled or not.
         await _uncancellable(self._local(OBSERVE_ACTIVITY, observation, type(None), None))
