@@ -41,7 +41,6 @@ ROOT = Path(__file__).resolve().parents[2]
 """The repository: worker processes import `tests.*` workflow modules from here."""
 
 MODEL = "llama-3.2-1b"
-POOL = "sim"
 TENANT = "acme"
 SECRET_CANARY = f"canary-{secrets.token_hex(8)}"
 """A password planted in the ledger URL (PostgreSQL here trusts local connections and ignores
@@ -50,19 +49,24 @@ READY_TIMEOUT_S = 60.0
 """Python start-up of a worker is 2-4 s alone; ten of them at once on two cores take longer."""
 
 
-def fleet_toml(
-    *,
-    temporal_address: str,
-    replicas: int,
-    gpu: str = "H100",
-    max_concurrency: int = 8,
-    extra_models: bool = False,
-) -> str:
-    """The fleet file of the cluster: one simulated pool of identical replicas, one tenant.
+@dataclass(frozen=True)
+class PoolSpec:
+    """One simulated pool of the cluster's fleet."""
 
-    Identical replicas make every one of them a rendezvous candidate for a new prefix, so the
-    placement-consistency check holds whatever the prices. `extra_models` adds the samples'
-    8B model (warm on every replica) for recording the samples' histories.
+    name: str = "sim"
+    replicas: int = 4
+    gpu: str = "H100"
+    prices: tuple[str, str, str] = ("0.18", "0.018", "0.54")
+    """USD per million input, cached input and output tokens."""
+    max_concurrency: int = 8
+
+
+def fleet_toml(*, temporal_address: str, pools: Sequence[PoolSpec], extra_models: bool) -> str:
+    """The fleet file of the cluster: simulated pools, one tenant.
+
+    The replicas of a pool are identical, so every one of them is a rendezvous candidate for
+    a new prefix whatever the prices. `extra_models` adds the samples' 8B model (warm on every
+    replica) for recording the samples' histories.
     """
     models = [
         f"""[[models]]
@@ -88,24 +92,28 @@ context_length = 32768
         )
         warm.append("llama-3.1-8b")
     warm_list = ", ".join(f'"{m}"' for m in warm)
+    tables = [
+        f"""[[pools]]
+name = "{pool.name}"
+gpu = "{pool.gpu}"
+replicas = {pool.replicas}
+endpoints = "simulated"
+price_per_gpu_hour_usd = "2.90"
+warm_models = [{warm_list}]
+max_concurrency = {pool.max_concurrency}
+[pools.token_prices]
+input_per_mtok_usd = "{pool.prices[0]}"
+cached_input_per_mtok_usd = "{pool.prices[1]}"
+output_per_mtok_usd = "{pool.prices[2]}"
+"""
+        for pool in pools
+    ]
     return f"""[temporal]
 address = "{temporal_address}"
 namespace = "default"
 
 {chr(10).join(models)}
-[[pools]]
-name = "{POOL}"
-gpu = "{gpu}"
-replicas = {replicas}
-endpoints = "simulated"
-price_per_gpu_hour_usd = "2.90"
-warm_models = [{warm_list}]
-max_concurrency = {max_concurrency}
-[pools.token_prices]
-input_per_mtok_usd = "0.18"
-cached_input_per_mtok_usd = "0.018"
-output_per_mtok_usd = "0.54"
-
+{chr(10).join(tables)}
 [[tenants]]
 name = "{TENANT}"
 tier = 1
@@ -207,16 +215,24 @@ class ManagedProcess:
 class Replica:
     """One simulated replica: its simulator and its GPU worker."""
 
-    name: str
+    pool: str
     index: int
+    """Its index in its pool."""
+    number: int
+    """Its position in the cluster (seeds and log names)."""
     sim: SimProcess
     gpu_worker: ManagedProcess
     fault_flags: list[str] = field(default_factory=list)
 
     @property
+    def name(self) -> str:
+        """`pool/index`, as the fleet and the scheduler name it."""
+        return f"{self.pool}/{self.index}"
+
+    @property
     def task_queue(self) -> str:
         """The GPU worker's task queue."""
-        return f"kvflow.gpu.{POOL}.{self.index}"
+        return f"kvflow.gpu.{self.pool}.{self.index}"
 
 
 class ChaosCluster:
@@ -225,11 +241,11 @@ class ChaosCluster:
     Args:
         root: the scenario's folder (fleet file, SQLite file, context store, spools, logs).
         ledger_url: the ledger every worker bills into (a fresh PostgreSQL schema).
-        replicas: replicas of the one pool.
+        pools: the fleet's pools (default: one pool `sim` of 4 identical replicas).
         workflow_workers: workflow-worker processes, all polling one task queue.
-        fault_flags: `kvflow sim serve --fault-...` flags per replica index.
-        endpoint_overrides: the URL a replica's GPU worker calls instead of its simulator
-            (a fault proxy in front of it); the control plane still scrapes the simulator.
+        fault_flags: `kvflow sim serve --fault-...` flags per replica (`pool/index`).
+        endpoints: the URL a replica's GPU worker calls instead of its simulator's (a fault
+            proxy in front of it); the schedulers still scrape the simulator.
         modules: the workflow modules the workflow workers run.
         time_scale: simulated seconds per real second in every simulator.
     """
@@ -239,13 +255,12 @@ class ChaosCluster:
         root: Path,
         *,
         ledger_url: str,
-        replicas: int = 4,
+        pools: Sequence[PoolSpec] = (PoolSpec(),),
         workflow_workers: int = 3,
-        fault_flags: Mapping[int, Sequence[str]] | None = None,
+        fault_flags: Mapping[str, Sequence[str]] | None = None,
+        endpoints: Mapping[str, str] | None = None,
         modules: Sequence[str] = ("tests.agent_workflows",),
         time_scale: float = 1.0,
-        max_concurrency: int = 8,
-        gpu: str = "H100",
         extra_models: bool = False,
         seed: int = 0,
     ) -> None:
@@ -264,11 +279,7 @@ class ChaosCluster:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.fleet_file.write_text(
             fleet_toml(
-                temporal_address=self.temporal.address,
-                replicas=replicas,
-                gpu=gpu,
-                max_concurrency=max_concurrency,
-                extra_models=extra_models,
+                temporal_address=self.temporal.address, pools=pools, extra_models=extra_models
             )
         )
         self.env = {
@@ -279,10 +290,14 @@ class ChaosCluster:
             # From the environment rather than --ledger: a password stays out of `ps`.
             LEDGER_URL_ENV: ledger_url,
         }
-        self.endpoint_overrides: dict[int, str] = {}
+        self.endpoints = dict(endpoints or {})
         faults = dict(fault_flags or {})
+        names = [f"{pool.name}/{index}" for pool in pools for index in range(pool.replicas)]
+        unknown = set(faults) - set(names)
+        assert not unknown, f"fault flags for replicas the fleet does not have: {unknown}"
         self.replicas = [
-            self._replica(index, list(faults.get(index, []))) for index in range(replicas)
+            self._replica(name, number, list(faults.get(name, [])))
+            for number, name in enumerate(names)
         ]
         self.workflow_workers = [
             ManagedProcess(
@@ -301,40 +316,47 @@ class ChaosCluster:
     def _cli(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "tests.chaos.cli", *args]
 
-    def _replica(self, index: int, fault_flags: list[str]) -> Replica:
-        name = f"{POOL}/{index}"
-        sim = self._sim(index, fault_flags)
+    def _replica(self, name: str, number: int, fault_flags: list[str]) -> Replica:
+        pool, index = name.split("/")
+        slug = name.replace("/", "-")
         gpu_worker = ManagedProcess(
-            f"gpu-worker-{index}",
+            f"gpu-worker-{slug}",
             [],  # set in start(), once the endpoint is known
             cwd=self.root,
             env=self.env,
-            log=self.logs / f"gpu-worker-{index}.log",
+            log=self.logs / f"gpu-worker-{slug}.log",
         )
-        return Replica(name, index, sim, gpu_worker, fault_flags)
+        sim = self._sim(name, number, fault_flags)
+        return Replica(pool, int(index), number, sim, gpu_worker, fault_flags)
 
-    def _sim(self, index: int, fault_flags: Sequence[str], port: int | None = None) -> SimProcess:
+    def _sim(
+        self, name: str, number: int, fault_flags: Sequence[str], port: int | None = None
+    ) -> SimProcess:
         args = [
             "--fleet",
             str(self.fleet_file),
             "--replica",
-            f"{POOL}/{index}",
+            name,
             "--time-scale",
             str(self.time_scale),
             "--seed",
-            str(self.seed + index),
+            str(self.seed + number),
             *fault_flags,
         ]
         return SimProcess(
             args,
             port=port,
-            log_path=self.logs / f"sim-{index}.log",
+            log_path=self.logs / f"sim-{name.replace('/', '-')}.log",
             env={"PYTHONPATH": self.env["PYTHONPATH"]},
             preexec_fn=stop_with_parent(),
         )
 
+    def replica(self, name: str) -> Replica:
+        """The replica called `name` (`pool/index`)."""
+        return next(r for r in self.replicas if r.name == name)
+
     def _gpu_worker_argv(self, replica: Replica) -> list[str]:
-        endpoint = self.endpoint_overrides.get(replica.index, replica.sim.base_url)
+        endpoint = self.endpoints.get(replica.name, replica.sim.base_url)
         return self._cli(
             "worker",
             "gpu",
@@ -420,7 +442,7 @@ class ChaosCluster:
         """
         port = replica.sim.port
         replica.sim.stop()
-        replica.sim = self._sim(replica.index, fault_flags, port=port)
+        replica.sim = self._sim(replica.name, replica.number, fault_flags, port=port)
         replica.fault_flags = list(fault_flags)
         # Spawned here, on the event loop's thread (see ManagedProcess.start); waited for
         # in another.
@@ -451,10 +473,19 @@ class ChaosCluster:
 
     async def running_streams(self, replica: Replica) -> int:
         """Requests the replica's simulator is decoding now (vLLM's running gauge)."""
+        return await self._gauge(replica, ("vllm:num_requests_running",))
+
+    async def queued_requests(self, replica: Replica) -> int:
+        """Requests the replica's simulator holds now, decoding or waiting."""
+        return await self._gauge(
+            replica, ("vllm:num_requests_running", "vllm:num_requests_waiting")
+        )
+
+    async def _gauge(self, replica: Replica, names: tuple[str, ...]) -> int:
         async with httpx.AsyncClient(timeout=2.0) as http:
             text = (await http.get(f"{replica.sim.base_url}/metrics")).text
         total = 0.0
         for line in text.splitlines():
-            if line.startswith("vllm:num_requests_running"):
+            if line.startswith(names) and line.split("{")[0].split(" ")[0] in names:
                 total += float(line.rsplit(" ", 1)[1])
         return int(total)

@@ -10,6 +10,7 @@ connections and ignores it, and no log line or history of the run may contain it
 from __future__ import annotations
 
 import secrets
+import shutil
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
@@ -21,7 +22,7 @@ from psycopg import sql
 
 from kvflow.ledger.store import AsyncLedger, open_async_ledger
 from tests.chaos.cluster import SECRET_CANARY, ChaosCluster
-from tests.chaos.figures import SESSION, save, summary_table, write_summary
+from tests.chaos.figures import OUT_DIR, SESSION, save, summary_table, write_summary
 from tests.fixtures_ledger import with_schema
 
 ClusterFactory = Callable[..., AbstractAsyncContextManager[ChaosCluster]]
@@ -57,18 +58,22 @@ async def chaos_ledger(chaos_ledger_url: str) -> AsyncIterator[AsyncLedger]:
 
 @pytest.fixture(scope="module")
 async def chaos_cluster(
-    tmp_path_factory: pytest.TempPathFactory, chaos_ledger_url: str
+    request: pytest.FixtureRequest, chaos_ledger_url: str
 ) -> AsyncIterator[ClusterFactory]:
     """`async with chaos_cluster(**options) as cluster:` a started `ChaosCluster`.
 
-    Its processes are stopped at the end of the block, or of the module at the latest; their
-    logs stay under pytest's temporary folder (it keeps the last three runs).
+    Its processes are stopped at the end of the block, or of the module at the latest. Its
+    files (logs, the Temporal SQLite file, the context store) stay in
+    `.kvflow/chaos/<scenario module>/` until the scenario runs again, for a reader of a
+    failure (pytest's own temporary folders are pruned by every other pytest run).
     """
     clusters: list[ChaosCluster] = []
+    folder = OUT_DIR / request.path.stem
+    shutil.rmtree(folder, ignore_errors=True)
 
     @asynccontextmanager
     async def start(**options: Any) -> AsyncIterator[ChaosCluster]:
-        root = tmp_path_factory.mktemp("cluster")
+        root = folder / f"cluster-{len(clusters)}"
         cluster = ChaosCluster(root, ledger_url=chaos_ledger_url, **options)
         clusters.append(cluster)
         try:

@@ -7,11 +7,14 @@ assertion, so a failing scenario still reports what it saw.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from temporalio.client import WorkflowExecutionStatus, WorkflowHandle
+from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle
+from temporalio.exceptions import ApplicationError
 
 from kvflow.ledger.store import AsyncLedger
 from tests.chaos.books import BillingAudit, audit
@@ -30,6 +33,8 @@ class Outcome:
     figures: ScenarioFigures
     secrets_found: int = 0
     not_completed: dict[str, str] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
+    """Workflow id → why it did not complete."""
 
     def record(self, node_id: str) -> None:
         """Record the figures for the summary (call it before asserting)."""
@@ -72,6 +77,8 @@ async def finish(
         for h in handles
         if (status := statuses[h.id]) != WorkflowExecutionStatus.COMPLETED
     }
+    failures = {wid: await _failure(cluster, wid) for wid in missing}
+    _dump(cluster, traces, failures)
     figures.bad_inputs_tried = len(bad_inputs or [])
     figures.tasks_run = len(handles)
     figures.tasks_completed = len(handles) - len(missing)
@@ -84,5 +91,30 @@ async def finish(
     if books.problems():
         figures.notes.append(f"{len(books.problems())} ledger disagreements")
     if missing:
-        figures.notes.append(f"{len(missing)} tasks did not complete")
-    return Outcome(statuses, traces, books, figures, secrets, missing)
+        first = next(iter(failures.items()))
+        figures.notes.append(
+            f"{len(missing)} tasks did not complete, e.g. {first[0]}: {first[1][:300]}"
+        )
+    return Outcome(statuses, traces, books, figures, secrets, missing, failures)
+
+
+async def _failure(cluster: ChaosCluster, workflow_id: str) -> str:
+    """Why a task did not complete: its failure's type and message, or its status."""
+    assert cluster.client is not None
+    handle = cluster.client.get_workflow_handle(workflow_id)
+    try:
+        await asyncio.wait_for(handle.result(), 5)
+    except WorkflowFailureError as failed:
+        cause = failed.cause
+        if isinstance(cause, ApplicationError):
+            return f"{cause.type}: {cause.message}"
+        return str(cause)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "completed"
+
+
+def _dump(cluster: ChaosCluster, traces: dict[str, TaskTrace], failures: dict[str, str]) -> None:
+    """Every task's placements and attempts, and the failures, beside the run's logs."""
+    data = {"failures": failures, "tasks": {wid: asdict(t) for wid, t in traces.items()}}
+    (cluster.root / "traces.json").write_text(json.dumps(data, indent=1, default=str) + "\n")

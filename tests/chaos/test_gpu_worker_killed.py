@@ -41,7 +41,7 @@ async def run(
     chaos_cluster: ClusterFactory, chaos_ledger: AsyncLedger, request: pytest.FixtureRequest
 ) -> Run:
     started_at = time.monotonic()
-    async with chaos_cluster(replicas=4, workflow_workers=3) as cluster:
+    async with chaos_cluster() as cluster:
         assert cluster.client is not None
         work = Workload(
             cluster.client, cluster.task_queue, f"a-{uuid.uuid4().hex[:8]}", tasks=TASKS
