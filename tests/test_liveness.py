@@ -21,23 +21,32 @@ import httpx
 import pytest
 from temporalio.api.enums.v1 import EventType, TimeoutType
 from temporalio.client import Client, WorkflowHandle
+from temporalio.contrib.pydantic import pydantic_data_converter
 
 from kvflow.activities.context_store import DirectoryContextStore
 from kvflow.activities.inference import INFER_ACTIVITY, ReplicaBinding
 from kvflow.ledger.records import AttemptRecord
 from kvflow.ledger.store import AsyncLedger, open_async_ledger
-from kvflow.scheduler.config import LatencyConfig, LivenessConfig, SchedulerConfig
+from kvflow.scheduler.config import (
+    CircuitBreakerConfig,
+    LatencyConfig,
+    LivenessConfig,
+    RetryBudgetConfig,
+    SchedulerConfig,
+)
 from kvflow.scheduler.core import Scheduler
 from kvflow.scheduler.fleet import Fleet, Pool, Tenant, TokenPrices
 from kvflow.scheduler.telemetry import MetricsScraper
 from kvflow.simulator import BUILTIN_MODELS, SimServer
 from kvflow.simulator.faults import FaultSpec
 from kvflow.workers.control_plane import ControlPlane
+from kvflow.workers.devserver import EmbeddedTemporal, free_port
 from kvflow.workers.embedded import EmbeddedFleet
 from kvflow.workers.gpu_worker import GpuWorker
 from kvflow.workflows.agent import TaskSpec
 from tests import agent_workflows as wf
 from tests.fixtures_sim import sim_settings
+from tests.history import wait_until_streaming
 
 MODEL = "llama-3.2-1b"
 
@@ -356,3 +365,47 @@ async def test_a_busy_replica_with_a_backlog_stays_up(
         for handle in handles:
             assert (await handle.result()).replicas == ["busy/0"]
             assert await calls_of(handle) == Calls(["kvflow.gpu.busy.0"], [])
+
+
+# ---- an outage of Temporal itself ------------------------------------------------------------
+
+
+@pytest.fixture
+def own_temporal(tmp_path: Path) -> Iterator[EmbeddedTemporal]:
+    """A dev server of this test's own, on a SQLite file, so it can be stopped and restarted."""
+    server = EmbeddedTemporal(port=free_port(), ui_port=None, state_dir=tmp_path / "temporal")
+    with server:
+        yield server
+
+
+@pytest.mark.timeout(240)
+async def test_an_outage_of_temporal_opens_no_circuit_and_spends_no_retry_budget(
+    own_temporal: EmbeddedTemporal, tmp_path: Path
+) -> None:
+    client = await Client.connect(own_temporal.address, data_converter=pydantic_data_converter)
+    # Any failure charged to a replica opens its circuit; globex may re-place no call at all.
+    unforgiving = SchedulerConfig(
+        circuit=CircuitBreakerConfig(consecutive_failures=1),
+        retries=RetryBudgetConfig(tenant_retry_fraction=0.0, tenant_min_retries=0),
+    )
+    async with fleet_stack(
+        client, tmp_path, cheap_first(), scheduler=unforgiving, time_scale=4.0
+    ) as s:
+        handles = [await s.start(tenant="globex", max_tokens=2000) for _ in range(3)]
+        for handle in handles:
+            await wait_until_streaming(handle)
+        # Temporal goes away for longer than a heartbeat timeout (2 s), then comes back.
+        await asyncio.to_thread(own_temporal.stop)
+        await asyncio.sleep(4.0)
+        await asyncio.to_thread(own_temporal.start)
+
+        for handle in handles:
+            out = await handle.result()
+            calls = await calls_of(handle)
+            # The call the outage cut timed out, and was placed again.
+            assert calls.timeouts == ["HEARTBEAT"] and len(calls.queues) == 2
+            assert len(out.replicas) == 1
+            # Both attempts are billed (the cut one at what its GPU worker counted).
+            rows = await s.attempts(handle)
+            assert len(rows) == 2 and all(row.cost_micros > 0 for row in rows)
+        assert {status.circuit for status in s.control.scheduler.status()} == {"closed"}

@@ -5,15 +5,30 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvflow.scheduler.config import CircuitBreakerConfig, LivenessConfig, RetryBudgetConfig
+from kvflow.scheduler.config import (
+    CircuitBreakerConfig,
+    LivenessConfig,
+    RetryBudgetConfig,
+    SchedulerConfig,
+)
+from kvflow.scheduler.core import Scheduler
+from kvflow.scheduler.placement import (
+    Observation,
+    Placement,
+    PlacementRequest,
+    Refusal,
+    RefusalReason,
+)
 from kvflow.scheduler.reliability import (
     CircuitBreaker,
     CircuitState,
+    ControlPlaneOutages,
     QueueView,
     TenantRetryBudget,
     WorkerLiveness,
     task_retry_allowed,
 )
+from tests.fleets import one_pool_fleet
 
 
 def state_of(breaker: CircuitBreaker) -> CircuitState:
@@ -197,3 +212,116 @@ def test_a_queue_without_any_poller_is_not_missing_a_worker_until_a_call_waits()
     assert liveness.assess("a/0", nobody, engine_idle_since=0.0, now=1001.0) is None
     polled = QueueView(last_poll_at=1000.5, backlog=0, backlog_age_s=0.0)
     assert liveness.assess("a/0", polled, engine_idle_since=0.0, now=1001.0) is False
+
+
+# ---- outages of Temporal, as the control plane's probes saw them -----------------------------
+
+
+def outage_from_11_to_15() -> ControlPlaneOutages:
+    """Probes every second: good up to 10 s, failing 11-14 s, good again at 15 s."""
+    outages = ControlPlaneOutages(LivenessConfig(outage_grace_s=30.0))
+    for t in range(8, 16):
+        outages.record_probe(not 11 <= t <= 14, float(t))
+    assert outages.reachable
+    return outages
+
+
+def test_a_timeout_of_a_call_that_was_out_during_an_outage_is_the_outages_fault() -> None:
+    outages = outage_from_11_to_15()
+    for error in ("TimeoutHeartbeat", "ScheduleToStart", "TimeoutStartToClose"):
+        assert outages.explains(error, dispatched_at=9.0, ended_at=16.0, now=16.0)
+    # The outage spans from the last good probe (10 s) to the first good one after (15 s).
+    assert outages.explains("TimeoutHeartbeat", dispatched_at=14.9, ended_at=15.2, now=16.0)
+    assert outages.explains("TimeoutHeartbeat", dispatched_at=2.0, ended_at=10.0, now=16.0)
+
+
+def test_what_an_outage_does_not_explain() -> None:
+    outages = outage_from_11_to_15()
+    # The engine's own errors, reported by a GPU worker that reached Temporal.
+    assert not outages.explains("StreamCut", dispatched_at=9.0, ended_at=16.0, now=16.0)
+    # A call sent after the outage, one that ended before it, one that ended long after it.
+    assert not outages.explains("TimeoutHeartbeat", dispatched_at=16.0, ended_at=20.0, now=20.0)
+    assert not outages.explains("TimeoutHeartbeat", dispatched_at=2.0, ended_at=9.5, now=20.0)
+    assert not outages.explains("TimeoutHeartbeat", dispatched_at=9.0, ended_at=45.1, now=46.0)
+    # An observation without times (from a workflow that does not send them).
+    assert not outages.explains("TimeoutHeartbeat", dispatched_at=None, ended_at=16.0, now=16.0)
+
+
+def test_an_outage_going_on_explains_the_timeouts_reported_meanwhile() -> None:
+    outages = ControlPlaneOutages(LivenessConfig())
+    assert not outages.record_probe(True, 100.0)
+    assert outages.record_probe(False, 101.0)
+    assert not outages.reachable
+    assert outages.explains("TimeoutHeartbeat", dispatched_at=90.0, ended_at=104.0, now=104.0)
+
+
+# ---- what a control-plane fault costs: nothing but its bill ----------------------------------
+
+MODEL = "tiny"
+UNFORGIVING = SchedulerConfig(
+    circuit=CircuitBreakerConfig(consecutive_failures=1),
+    retries=RetryBudgetConfig(tenant_retry_fraction=0.0, tenant_min_retries=1),
+)
+"""One failure opens a circuit; a tenant may re-place one call a minute."""
+
+
+def timeout_on(replica: str, *, control_plane_fault: bool) -> Observation:
+    return Observation(
+        replica=replica,
+        model=MODEL,
+        tenant="acme",
+        ok=False,
+        error="TimeoutHeartbeat",
+        replica_fault=not control_plane_fault,
+        control_plane_fault=control_plane_fault,
+        cost_micros=1_500,
+    )
+
+
+def request(attempt: int, *, after_control_plane_fault: bool = False) -> PlacementRequest:
+    return PlacementRequest(
+        model=MODEL,
+        prompt_tokens=100,
+        max_output_tokens=10,
+        tenant="acme",
+        workflow_id=f"wf-{attempt}",
+        attempt=attempt,
+        task_retries=attempt - 1,
+        after_control_plane_fault=after_control_plane_fault,
+    )
+
+
+def test_control_plane_faults_leave_circuits_closed_and_the_tenants_retries_untouched() -> None:
+    scheduler = Scheduler(one_pool_fleet(MODEL, replicas=2), UNFORGIVING)
+    for _ in range(3):
+        placed = scheduler.place(request(1))
+        assert isinstance(placed, Placement)
+        scheduler.observe(timeout_on(placed.replica, control_plane_fault=True))
+        again = scheduler.place(request(2, after_control_plane_fault=True))
+        assert isinstance(again, Placement)
+        scheduler.observe(Observation(replica=again.replica, model=MODEL, tenant="acme", ok=True))
+    assert {s.circuit for s in scheduler.status()} == {"closed"}
+    # Still billed: the tenant's spend counts every attempt.
+    assert scheduler.tenant_spend_today("acme") == 3 * 1_500
+    # The tenant has retried nothing yet: its one retry of the minute is still there.
+    assert isinstance(scheduler.place(request(2)), Placement)
+    refusal = scheduler.place(request(2))
+    assert isinstance(refusal, Refusal)
+    assert refusal.reason is RefusalReason.RETRY_BUDGET_EXHAUSTED
+
+
+def test_the_same_timeouts_charged_to_replicas_open_their_circuits() -> None:
+    scheduler = Scheduler(one_pool_fleet(MODEL, replicas=2), UNFORGIVING)
+    placed = scheduler.place(request(1))
+    assert isinstance(placed, Placement)
+    scheduler.observe(timeout_on(placed.replica, control_plane_fault=False))
+    assert {s.replica: s.circuit for s in scheduler.status()}[placed.replica] == "open"
+    # A control-plane fault spares the circuit even with `replica_fault` left True.
+    other = scheduler.place(request(1))
+    assert isinstance(other, Placement) and other.replica != placed.replica
+    scheduler.observe(
+        timeout_on(other.replica, control_plane_fault=True).model_copy(
+            update={"replica_fault": True}
+        )
+    )
+    assert {s.replica: s.circuit for s in scheduler.status()}[other.replica] == "closed"

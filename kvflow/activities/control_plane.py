@@ -39,6 +39,7 @@ from kvflow.scheduler.blocks import block_hashes
 from kvflow.scheduler.fleet import Fleet
 from kvflow.scheduler.placement import (
     Observation,
+    ObservationVerdict,
     Placement,
     PlacementInputError,
     PlacementRequest,
@@ -136,7 +137,11 @@ class FailureTriage(Protocol):
     """What the control plane does with a failed call before the scheduler learns of it."""
 
     def triage(self, observation: Observation) -> Observation:
-        """The observation to record for a failed call; may start checks of its replica."""
+        """The observation to record for a failed call; may start checks of its replica.
+
+        It sets `control_plane_fault` (and clears `replica_fault`) for a failure its own
+        outage explains.
+        """
         ...
 
 
@@ -228,12 +233,17 @@ class ControlPlaneActivities:
         return PlaceAnswer(refusal=answer, prompt_tokens=len(ids))
 
     @activity.defn(name=OBSERVE_ACTIVITY)
-    async def observe(self, observation: Observation) -> None:
-        """Tell the scheduler how a call ended (a local activity)."""
+    async def observe(self, observation: Observation) -> ObservationVerdict:
+        """Tell the scheduler how a call ended (a local activity); answer whose fault it was.
+
+        A failure that an outage of the control plane's own explains (`FailureTriage`) is no
+        retry: the answer tells the workflow so.
+        """
         with permanent_errors_fail_at_once():
             if not observation.ok and self.triage is not None:
                 observation = self.triage.triage(observation)
             self.scheduler.observe(observation)
+        return ObservationVerdict(control_plane_fault=observation.control_plane_fault)
 
     @activity.defn(name=RECORD_TASK_ACTIVITY)
     async def record_task(self, record: TaskRecord) -> bool:

@@ -185,7 +185,7 @@ class RetryBudgetConfig(_Config):
 
 
 class LivenessConfig(_Config):
-    """How the control plane tells that a replica's GPU worker is gone.
+    """How the control plane tells that a replica's GPU worker, or Temporal itself, is gone.
 
     A replica serves calls only while its engine answers and a GPU worker polls its task queue.
     The worker is taken to be missing when a call waited on the queue, for `worker_stall_s` in
@@ -198,6 +198,12 @@ class LivenessConfig(_Config):
     waiting (the queue is described at once then), or, when that timeout is longer,
     `worker_stall_s` + up to 5 s (Temporal refreshes its backlog figures about every 5 s) +
     up to `worker_check_interval_s`. Until then calls keep being placed on the replica.
+
+    Temporal itself: the control plane checks the server's health every
+    `server_probe_interval_s`. A call that Temporal timed out (schedule-to-start, heartbeat,
+    start-to-close) while it was out during an outage the probes saw, ending at most
+    `outage_grace_s` after the outage, is the control plane's fault: it opens no replica's
+    circuit and its re-placement spends no retry budget, but it is billed.
     """
 
     worker_check_interval_s: float = Field(
@@ -207,6 +213,25 @@ class LivenessConfig(_Config):
         default=3.0,
         gt=0,
         description="how long the oldest call in a replica's backlog may wait unpolled",
+    )
+    server_probe_interval_s: float = Field(
+        default=1.0,
+        gt=0,
+        description=(
+            "seconds between two health checks of Temporal by the control plane; shorter than "
+            "the inference heartbeat timeout (2 s), so an outage that cuts calls is seen"
+        ),
+    )
+    outage_grace_s: float = Field(
+        default=30.0,
+        ge=0,
+        description=(
+            "how long after an outage of Temporal ended a timeout of a call that was out during "
+            "it is still put down to it (timers fire, workers reconnect, workflows catch up)"
+        ),
+    )
+    outage_memory_s: float = Field(
+        default=3600.0, gt=0, description="how long the control plane remembers an outage"
     )
 
 

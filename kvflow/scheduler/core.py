@@ -289,7 +289,9 @@ class Scheduler:
             now = self._clock()
             state = self._state(observation.replica)
             state.inflight = max(0, state.inflight - 1)
-            if observation.ok or observation.replica_fault:
+            if observation.ok or (
+                observation.replica_fault and not observation.control_plane_fault
+            ):
                 state.breaker.record(observation.ok, now, probe=observation.probe)
                 self._track_circuit(state)
             spec = self._models.get(observation.model)
@@ -602,7 +604,7 @@ class Scheduler:
                 chosen.depth,
                 ctx.workflow_id,
                 ctx.tenant,
-                ctx.request.attempt > 1,
+                ctx.request.attempt > 1 and not ctx.request.after_control_plane_fault,
                 probe,
                 ctx.now,
             )

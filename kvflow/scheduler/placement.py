@@ -76,6 +76,13 @@ class PlacementRequest(_Wire):
     allow_fallback: bool = Field(
         default=True, description="the scheduler may degrade to the model's fallback"
     )
+    after_control_plane_fault: bool = Field(
+        default=False,
+        description=(
+            "the call is re-placed because an outage of Temporal cut it "
+            "(`ObservationVerdict.control_plane_fault`): it spends no retry budget"
+        ),
+    )
 
 
 @dataclass(slots=True)
@@ -212,6 +219,26 @@ class Observation(_Wire):
     )
     ended_at: float | None = Field(
         default=None, description="when the workflow learned how it ended (epoch seconds)"
+    )
+    control_plane_fault: bool = Field(
+        default=False,
+        description=(
+            "the call failed because the control plane could not reach Temporal (an outage): "
+            "it counts against neither the replica's circuit nor the tenant's retries"
+        ),
+    )
+
+
+class ObservationVerdict(_Recorded):
+    """What the control plane made of how a call ended: the `observe` activity's answer.
+
+    Recorded in history: see `_Recorded` for how it may change. Histories recorded before the
+    activity answered hold None in its place.
+    """
+
+    control_plane_fault: bool = Field(
+        default=False,
+        description="an outage of Temporal, not the replica, failed the call (`Observation`)",
     )
 
 

@@ -15,6 +15,11 @@ from kvflow.scheduler.config import CircuitBreakerConfig, LivenessConfig, RetryB
 
 SCHEDULE_TO_START = "ScheduleToStart"
 """`Observation.error` of a call that no worker took before its schedule-to-start timeout."""
+TEMPORAL_TIMEOUTS = frozenset(
+    {SCHEDULE_TO_START, "TimeoutHeartbeat", "TimeoutStartToClose", "TimeoutScheduleToClose"}
+)
+"""`Observation.error` of the failures Temporal itself declares: all an outage of the server
+can cause. A cut stream or an engine's error is reported by the GPU worker, outage or not."""
 
 
 class CircuitState(StrEnum):
@@ -307,3 +312,59 @@ class WorkerLiveness:
         self._stalls.pop(replica, None)
         self._missing[replica] = view.last_poll_at
         return True
+
+
+class ControlPlaneOutages:
+    """When this control plane could not reach Temporal, from its own probes of the server.
+
+    An outage spans from the last good probe before the first failed one to the first good
+    one after it: the widest window the probes allow. A call's failure is the control plane's
+    fault when Temporal declared it (`TEMPORAL_TIMEOUTS`) and the call was out during an
+    outage: dispatched before the outage ended, ended after it began and at most
+    `outage_grace_s` after it ended (an outage still going on ends now).
+    """
+
+    __slots__ = ("_config", "_down_since", "_last_ok", "_outages")
+
+    def __init__(self, config: LivenessConfig) -> None:
+        self._config = config
+        self._last_ok: float | None = None
+        self._down_since: float | None = None
+        """Start of the outage going on; None while the server answers."""
+        self._outages: deque[tuple[float, float]] = deque()
+
+    @property
+    def reachable(self) -> bool:
+        """Whether the last probe reached the server."""
+        return self._down_since is None
+
+    def record_probe(self, ok: bool, now: float) -> bool:
+        """Record one probe of the server; True when it started or ended an outage."""
+        if ok:
+            self._last_ok = now
+            if self._down_since is None:
+                return False
+            self._outages.append((self._down_since, now))
+            self._down_since = None
+            horizon = now - self._config.outage_memory_s
+            while self._outages and self._outages[0][1] < horizon:
+                self._outages.popleft()
+            return True
+        if self._down_since is not None:
+            return False
+        self._down_since = self._last_ok if self._last_ok is not None else now
+        return True
+
+    def explains(
+        self, error: str | None, dispatched_at: float | None, ended_at: float | None, now: float
+    ) -> bool:
+        """Whether an outage explains a call's failure (see the class docstring)."""
+        if error not in TEMPORAL_TIMEOUTS or dispatched_at is None or ended_at is None:
+            return False
+        grace = self._config.outage_grace_s
+        spans = list(self._outages)
+        if self._down_since is not None:
+            spans.append((self._down_since, now))
+        return any(
+            dispatched_at <= end and start <= ended_at <= end + grace for start, end in spans
+        )

@@ -54,11 +54,16 @@ class TenantAccounts:
         self._retry_budgets[tenant].record(retry, now)
 
     def refusal(self, request: PlacementRequest, tenant: Tenant, now: float) -> Refusal | None:
-        """Why the tenant may not place the call now (retry budgets, daily quota), or None."""
-        if request.attempt <= 1 and tenant.daily_budget_usd is None:
+        """Why the tenant may not place the call now (retry budgets, daily quota), or None.
+
+        A re-placement after an outage of Temporal (`after_control_plane_fault`) is no retry:
+        the tenant's and the task's retry budgets are not asked, the daily quota is.
+        """
+        retry = request.attempt > 1 and not request.after_control_plane_fault
+        if not retry and tenant.daily_budget_usd is None:
             return None  # a first attempt of a tenant without a quota: nothing to check
         retries = self._retries
-        if not task_retry_allowed(request.task_retries, request.attempt, retries):
+        if retry and not task_retry_allowed(request.task_retries, request.attempt, retries):
             return tenant_refusal(
                 request,
                 tenant,
@@ -67,7 +72,7 @@ class TenantAccounts:
                 "budget allows; it fails here instead of spending more",
             )
         budget = self._retry_budgets[tenant.name]
-        if request.attempt > 1 and not budget.allows_retry(now):
+        if retry and not budget.allows_retry(now):
             wait = budget.seconds_until_retry(now)
             return tenant_refusal(
                 request,

@@ -40,7 +40,12 @@ from kvflow.scheduler.core import Scheduler
 from kvflow.scheduler.fleet import Fleet, task_queue_for
 from kvflow.scheduler.kv_events import KvEventSubscriber
 from kvflow.scheduler.placement import Observation
-from kvflow.scheduler.reliability import SCHEDULE_TO_START, QueueView, WorkerLiveness
+from kvflow.scheduler.reliability import (
+    SCHEDULE_TO_START,
+    ControlPlaneOutages,
+    QueueView,
+    WorkerLiveness,
+)
 from kvflow.scheduler.telemetry import MetricsScraper, fleet_endpoints
 
 log = logging.getLogger(__name__)
@@ -150,6 +155,47 @@ class WorkerWatch:
         await asyncio.gather(*self._checks, return_exceptions=True)
 
 
+class ServerProbe:
+    """Checks every `server_probe_interval_s` that Temporal answers; records its outages.
+
+    The probe is the control plane's own view: it tells an outage of Temporal (or of the way
+    to it) from a fault of a replica, for the calls the outage cut (`ControlPlaneOutages`).
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        outages: ControlPlaneOutages,
+        config: LivenessConfig,
+        *,
+        rpc_timeout_s: float = 2.0,
+    ) -> None:
+        self.client = client
+        self.outages = outages
+        self.config = config
+        self.rpc_timeout = timedelta(seconds=rpc_timeout_s)
+
+    async def probe_once(self) -> bool:
+        """Ask the server's health once and record the answer; True when it answered."""
+        try:
+            ok = await self.client.service_client.check_health(timeout=self.rpc_timeout)
+        except Exception as exc:  # whatever fails, the server did not answer
+            log.debug("Temporal health check failed: %s", exc)
+            ok = False
+        if self.outages.record_probe(ok, time.time()):
+            if ok:
+                log.warning("Temporal answers again; the calls its outage cut are not retries")
+            else:
+                log.warning("Temporal does not answer the control plane's health checks")
+        return ok
+
+    async def run(self) -> None:
+        """Probe every `server_probe_interval_s` until cancelled."""
+        while True:
+            await self.probe_once()
+            await asyncio.sleep(self.config.server_probe_interval_s)
+
+
 class ControlPlane:
     """The scheduler with its telemetry, the ledger and the context store of one worker.
 
@@ -204,31 +250,41 @@ class ControlPlane:
             for name, endpoint in zip(pool.replica_names(), pool.kv_events, strict=True)
         ]
         self._subscribing: list[asyncio.Task[None]] = []
+        self.outages = ControlPlaneOutages(self.scheduler.config.liveness)
+        """When this control plane could not reach Temporal (known once `watch` is called)."""
         self.worker_watch: WorkerWatch | None = None
         """Whether each replica's GPU worker polls its queue; None until `watch` is called."""
-        self._watching: asyncio.Task[None] | None = None
+        self.server_probe: ServerProbe | None = None
+        self._watching: list[asyncio.Task[None]] = []
         self._entered = False
         if client is not None:
             self.watch(client)
 
     def watch(self, client: Client) -> None:
-        """Watch the replicas' GPU workers through `client`; later calls change nothing.
+        """Watch Temporal and the replicas' GPU workers through `client` (once: the first wins).
 
         Replicas without an endpoint are left out: they are down already.
         """
         if self.worker_watch is not None:
             return
+        liveness = self.scheduler.config.liveness
+        self.server_probe = ServerProbe(client, self.outages, liveness)
         queues = {
             name: task_queue_for(pool.name, index)
             for pool in self.fleet.pools
             for index, name in enumerate(pool.replica_names())
             if name in self.endpoints
         }
-        self.worker_watch = WorkerWatch(
-            client, queues, self.scraper, self.scheduler.config.liveness
-        )
+        self.worker_watch = WorkerWatch(client, queues, self.scraper, liveness)
         if self._entered:
-            self._watching = asyncio.create_task(self.worker_watch.run())
+            self._start_watching()
+
+    def _start_watching(self) -> None:
+        assert self.worker_watch is not None and self.server_probe is not None
+        self._watching = [
+            asyncio.create_task(self.server_probe.run()),
+            asyncio.create_task(self.worker_watch.run()),
+        ]
 
     async def __aenter__(self) -> ControlPlane:
         # Precise prefix index: the engines' KV-cache events, where the fleet lists them.
@@ -244,16 +300,31 @@ class ControlPlane:
             await self.refresh_tenant_spend()
             self._refreshing = asyncio.create_task(self._refresh_tenant_spend_forever())
         if self.worker_watch is not None:
-            self._watching = asyncio.create_task(self.worker_watch.run())
+            self._start_watching()
         self._entered = True
         return self
 
     def triage(self, observation: Observation) -> Observation:
-        """A call failed: look at its replica now, so a dead one is down before the retry.
+        """A call failed: whose fault was it? Look at its replica now if it was the replica's.
 
-        A call that timed out unstarted makes the worker watch describe the replica's queue;
-        any other fault of the replica, the scraper scrape its engine.
+        A timeout that an outage of Temporal explains (`ControlPlaneOutages`) is the control
+        plane's: it is marked so, and the replica is left alone. Otherwise a call that timed
+        out unstarted makes the worker watch describe the replica's queue, and any other fault
+        of the replica makes the scraper scrape its engine, so that a dead replica is down
+        before the call is placed again.
         """
+        if self.outages.explains(
+            observation.error, observation.dispatched_at, observation.ended_at, time.time()
+        ):
+            log.info(
+                "%s of a call on %s came with an outage of Temporal: not the replica's fault, "
+                "and its re-placement is no retry",
+                observation.error,
+                observation.replica,
+            )
+            return observation.model_copy(
+                update={"replica_fault": False, "control_plane_fault": True}
+            )
         if observation.replica_fault:
             if observation.error == SCHEDULE_TO_START:
                 if self.worker_watch is not None and observation.dispatched_at is not None:
@@ -296,9 +367,9 @@ class ControlPlane:
     ) -> None:
         self._entered = False
         self.scraper.stop()
-        if self._watching is not None:
-            self._watching.cancel()
-            await asyncio.gather(self._watching, return_exceptions=True)
+        for task in self._watching:
+            task.cancel()
+        await asyncio.gather(*self._watching, return_exceptions=True)
         if self.worker_watch is not None:
             await self.worker_watch.aclose()
         if self._refreshing is not None:

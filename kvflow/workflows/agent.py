@@ -102,6 +102,7 @@ with workflow.unsafe.imports_passed_through():
     from kvflow.scheduler.fleet import format_usd
     from kvflow.scheduler.placement import (
         Observation,
+        ObservationVerdict,
         Placement,
         PlacementRequest,
         Refusal,
@@ -152,6 +153,9 @@ TOOL_RETRY = RetryPolicy(
 3 s, enough for a blip; a tool that keeps failing fails its task instead of holding it."""
 MAX_ADMISSION_WAITS = 60
 """How many times one step waits for admission before it fails (without a deadline)."""
+MAX_OUTAGE_REPLACEMENTS = 10
+"""How many times an outage of Temporal may cut one call and have it re-placed free of the
+task's and the tenant's retry budgets; beyond that its re-placements are retries."""
 KEEP_INLINE_MESSAGES = 2
 """The newest messages of a conversation sent inline; earlier ones travel as one reference."""
 SPEND_QUERY = "kvflow_spend"
@@ -277,6 +281,10 @@ class _Call:
     carried: list[str] = field(default_factory=list)
     """Activity ids of the cut attempts whose output `checkpoint` holds."""
     attempt: int = 1
+    outage_replacements: int = 0
+    """Re-placements after an outage of Temporal cut the call (no retries)."""
+    after_outage: bool = False
+    """The next placement follows an outage of Temporal: it spends no retry budget."""
 
 
 class _Failure(BaseModel):
@@ -503,7 +511,7 @@ class Agent:
                     raise asyncio.CancelledError("the task was cancelled") from err
                 if _worker_went_silent(err):
                     await self._record_lost_attempt(err, call, placement, failure, dispatched_at)
-                await self._observe(placement, failure, dispatched_at=dispatched_at)
+                verdict = await self._observe(placement, failure, dispatched_at=dispatched_at)
                 self._publish()
                 if not failure.retryable:
                     record.outcome = failure.error_type
@@ -513,7 +521,13 @@ class Agent:
                         f"{failure.error_type} on {placement.replica}: {failure.message}",
                         cause=failure.error_type,
                     ) from None
-                if self.retries >= self.spec.retry_budget:
+                # An outage of Temporal cut the call, not the replica: its re-placement is no
+                # retry, and the replica stays a candidate.
+                free = (
+                    verdict.control_plane_fault
+                    and call.outage_replacements < MAX_OUTAGE_REPLACEMENTS
+                )
+                if not free and self.retries >= self.spec.retry_budget:
                     record.outcome = errors.TaskErrorType.RETRY_BUDGET_EXHAUSTED
                     raise self._error(
                         errors.TaskErrorType.RETRY_BUDGET_EXHAUSTED,
@@ -522,9 +536,13 @@ class Agent:
                         f"{self.spec.retry_budget} re-placements are used up",
                         last_error=failure.error_type,
                     ) from None
-                self.retries += 1
                 call.attempt += 1
-                call.exclude.append(placement.replica)
+                call.after_outage = free
+                if free:
+                    call.outage_replacements += 1
+                else:
+                    self.retries += 1
+                    call.exclude.append(placement.replica)
                 if failure.checkpoint is not None and call.schema is None:
                     before = call.checkpoint.completion_tokens if call.checkpoint else 0
                     if failure.checkpoint.completion_tokens > before and err.activity_id:
@@ -571,6 +589,7 @@ class Agent:
                 workflow_id=workflow.info().workflow_id,
                 attempt=call.attempt,
                 task_retries=self.retries,
+                after_control_plane_fault=call.after_outage,
             )
             answer = await self._local(
                 PLACE_ACTIVITY,
@@ -798,11 +817,12 @@ class Agent:
         result: InferenceResult | None = None,
         *,
         dispatched_at: datetime,
-    ) -> None:
+    ) -> ObservationVerdict:
         """Tell the scheduler how an attempt ended, and when it was sent and ended.
 
         The times let the control plane judge a timeout: a call that waited on a queue no
-        worker polled, or one that an outage of Temporal itself cut.
+        worker polled, or one that an outage of Temporal itself cut; the answer says whether
+        it was the latter.
         """
         sent, ended = dispatched_at.timestamp(), workflow.now().timestamp()
         if failure is not None:
@@ -843,7 +863,11 @@ class Agent:
                 ended_at=ended,
             )
         # The scheduler must hear how the call ended (its in-flight count), cancelled or not.
-        await _uncancellable(self._local(OBSERVE_ACTIVITY, observation, type(None), None))
+        verdict: ObservationVerdict | None = await _uncancellable(
+            self._local(OBSERVE_ACTIVITY, observation, ObservationVerdict, None)
+        )
+        # A history recorded before `observe` answered holds None.
+        return ObservationVerdict() if verdict is None else verdict
 
     # ---- tools and the saga ------------------------------------------------------------------
 
