@@ -9,6 +9,9 @@ A replica takes calls only while its engine answers and a GPU worker polls its t
 given a Temporal client (`watch`, which `KvflowPlugin` calls for every workflow worker), the
 control plane asks Temporal about each replica's queue (`WorkerWatch`) and marks a replica whose
 worker is missing down (`kvflow.scheduler.config.LivenessConfig` gives the rule and its delay).
+Through the same client it checks the server's health every second (`ServerProbe`): a call
+that Temporal timed out during an outage it saw is the control plane's fault, not the
+replica's, and its re-placement is no retry (`ControlPlane.triage`).
 
 Tenants' daily budgets are enforced from the ledger, which every GPU worker bills into: the
 control plane seeds each tenant's spend today from it when it starts, and refreshes it in the
