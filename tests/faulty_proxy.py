@@ -1,7 +1,9 @@
 """A reverse proxy in front of a vLLM-compatible server that breaks calls on command.
 
 It lets the same test cut a stream, answer 503 or stall, whether the server behind it is the
-simulator or real vLLM. It runs uvicorn in a thread on a free port.
+simulator or real vLLM. In front of the simulator it can instead pass each model call a
+simulator fault header of its choosing (`fault_header`), so that a share of calls fail in the
+simulator's own ways. It runs uvicorn in a thread on a free port.
 """
 
 from __future__ import annotations
@@ -9,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import httpx
@@ -19,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvflow.simulator.faults import FAULT_HEADER
 from kvflow.workers.devserver import free_port
 
 
@@ -47,6 +51,10 @@ class FaultyProxy:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.cuts = 0
         self.streams_closed_early = 0
+        self.fault_header: Callable[[], str | None] | None = None
+        """Chooses each model call's `x-kvflow-fault` value (None: send none)."""
+        self.headers_sent: Counter[str] = Counter()
+        """How many calls got each fault header value."""
         app = Starlette(routes=[Route("/{path:path}", self._forward, methods=["GET", "POST"])])
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
         self._server = uvicorn.Server(config)
@@ -82,11 +90,17 @@ class FaultyProxy:
         if fault.stall_s:
             await asyncio.sleep(fault.stall_s)
         client = httpx.AsyncClient(timeout=None)
+        headers = {"content-type": request.headers.get("content-type", "application/json")}
+        if self.fault_header is not None and request.method == "POST":
+            value = self.fault_header()
+            if value is not None:
+                headers[FAULT_HEADER] = value
+                self.headers_sent[value] += 1
         upstream = client.build_request(
             request.method,
             f"{self.upstream}{request.url.path}",
             content=await request.body(),
-            headers={"content-type": request.headers.get("content-type", "application/json")},
+            headers=headers,
         )
         response = await client.send(upstream, stream=True)
 

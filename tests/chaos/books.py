@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from temporalio.client import WorkflowExecutionStatus, WorkflowHandle
@@ -53,11 +54,13 @@ async def audit(
     traces: dict[str, TaskTrace],
     *,
     query_workflows: bool = True,
+    since: datetime | None = None,
 ) -> BillingAudit:
     """Check the ledger against the histories of `handles` (all closed).
 
     With `query_workflows`, each workflow's own books (the `kvflow_spend` query) must list as
-    many attempts as the ledger and the same spend; the query needs a workflow worker.
+    many attempts as the ledger and the same spend; the query needs a workflow worker. The
+    finance report over the ledger from `since` on (default: all of it) must count the same.
     """
     result = BillingAudit(tasks=len(handles))
     for handle in handles:
@@ -130,15 +133,18 @@ async def audit(
                     f"{handle.id}: the workflow counts {made} attempts for "
                     f"{books.spend_micros} µ$, the ledger {len(rows)} for {task.spend_micros}"
                 )
-    await _finance_agrees(ledger, handles, result)
+    await _finance_agrees(ledger, handles, result, since)
     return result
 
 
 async def _finance_agrees(
-    ledger: AsyncLedger, handles: list[WorkflowHandle[Any, Any]], result: BillingAudit
+    ledger: AsyncLedger,
+    handles: list[WorkflowHandle[Any, Any]],
+    result: BillingAudit,
+    since: datetime | None,
 ) -> None:
-    """The report over the whole ledger (one scenario's schema) counts what the audit did."""
-    report = await ledger.report(ReportQuery())
+    """The report over the scenario's ledger schema counts what the audit did."""
+    report = await ledger.report(ReportQuery(since=since))
     totals = report.totals
     succeeded = 0
     for handle in handles:

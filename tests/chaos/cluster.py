@@ -36,6 +36,7 @@ from kvflow.ledger.store import LEDGER_URL_ENV
 from kvflow.simulator.server import SimProcess
 from kvflow.workers.devserver import EmbeddedTemporal, free_port, stop_with_parent
 from kvflow.workers.plugin import KvflowPlugin
+from tests.faulty_proxy import FaultyProxy
 
 ROOT = Path(__file__).resolve().parents[2]
 """The repository: worker processes import `tests.*` workflow modules from here."""
@@ -244,8 +245,9 @@ class ChaosCluster:
         pools: the fleet's pools (default: one pool `sim` of 4 identical replicas).
         workflow_workers: workflow-worker processes, all polling one task queue.
         fault_flags: `kvflow sim serve --fault-...` flags per replica (`pool/index`).
-        endpoints: the URL a replica's GPU worker calls instead of its simulator's (a fault
-            proxy in front of it); the schedulers still scrape the simulator.
+        proxied: put a `FaultyProxy` between each GPU worker and its simulator (`proxies`),
+            whose `fault_header` can then send the simulator per-call faults; the schedulers
+            still scrape the simulators themselves.
         modules: the workflow modules the workflow workers run.
         time_scale: simulated seconds per real second in every simulator.
     """
@@ -258,7 +260,7 @@ class ChaosCluster:
         pools: Sequence[PoolSpec] = (PoolSpec(),),
         workflow_workers: int = 3,
         fault_flags: Mapping[str, Sequence[str]] | None = None,
-        endpoints: Mapping[str, str] | None = None,
+        proxied: bool = False,
         modules: Sequence[str] = ("tests.agent_workflows",),
         time_scale: float = 1.0,
         extra_models: bool = False,
@@ -290,7 +292,9 @@ class ChaosCluster:
             # From the environment rather than --ledger: a password stays out of `ps`.
             LEDGER_URL_ENV: ledger_url,
         }
-        self.endpoints = dict(endpoints or {})
+        self.proxied = proxied
+        self.proxies: dict[str, FaultyProxy] = {}
+        """Replica name → the proxy its GPU worker calls (when `proxied`)."""
         faults = dict(fault_flags or {})
         names = [f"{pool.name}/{index}" for pool in pools for index in range(pool.replicas)]
         unknown = set(faults) - set(names)
@@ -356,7 +360,8 @@ class ChaosCluster:
         return next(r for r in self.replicas if r.name == name)
 
     def _gpu_worker_argv(self, replica: Replica) -> list[str]:
-        endpoint = self.endpoints.get(replica.name, replica.sim.base_url)
+        proxy = self.proxies.get(replica.name)
+        endpoint = proxy.base_url if proxy is not None else replica.sim.base_url
         return self._cli(
             "worker",
             "gpu",
@@ -403,6 +408,9 @@ class ChaosCluster:
         for replica in self.replicas:
             replica.sim.spawn()
         await asyncio.gather(*(asyncio.to_thread(r.sim.wait_ready) for r in self.replicas))
+        if self.proxied:
+            for replica in self.replicas:
+                self.proxies[replica.name] = FaultyProxy(replica.sim.base_url).start()
         for replica in self.replicas:
             replica.gpu_worker.argv = self._gpu_worker_argv(replica)
             replica.gpu_worker.start()
@@ -463,6 +471,9 @@ class ChaosCluster:
             process.stop(timeout_s=5)
         for replica in self.replicas:
             replica.sim.stop()
+        for proxy in self.proxies.values():
+            proxy.stop()
+        self.proxies.clear()
         self.temporal.stop()
 
     def log_text(self) -> str:

@@ -11,6 +11,7 @@ import asyncio
 import json
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from typing import Any
 
 from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle
@@ -58,11 +59,13 @@ async def finish(
     started_at: float,
     bad_inputs: list[WorkflowHandle[Any, Any]] | None = None,
     query_workflows: bool = True,
+    since: datetime | None = None,
 ) -> Outcome:
     """Audit the run of `handles` and fill `figures` with what was found.
 
     `bad_inputs` are tasks started with input that must be refused: audited (they need a
-    task row and no attempt), but not counted among the tasks run.
+    task row and no attempt), but not counted among the tasks run. `since`: the moment this
+    run began, when the ledger also holds an earlier run's rows.
 
     The scenario adds its own notes, then calls `Outcome.record` before it asserts.
     """
@@ -70,7 +73,7 @@ async def finish(
     everything = [*handles, *(bad_inputs or [])]
     statuses = {h.id: (await h.describe()).status for h in everything}
     traces = {h.id: await trace(cluster.client, h) for h in everything}
-    books = await audit(ledger, everything, traces, query_workflows=query_workflows)
+    books = await audit(ledger, everything, traces, query_workflows=query_workflows, since=since)
     secrets = await secrets_in(cluster, everything)
     missing = {
         h.id: (status.name if status else "UNKNOWN")
