@@ -482,6 +482,25 @@ class ChaosCluster:
             path.read_text(errors="replace") for path in sorted(self.logs.glob("*.log"))
         )
 
+    async def kill_gpu_worker_while_streaming(
+        self, replica: Replica, *, streams: int = 2, patience_s: float = 20.0
+    ) -> int:
+        """SIGKILL the replica's GPU worker while its simulator decodes for it.
+
+        Waits for `streams` calls at once, or for any one after `patience_s`; returns how
+        many were running when the worker was killed.
+        """
+        deadline = time.monotonic() + patience_s
+        while True:
+            running = await self.running_streams(replica)
+            if running >= streams or (running and time.monotonic() > deadline):
+                break
+            if time.monotonic() > deadline + 40:
+                raise TimeoutError(f"{replica.name} never streamed")
+            await asyncio.sleep(0.05)
+        replica.gpu_worker.kill()
+        return running
+
     async def running_streams(self, replica: Replica) -> int:
         """Requests the replica's simulator is decoding now (vLLM's running gauge)."""
         return await self._gauge(replica, ("vllm:num_requests_running",))

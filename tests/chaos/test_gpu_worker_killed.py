@@ -48,15 +48,7 @@ async def run(
         )
         victim = cluster.replicas[0]
         starting = asyncio.create_task(work.start(rate_per_s=8))
-        # Wait until the victim's simulator decodes for its GPU worker (two streams if it
-        # comes to that within 20 s), then kill the worker.
-        deadline = time.monotonic() + 60
-        while (streams := await cluster.running_streams(victim)) < 2:
-            if streams and time.monotonic() > deadline - 40:
-                break
-            assert time.monotonic() < deadline, "the victim replica never streamed"
-            await asyncio.sleep(0.05)
-        victim.gpu_worker.kill()
+        streams = await cluster.kill_gpu_worker_while_streaming(victim)
         await starting
         await work.wait(RUN_TIMEOUT_S)
         figures = ScenarioFigures(
