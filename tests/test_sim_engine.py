@@ -175,6 +175,33 @@ def test_running_out_of_blocks_preempts_and_counts_it() -> None:
     assert engine.kv_cache_usage() == 0.0
 
 
+def test_waiting_requests_run_by_priority_then_arrival() -> None:
+    # One sequence at a time: the order they start in is the waiting queue's.
+    engine = EngineCore("H100", SMALL, EngineConfig(max_num_seqs=1))
+    order = [("a", 5), ("b", 1), ("c", 3), ("d", 1), ("e", 0)]
+    requests = [
+        SimRequest(name, max_tokens=4, prompt_token_ids=prompt(i + 1, 64), priority=priority)
+        for i, (name, priority) in enumerate(order)
+    ]
+    for request in requests:
+        engine.add_request(request, 0.0)
+    run_to_end(engine)
+    started = sorted(requests, key=lambda r: r.first_scheduled_time or 0.0)
+    assert [r.request_id for r in started] == ["e", "b", "d", "c", "a"]
+
+
+def test_equal_priorities_run_in_arrival_order() -> None:
+    engine = EngineCore("H100", SMALL, EngineConfig(max_num_seqs=1))
+    requests = [
+        SimRequest(f"r{i}", max_tokens=4, prompt_token_ids=prompt(i + 1, 64)) for i in range(4)
+    ]
+    for request in requests:
+        engine.add_request(request, 0.0)
+    run_to_end(engine)
+    started = sorted(requests, key=lambda r: r.first_scheduled_time or 0.0)
+    assert [r.request_id for r in started] == ["r0", "r1", "r2", "r3"]
+
+
 def test_long_prompts_are_prefilled_in_chunks_of_the_token_budget() -> None:
     engine = EngineCore("H100", SMALL, EngineConfig(max_num_batched_tokens=512))
     request = SimRequest("long", max_tokens=1, prompt_token_ids=prompt(5, 2000))

@@ -56,6 +56,8 @@ class FleetRequest:
     """Replicas the router must not choose (ones that failed this call before)."""
     attempt: int = 1
     """1, or 2+ when this call is re-placed after a failure."""
+    priority: int = 0
+    """The engine's waiting-queue order (lower first); a router may set it when it routes."""
     context: Any = None
     """What the driver of the workload attaches (e.g. the task the call belongs to)."""
 
@@ -433,6 +435,7 @@ class DiscreteEventFleet:
             block_hashes=request.block_hashes,
             eos_after=max(1, request.output_tokens),
             tag=request,
+            priority=request.priority,
         )
         replica.add_request(request.model, sim, self.now)
         if not self._busy[index]:

@@ -119,6 +119,7 @@ class SimRequest:
         "num_output_tokens",
         "num_preemptions",
         "num_prompt_tokens",
+        "priority",
         "request_id",
         "sampler",
         "status",
@@ -138,6 +139,7 @@ class SimRequest:
         eos_after: int | None = None,
         ignore_eos: bool = False,
         tag: Any = None,
+        priority: int = 0,
     ) -> None:
         if prompt_token_ids is not None:
             self.token_ids: list[int] | None = list(prompt_token_ids)
@@ -158,6 +160,8 @@ class SimRequest:
         self.eos_after = eos_after
         self.ignore_eos = ignore_eos
         self.tag = tag
+        self.priority = priority
+        """Lower runs first among the waiting (vLLM's `priority`; 0 for all: arrival order)."""
         self.status = RequestStatus.WAITING
         self.arrival_time = 0.0
         self.num_computed_tokens = 0
@@ -361,7 +365,31 @@ class EngineCore:
         request.arrival_time = now
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request, front=False)
+
+    def _enqueue(self, request: SimRequest, *, front: bool) -> None:
+        """Into the waiting queue by priority (lower first), then arrival, as vLLM orders it.
+
+        A preempted request goes `front` of its priority class. With every priority equal
+        (the default) this is plain arrival order (`append`) and preempted requests first
+        (`appendleft`), vLLM's first-come-first-served policy.
+        """
+        waiting = self.waiting
+        priority = request.priority
+        if front:
+            index = 0
+            while index < len(waiting) and waiting[index].priority < priority:
+                index += 1
+        else:
+            index = len(waiting)
+            while index > 0 and waiting[index - 1].priority > priority:
+                index -= 1
+        if index == len(waiting):
+            waiting.append(request)
+        elif index == 0:
+            waiting.appendleft(request)
+        else:
+            waiting.insert(index, request)
 
     def abort_request(self, request_id: str, now: float | None = None) -> bool:
         """Stop a request (client gone, stop string met); False if it is not in the engine."""
@@ -773,7 +801,7 @@ class EngineCore:
         request.num_hashed_blocks = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
 
     def _cache_full_blocks(self, request: SimRequest) -> None:
         block_size = self.block_size

@@ -23,6 +23,13 @@ Each call is a `PlacementRequest` built as `kvflow.workflows.agent` builds it: t
 tenant, remaining deadline and steps, previous replica, spend so far, excluded replicas,
 attempt and retries. A refusal with a retry-after is tried again after it (saturation); any
 other refusal fails the call. A placement on a fallback model runs that model.
+
+Dispatched as kvflow dispatches: a call waits in its replica's Temporal task queue with
+`Priority(priority_key=tier)`, so a replica's backlog is served tier 1 first, then by arrival.
+The simulation has no Temporal queue in front of the engine; it orders the engine's waiting
+queue by the placement's `priority_key` instead (`FleetRequest.priority`, vLLM's priority
+scheduling), the same order for the calls that wait. `extra["priority_dispatch"] = False`
+sends every call first come, first served, as the routers' calls are.
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ class KvflowPolicy:
         interval = setup.extra.get("scrape_interval_s", SCRAPE_INTERVAL_S)
         self.scrape_interval_s = float(interval) if isinstance(interval, int | float) else 1.0
         self.kv_events = bool(setup.extra.get("kv_events", True))
+        self.priority_dispatch = bool(setup.extra.get("priority_dispatch", True))
         self._scraped_at = -math.inf
         self._retry_after: dict[str, float] = {}
         self._placed: dict[str, Placement] = {}
@@ -104,6 +112,8 @@ class KvflowPolicy:
             return None
         self._placed[request.request_id] = answer
         request.model = answer.model
+        if self.priority_dispatch:
+            request.priority = answer.priority_key
         return self.rid[answer.replica]
 
     def retry_after(self, request: FleetRequest) -> float | None:
