@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import itertools
 import json
 import os
 from pathlib import Path
@@ -189,7 +190,7 @@ async def test_search_attributes_upsert_what_changed_and_end_exact(
         # The running figures are upserted at most once per interval of workflow time (the
         # event time is the end of the workflow task whose start is the workflow's clock).
         interval = agent_module.SEARCH_ATTRIBUTE_INTERVAL.total_seconds()
-        for earlier, later in zip(running_at, running_at[1:], strict=False):
+        for earlier, later in itertools.pairwise(running_at):
             assert later - earlier >= interval - 0.5
         assert len(upserts) <= steps + 2
         # Closed, the task shows the exact figures.
