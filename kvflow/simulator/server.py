@@ -27,6 +27,7 @@ import codecs
 import contextlib
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -491,6 +492,13 @@ class SimulatedVllm:
     async def _chat(self, http: Request, body: ChatBody) -> Response:
         engine = self._engine(body.model)
         self._check_chat_flags(body.add_generation_prompt, body.continue_final_message)
+        for index, message in enumerate(body.messages):
+            # vLLM's message types all require a string role.
+            if not isinstance(message.get("role"), str):
+                raise ApiError(
+                    f"messages[{index}] needs a `role` string, got {message.get('role')!r}",
+                    param="messages",
+                )
         try:
             prompt_ids = self.tokenizer.encode_chat(
                 body.messages,
@@ -506,7 +514,10 @@ class SimulatedVllm:
             if last.get("role") == "assistant":
                 partial = message_text(last.get("content"))
                 base_ids = self.tokenizer.encode_chat(body.messages[:-1])
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        # `is None`, not `or`: a max_completion_tokens of 0 is refused, not ignored.
+        max_tokens = (
+            body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+        )
         return await self._generate(
             http,
             body,
@@ -571,6 +582,18 @@ class SimulatedVllm:
     ) -> int:
         if body.n != 1:
             raise ApiError("the simulator generates one choice per request (n=1)", param="n")
+        if body.temperature is not None and not math.isfinite(body.temperature):
+            # JSON's NaN and Infinity parse as floats; no sampler can use them.
+            raise _param_error(
+                f"temperature must be a finite number, got {body.temperature}.",
+                "temperature",
+                body.temperature,
+            )
+        if body.seed is not None and not _INT64_MIN <= body.seed <= _INT64_MAX:
+            # vLLM seeds a 64-bit generator and refuses seeds outside its range.
+            raise _param_error(
+                "seed must be a 64-bit integer, between -2**63 and 2**63 - 1.", "seed", body.seed
+            )
         if body.temperature is not None and body.temperature < 0:
             raise _param_error(
                 f"temperature must be non-negative, got {float(body.temperature)}.",
@@ -582,6 +605,19 @@ class SimulatedVllm:
         if max_tokens is not None and max_tokens < 1:
             raise _param_error(
                 f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens
+            )
+        if body.min_tokens < 0:
+            raise _param_error(
+                f"min_tokens must be greater than or equal to 0, got {body.min_tokens}.",
+                "min_tokens",
+                body.min_tokens,
+            )
+        if max_tokens is not None and body.min_tokens > max_tokens:
+            raise _param_error(
+                f"min_tokens must be less than or equal to max_tokens={max_tokens}, got "
+                f"{body.min_tokens}.",
+                "min_tokens",
+                body.min_tokens,
             )
         limit = engine.max_model_len
         if max_tokens is not None and max_tokens > limit:
@@ -634,11 +670,28 @@ class SimulatedVllm:
         key = self._sampling_key(body)
         forced: list[int] | None = None
         if structured:
+            size = _smallest_document(schema, engine.max_model_len)
+            if size > _DOCUMENT_CONTEXTS * engine.max_model_len:
+                # The document is built whole before it streams: one far larger than the
+                # context would block the server (vLLM would stream it until max_tokens).
+                raise ApiError(
+                    "the JSON schema cannot be used: its smallest document has over "
+                    f"{_DOCUMENT_CONTEXTS * engine.max_model_len} elements (items, properties, "
+                    f"16-character runs), far more than {engine.max_model_len} tokens of context "
+                    "can hold",
+                    param="response_format",
+                )
             try:
                 document = json_for_schema(schema, splitmix64(context_hash(base_ids) ^ key))
-            except SchemaError as exc:
+            except Exception as exc:
+                # The generator computes on the request's schema alone, so whatever stops it
+                # (minItems "x", multipleOf 0.5 for an integer, nesting too deep) is the
+                # request's fault: a 400 that says what, never a 500.
+                detail = (
+                    str(exc) if isinstance(exc, SchemaError) else f"{type(exc).__name__}: {exc}"
+                )
                 raise ApiError(
-                    f"the JSON schema cannot be used: {exc}", param="response_format"
+                    f"the JSON schema cannot be used: {detail}", param="response_format"
                 ) from None
             rest = (
                 document[len(partial) :] if partial and document.startswith(partial) else document
@@ -917,6 +970,10 @@ class SimulatedVllm:
 async def _json(request: Request) -> Any:
     try:
         return json.loads(await request.body())
+    except RecursionError:
+        raise ApiError(
+            "the request body is JSON nested too deeply to read", error_type="Bad Request"
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(
             f"1 validation error:\n  {{'type': 'json_invalid', 'loc': 'body.0', "
@@ -939,6 +996,75 @@ def _parse(model: type[_Body], data: Any) -> _Body:
 def _param_error(message: str, param: str, value: object) -> ApiError:
     # vLLM's parameter checks end their message with the parameter and the value.
     return ApiError(f"{message} (parameter={param}, value={value})", param=param)
+
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+_DOCUMENT_CONTEXTS = 4
+"""How many contexts' worth of elements a schema's smallest document may have."""
+
+_SCHEMA_KEYS = ("items", "additionalProperties", "contains", "not", "if", "then", "else")
+_SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+_SCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas")
+_SIZE_KEYWORDS = (("minItems", 1), ("minProperties", 1), ("minLength", 16))
+"""Keywords that force a size, and how many of their units make one element."""
+
+
+def _smallest_document(schema: dict[str, Any] | None, limit: int) -> int:
+    """A rough lower bound on the elements of a schema's smallest document.
+
+    Sizes multiply down the nesting (`minItems` of an item with `minItems`) and through
+    `$ref`s, each counted once. A size keyword that is not a whole number raises `ApiError`.
+    """
+    sizes: dict[str, int] = {}
+    ceiling = (limit + 1) * _DOCUMENT_CONTEXTS
+
+    def size(node: Any, depth: int) -> int:
+        if not isinstance(node, dict) or depth > 64:
+            return 1
+        own = 1
+        for keyword, per in _SIZE_KEYWORDS:
+            value = node.get(keyword)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ApiError(
+                    f"the JSON schema cannot be used: {keyword} must be a whole number, got "
+                    f"{value!r}",
+                    param="response_format",
+                )
+            own = max(own, value // per)
+        inner = 1
+        children: list[Any] = [node.get(k) for k in _SCHEMA_KEYS]
+        for key in _SCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                children += node[key]
+        for key in _SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                children += node[key].values()
+        for child in children:
+            inner = max(inner, size(child, depth + 1))
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            if ref not in sizes:
+                sizes[ref] = 1  # a ref that loops back counts once
+                sizes[ref] = size(_ref_target(schema, ref), depth + 1)
+            inner = max(inner, sizes[ref])
+        # Capped, so a deep schema of large sizes stays a small integer to compare.
+        return min(own * inner, ceiling)
+
+    return size(schema, 0)
+
+
+def _ref_target(root: Any, ref: str) -> Any:
+    """What a local `$ref` points at, or None (the generator reports a bad one)."""
+    target = root
+    for part in ref.lstrip("#").split("/"):
+        if part:
+            if not isinstance(target, dict):
+                return None
+            target = target.get(part.replace("~1", "/").replace("~0", "~"))
+    return target
 
 
 def _fault_message(status: int) -> str:
