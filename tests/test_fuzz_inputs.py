@@ -1,4 +1,4 @@
-"""Fuzzed inputs at kvflow's edges: fleet files and requests to the simulator.
+"""Fuzzed inputs at kvflow's edges: fleet files, requests to the simulator, report arguments.
 
 Each input a user or a client can get wrong is either refused cleanly (a typed error naming
 what is wrong, exit code 2, a 400 with an OpenAI error body) or accepted and valid; never a
@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from kvflow.cli.main import app
+from kvflow.ledger.store import connect_ledger
 from kvflow.scheduler.fleet import Fleet, ModelSpec, Pool, Tenant, TokenPrices
 from kvflow.scheduler.gpus import GpuGeneration
 from kvflow.simulator import SimServer
@@ -762,3 +763,98 @@ def test_simulator_answers_any_completion_request_or_refuses_it_with_a_400(
     body: Any, simulator: SimServer
 ):
     _assert_openai_answer(_post(simulator, COMPLETIONS, body), stream=False)
+
+
+# ---- `kvflow report` arguments ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def empty_ledger(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A migrated SQLite ledger with no rows: every valid report is empty and exits 0."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('ledger') / 'ledger.db'}"
+    with connect_ledger(url, create=True) as ledger:
+        ledger.migrate()
+    return url
+
+
+REPORT_MISTAKES: dict[str, tuple[list[str], str]] = {
+    # case: (arguments, words in the message)
+    "empty_since": (["--since", ""], "--since is empty"),
+    "blank_until": (["--until", "  "], "--until is empty"),
+    # An unset shell variable must not widen a report to every tenant.
+    "empty_tenant": (["--tenant", ""], "--tenant is empty"),
+    "since_not_a_date": (["--since", "last tuesday"], "not an ISO date"),
+    "until_not_a_date": (["--until", "2025-13-01"], "not an ISO date"),
+    "empty_range": (["--since", "2025-03-05", "--until", "2025-03-04"], "empty range"),
+    "until_past_the_calendar": (["--until", "9999-12-31"], "reaches past 9999-12-31"),
+    "until_past_the_calendar_in_utc": (
+        ["--until", "9999-12-31T23:00-05:00"],
+        "reaches past 9999-12-31",
+    ),
+    "since_before_the_calendar_in_utc": (
+        ["--since", "0001-01-01T00:00+05:00"],
+        "outside the years 1 to 9999",
+    ),
+    "brackets_in_a_date": (["--since", "[/x]"], "'[/x]' is not an ISO date"),
+    "unknown_format": (["--format", "xml"], "xml"),
+    "unknown_group_by": (["--group-by", "tenant,colour"], "unknown group-by field 'colour'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REPORT_MISTAKES))
+def test_report_argument_mistake_exits_2_with_a_message(case: str, empty_ledger: str):
+    arguments, words = REPORT_MISTAKES[case]
+    result = CliRunner().invoke(app, ["report", "--db", empty_ledger, *arguments])
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert words in " ".join(result.output.split()), result.output
+
+
+def test_report_on_a_path_with_brackets_names_it_as_typed(tmp_path: Path):
+    missing = tmp_path / "[/x]" / "ledger.db"
+    result = CliRunner().invoke(app, ["report", "--db", f"sqlite:///{missing}"])
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert "[/x]" in result.output
+
+
+REPORT_TEXT = st.one_of(
+    st.text(max_size=30),
+    st.dates().map(str),
+    st.datetimes(timezones=st.none() | st.timezones()).map(lambda t: t.isoformat()),
+    st.sampled_from(["0001-01-01", "9999-12-31", "9999-12-31T23:59:59-12:00", "[/x]", "[bold]"]),
+)
+
+
+@pytest.mark.timeout(300)
+@settings(FUZZ, max_examples=100)
+@given(
+    since=st.none() | REPORT_TEXT,
+    until=st.none() | REPORT_TEXT,
+    tenant=st.none() | st.text(max_size=12),
+    output_format=st.none() | st.sampled_from(["table", "csv", "json", "html", "JSON", "pdf", ""]),
+)
+def test_report_arguments_either_report_or_exit_2_without_a_traceback(
+    since: str | None,
+    until: str | None,
+    tenant: str | None,
+    output_format: str | None,
+    empty_ledger: str,
+):
+    arguments = ["report", "--db", empty_ledger]
+    for option, value in (
+        ("--since", since),
+        ("--until", until),
+        ("--tenant", tenant),
+        ("--format", output_format),
+    ):
+        if value is not None:
+            arguments += [option, value]
+    result = CliRunner().invoke(app, arguments)
+    assert result.exit_code in (0, 2), (arguments, result.output)
+    assert result.exception is None or isinstance(result.exception, SystemExit), (
+        arguments,
+        result.exception,
+    )
+    if result.exit_code == 2:
+        assert "error" in result.output.lower() or "invalid value" in result.output.lower()

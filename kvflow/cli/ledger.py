@@ -1,8 +1,10 @@
 """`kvflow report` and `kvflow ledger migrate|reconcile`.
 
 Exit codes follow the `kvflow` CLI: 0 success, 1 a runtime failure (Temporal unreachable),
-2 bad input (unknown group-by field, bad or empty date range, a ledger that does not exist,
-is unreachable or has an old schema), always with a message and never a traceback.
+2 bad input (unknown group-by field, bad, empty or out-of-range dates, an empty tenant, a
+ledger that does not exist, is unreachable or has an old schema), always with a message and
+never a traceback. Messages quote what the user typed, so they are printed as plain text:
+a `[/x]` in a URL or a date is not a markup tag.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from temporalio.client import Client
 from temporalio.service import RPCError
@@ -97,15 +100,12 @@ def report_command(
 
     Tasks are selected by when they closed. Money is in US dollars; JSON is {"rows": [...]}.
     """
-    try:
-        query = ReportQuery.parse(group_by, since, until, tenant)
-    except LedgerError as exc:
-        fail(str(exc))
+    query = _report_query(group_by, since, until, tenant)
     try:
         with open_ledger(db) as ledger:
             report = ledger.report(query)
     except LedgerError as exc:
-        fail(str(exc))
+        fail(escape(str(exc)))
 
     if output_format is ReportFormat.TABLE:
         if output is None:
@@ -127,12 +127,52 @@ def report_command(
     try:
         output.write_text(text, encoding="utf-8")
     except OSError as exc:
-        fail(f"cannot write {output}: {exc.strerror or exc}")
+        fail(escape(f"cannot write {output}: {exc.strerror or exc}"))
     err.print(
         f"wrote {output} ({len(report.rows)} row{'s' if len(report.rows) != 1 else ''}, "
         f"{output_format.value})",
         highlight=False,
     )
+
+
+def _report_query(
+    group_by: str, since: str | None, until: str | None, tenant: str | None
+) -> ReportQuery:
+    """The report's query from its options, or exit 2 naming the option that is wrong.
+
+    An empty `--since`, `--until` or `--tenant` (an unset shell variable) is refused rather
+    than read as "no bound": `--tenant ""` would otherwise report every tenant. Any other
+    tenant is data (the ledger may hold names the fleet would refuse), matched verbatim.
+    """
+    for option, value in (("--since", since), ("--until", until), ("--tenant", tenant)):
+        if value is not None and not value.strip():
+            fail(f"{option} is empty; give a value, or leave {option} out")
+    try:
+        return ReportQuery.parse(group_by, since, until, tenant)
+    except LedgerError as exc:
+        fail(escape(str(exc)))
+    except OverflowError:
+        # A date near 0001-01-01 or 9999-12-31 leaves the calendar once it is made UTC (or,
+        # for --until, once its whole day is added).
+        if _overflows(since=since):
+            fail(escape(f"--since {since!r} falls outside the years 1 to 9999 once in UTC"))
+        fail(
+            escape(
+                f"--until {until!r} reaches past 9999-12-31 in UTC (a date counts its whole "
+                "day, so the last date --until takes is 9999-12-30)"
+            )
+        )
+
+
+def _overflows(since: str | None = None, until: str | None = None) -> bool:
+    """Whether this bound, read alone, leaves the calendar."""
+    try:
+        ReportQuery.parse("", since=since, until=until)
+    except OverflowError:
+        return True
+    except LedgerError:
+        return False
+    return False
 
 
 def _render_table_text(report: Report) -> str:
@@ -152,7 +192,7 @@ def migrate_command(db: DbOption = DEFAULT_LEDGER_URL) -> None:
         with connect_ledger(db, create=True) as ledger:
             applied = ledger.migrate()
     except LedgerError as exc:
-        fail(str(exc))
+        fail(escape(str(exc)))
     if applied:
         versions = ", ".join(str(v) for v in applied)
         out.print(
@@ -225,22 +265,22 @@ def reconcile_command(
     try:
         ledger = open_ledger(db)
     except LedgerError as exc:
-        fail(str(exc))
+        fail(escape(str(exc)))
 
     async def run() -> ReconcileResult:
         try:
             client = await Client.connect(**config)
         except RuntimeError as exc:
-            fail(f"cannot reach Temporal at {config.get('target_host')}: {exc}", code=1)
+            fail(escape(f"cannot reach Temporal at {config.get('target_host')}: {exc}"), code=1)
         try:
             return await reconcile(AsyncLedger(ledger), client, query=query, closed_since=since)
         except RPCError as exc:
-            fail(f"Temporal refused the visibility query: {exc}")
+            fail(escape(f"Temporal refused the visibility query: {exc}"))
 
     try:
         result = asyncio.run(run())
     except LedgerError as exc:
-        fail(str(exc), code=1)
+        fail(escape(str(exc)), code=1)
     finally:
         ledger.close()
     _print_reconcile(result)
