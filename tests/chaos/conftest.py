@@ -108,7 +108,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     if not SESSION:
         return
     figures = list(SESSION.values())
-    path = write_summary(figures, "make chaos")
+    command = " ".join(["pytest", *terminalreporter.config.invocation_params.args])
+    path = write_summary(figures, command)
     terminalreporter.section("fault suite")
     terminalreporter.write_line(summary_table(figures))
     terminalreporter.write_line(f"written to {path}")

@@ -101,7 +101,7 @@ def summary_table(figures: list[ScenarioFigures]) -> str:
         "| spend multiplier | bad inputs tried | secrets found | result |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for f in figures:
+    for f in sorted(figures, key=lambda f: f.scenario):
         secrets = "—" if f.secrets_found is None else str(f.secrets_found)
         lines.append(
             f"| {f.scenario} | {f.faults} | {f.tasks_run} | {f.tasks_completed} "
@@ -116,7 +116,7 @@ def write_summary(figures: list[ScenarioFigures], command: str) -> Path:
     total_s = sum(f.duration_s for f in figures)
     notes = [
         f"- **{f.scenario}** ({f.duration_s:.0f} s): " + "; ".join(f.notes)
-        for f in figures
+        for f in sorted(figures, key=lambda f: f.scenario)
         if f.notes
     ]
     text = (

@@ -196,6 +196,11 @@ async def run(
         for t in outcome.traces.values()
         for a in t.attempts
     )
+    figures.faults_injected = failed_on_broken
+    figures.faults = (
+        f"{BROKEN} (the cheapest) answers 503 to all {failed_on_broken} calls it gets for "
+        f"{BROKEN_S:.0f} s, then heals; {BUSY} 10x slower throughout"
+    )
     figures.notes += [
         f"{failed_on_broken} calls failed on {broken}; its circuit opened in "
         f"{opened[broken]} of 3 schedulers; {probes} half-open probes in all, and "

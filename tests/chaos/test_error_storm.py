@@ -93,13 +93,13 @@ def _workload(cluster: Any, name: str) -> Workload:
 async def run(
     chaos_cluster: ClusterFactory, chaos_ledger: AsyncLedger, request: pytest.FixtureRequest
 ) -> Run:
+    started_at = time.monotonic()
     # The same tasks without faults, on a cluster of their own (cold caches, like the storm's).
     async with chaos_cluster() as cluster:
         calm = _workload(cluster, "calm")
         await calm.start(rate_per_s=4)
         baseline = await calm.wait(RUN_TIMEOUT_S)
         baseline_spend = await _spend(chaos_ledger, calm.handles)
-    started_at = time.monotonic()
     since = datetime.now(UTC)
     flags = ["--fault-error-rate", ERROR_RATE, "--fault-error-code", "503"]
     names = [f"sim/{index}" for index in range(4)]
@@ -123,6 +123,7 @@ async def run(
         a.error_type == "ReplicaServerError" for t in outcome.traces.values() for a in t.attempts
     )
     figures.faults_injected = served_5xx + stalls + cuts
+    figures.faults += f": {served_5xx} + {stalls} + {cuts} calls"
     calm_done = sum(s == WorkflowExecutionStatus.COMPLETED for s in baseline.values())
     multiplier = outcome.books.spend_micros / baseline_spend
     storm_done = figures.tasks_completed

@@ -68,6 +68,7 @@ async def run(
         for t in outcome.traces.values()
         for a in t.attempts
     )
+    figures.faults += f" ({streams} streams)"
     figures.notes += [
         f"{streams} streams running at the kill, {len(lost)} attempts lost with the worker "
         f"(billed from their last heartbeat: {outcome.books.estimates} estimates)",
