@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvflow-installed
 
-.PHONY: install demo test lint format clean vllm-env compiled bench
+.PHONY: install demo test lint format clean vllm-env compiled bench chaos
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,13 @@ vllm-env:
 
 test: lint vllm-env
 	$(BIN)/pytest
+
+# The fault suite (tests/chaos): kvflow's real processes (Temporal dev server, simulators, GPU
+# and workflow workers, PostgreSQL ledger) killed, stopped and broken while tasks run. About
+# 10 minutes on a 2-core machine, so not part of `make test`; .ci/run runs both. The table of
+# figures goes to .kvflow/chaos-summary.md.
+chaos: $(STAMP)
+	$(BIN)/pytest -m chaos tests/chaos
 
 # The scheduler's decision path compiled with mypyc, as a deployment installs kvflow
 # (HATCH_BUILD_HOOK_ENABLE_MYPYC=true pip install .): the same source, built into a wheel and
