@@ -47,6 +47,9 @@ ELSEWHERE = {
     "make lint": "part of `make test`",
     "make bench": "tests/test_scheduler_compiled.py runs `make compiled`, and the benchmark "
     "tests run `kvflow bench` against that build; `make bench` runs the two benchmark lines",
+    "make chaos": "the fault suite itself (tests/chaos); .ci/run runs it after `make test`",
+    ".venv/bin/python scripts/record_histories.py": "writes tests/data/histories, which "
+    "tests/chaos/test_replay.py replays; run on purpose, when recorded behaviour must change",
 }
 
 
