@@ -19,7 +19,6 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 from temporalio.client import Client
 from temporalio.service import RPCError
@@ -105,7 +104,7 @@ def report_command(
         with open_ledger(db) as ledger:
             report = ledger.report(query)
     except LedgerError as exc:
-        fail(escape(str(exc)))
+        fail(str(exc))
 
     if output_format is ReportFormat.TABLE:
         if output is None:
@@ -127,7 +126,7 @@ def report_command(
     try:
         output.write_text(text, encoding="utf-8")
     except OSError as exc:
-        fail(escape(f"cannot write {output}: {exc.strerror or exc}"))
+        fail(f"cannot write {output}: {exc.strerror or exc}")
     err.print(
         f"wrote {output} ({len(report.rows)} row{'s' if len(report.rows) != 1 else ''}, "
         f"{output_format.value})",
@@ -150,17 +149,15 @@ def _report_query(
     try:
         return ReportQuery.parse(group_by, since, until, tenant)
     except LedgerError as exc:
-        fail(escape(str(exc)))
+        fail(str(exc))
     except OverflowError:
         # A date near 0001-01-01 or 9999-12-31 leaves the calendar once it is made UTC (or,
         # for --until, once its whole day is added).
         if _overflows(since=since):
-            fail(escape(f"--since {since!r} falls outside the years 1 to 9999 once in UTC"))
+            fail(f"--since {since!r} falls outside the years 1 to 9999 once in UTC")
         fail(
-            escape(
-                f"--until {until!r} reaches past 9999-12-31 in UTC (a date counts its whole "
-                "day, so the last date --until takes is 9999-12-30)"
-            )
+            f"--until {until!r} reaches past 9999-12-31 in UTC (a date counts its whole "
+            "day, so the last date --until takes is 9999-12-30)"
         )
 
 
@@ -192,7 +189,7 @@ def migrate_command(db: DbOption = DEFAULT_LEDGER_URL) -> None:
         with connect_ledger(db, create=True) as ledger:
             applied = ledger.migrate()
     except LedgerError as exc:
-        fail(escape(str(exc)))
+        fail(str(exc))
     if applied:
         versions = ", ".join(str(v) for v in applied)
         out.print(
@@ -265,22 +262,22 @@ def reconcile_command(
     try:
         ledger = open_ledger(db)
     except LedgerError as exc:
-        fail(escape(str(exc)))
+        fail(str(exc))
 
     async def run() -> ReconcileResult:
         try:
             client = await Client.connect(**config)
         except RuntimeError as exc:
-            fail(escape(f"cannot reach Temporal at {config.get('target_host')}: {exc}"), code=1)
+            fail(f"cannot reach Temporal at {config.get('target_host')}: {exc}", code=1)
         try:
             return await reconcile(AsyncLedger(ledger), client, query=query, closed_since=since)
         except RPCError as exc:
-            fail(escape(f"Temporal refused the visibility query: {exc}"))
+            fail(f"Temporal refused the visibility query: {exc}")
 
     try:
         result = asyncio.run(run())
     except LedgerError as exc:
-        fail(escape(str(exc)), code=1)
+        fail(str(exc), code=1)
     finally:
         ledger.close()
     _print_reconcile(result)

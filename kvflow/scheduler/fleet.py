@@ -35,7 +35,20 @@ Name = Annotated[
         description="lower-case letters, digits and dashes (it becomes part of task queue names)",
     ),
 ]
-Usd = Annotated[Decimal, Field(ge=0, description='US dollars; write it as a string, e.g. "0.15"')]
+MAX_USD = Decimal(1_000_000)
+"""The largest price a fleet file may give: a million dollars (per GPU-hour or per million
+tokens) is far beyond any real price, and bounds what a typo can cost the scheduler."""
+Usd = Annotated[
+    Decimal,
+    Field(
+        ge=0,
+        le=MAX_USD,
+        decimal_places=9,
+        description=(
+            'US dollars, at most 1,000,000, to the nano-dollar; write it as a string, e.g. "0.15"'
+        ),
+    ),
+]
 
 MICROS_PER_USD = 1_000_000
 

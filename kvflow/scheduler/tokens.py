@@ -263,6 +263,18 @@ class HfTokenizer:
 
 
 def _tokenizer_file(path: Path) -> Path:
+    try:
+        return _existing_tokenizer_file(path)
+    except OSError as exc:
+        # A name the filesystem cannot even look up (too long, a loop of links, no access).
+        shown = str(path) if len(str(path)) <= 80 else f"{str(path)[:77]}..."
+        raise TokenizerFileError(
+            f"{shown} cannot be read ({exc.strerror or exc}): give the path of the model's "
+            f'folder or of its {TOKENIZER_FILE}, "vllm" or "builtin"'
+        ) from None
+
+
+def _existing_tokenizer_file(path: Path) -> Path:
     if path.is_dir():
         file = path / TOKENIZER_FILE
         if not file.is_file():

@@ -13,6 +13,7 @@ from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from kvflow.workers.config import FleetConfig, FleetConfigError, load_fleet
 
@@ -24,8 +25,11 @@ err = Console(stderr=True, width=_PIPE_WIDTH)
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
-    """Print a user-facing error (no traceback) and exit with `code`."""
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    """Print a user-facing error (no traceback) and exit with `code`.
+
+    `message` is plain text: a path or a value with brackets in it prints as written.
+    """
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -35,7 +39,7 @@ def load_fleet_or_exit(path: Path) -> FleetConfig:
         return load_fleet(path)
     except FleetConfigError as exc:
         for problem in exc.problems:
-            err.print(f"[red]✗[/] {problem}", highlight=False, soft_wrap=True)
+            err.print(f"[red]✗[/] {escape(str(problem))}", highlight=False, soft_wrap=True)
         count = len(exc.problems)
         fail(f"{path}: {count} problem{'s' if count != 1 else ''}; fix them and run again")
 
