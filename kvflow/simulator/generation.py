@@ -14,16 +14,27 @@ rely on:
 Text is words with a leading space, commas, and full stops; after a full stop the output ends
 (end of sequence) one time in five unless `ignore_eos`. A request with a JSON schema
 (`response_format`) instead gets `instance_for_schema`'s document, token by token, then end of
-sequence.
+sequence; so does a tool call, whose arguments are an instance of the tool's `parameters`.
+
+Tool calls follow one rule (`calls_tool`): `tool_choice` `"required"` or a named function
+always calls a tool, `"none"` never does, and `"auto"` calls one when the conversation's last
+message is the user's, and answers in text otherwise (after a `tool` message carrying a
+result, after an assistant message being continued, after a system message). Which of several
+tools `"auto"` and `"required"` call is `pick_tool`'s draw from the request's seed.
+
+Log-probabilities (`TokenLogprobs`) are drawn the same way, from the context and the key: the
+generated token is always the most likely one (probability 0.35 to 1), and the other
+candidates share the rest in halving, jittered parts.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from kvflow.scheduler.builtin_tokenizer import EOS_ID, Tokenizer
 
@@ -102,6 +113,84 @@ class TextSampler:
     def _advance(self, token: int) -> None:
         self._hash = ((self._hash ^ (token + 1)) * _PRIME) & _MASK
         self._last = token
+
+
+ToolChoice = Literal["none", "auto", "required", "named"]
+"""How a chat request lets the model call its tools (`"named"`: one function by name)."""
+
+
+def calls_tool(choice: ToolChoice, last_role: str | None, continue_final_message: bool) -> bool:
+    """Whether the simulated model answers with a tool call (the rule in the module docstring)."""
+    if choice in ("required", "named"):
+        return True
+    if choice == "auto":
+        return last_role == "user" and not continue_final_message
+    return False
+
+
+def pick_tool(count: int, seed: int) -> int:
+    """Which of `count` tools a call that may use any of them uses, drawn from `seed`."""
+    return splitmix64(seed ^ _TOOL_SALT) % count
+
+
+_TOOL_SALT = 0x70BE5EED
+_LOGPROB_SALT = 0x1F0B5A17
+_WORST_LOGPROB = -9999.0
+"""vLLM's floor for a log-probability (the logarithm of a probability that rounds to 0)."""
+
+
+class TokenLogprobs:
+    """Deterministic log-probabilities of one answer's tokens and their top alternatives.
+
+    Feed it the output tokens in order (`entries`); each entry is vLLM's chat logprobs entry
+    (`token`, `logprob`, `bytes`, `top_logprobs`) with `top` alternatives, the generated token
+    first. Each token's numbers are a function of the context before it and the sampling key,
+    like the token itself, so the same request gets the same logprobs on any replica.
+    """
+
+    __slots__ = ("_hash", "_key", "top")
+
+    def __init__(self, prompt_token_ids: Sequence[int], key: int, top: int) -> None:
+        self._hash = context_hash(prompt_token_ids)
+        self._key = splitmix64((key ^ _LOGPROB_SALT) & _MASK)
+        self.top = top
+
+    def entries(self, token_ids: Sequence[int]) -> list[dict[str, Any]]:
+        """The entries of the next `token_ids` of the answer (the context moves past them)."""
+        result = []
+        for token in token_ids:
+            draw = splitmix64(self._hash ^ self._key)
+            chosen = 0.35 + 0.65 * _unit(draw)
+            rest = 1.0 - chosen
+            alternatives: list[dict[str, Any]] = [_logprob_entry(token, chosen)]
+            seen = {token}
+            share = 0.5
+            while len(alternatives) < self.top:
+                draw = splitmix64(draw)
+                candidate = _WORDS[draw % len(_WORDS)]
+                if candidate in seen:
+                    continue
+                seen.add(candidate)
+                # Jitter within (0.6, 1] of a halving share keeps the list strictly decreasing.
+                probability = rest * share * (0.6 + 0.4 * _unit(splitmix64(draw)))
+                alternatives.append(_logprob_entry(candidate, probability))
+                share /= 2
+            entry = {**alternatives[0], "top_logprobs": alternatives if self.top else []}
+            result.append(entry)
+            self._hash = ((self._hash ^ (token + 1)) * _PRIME) & _MASK
+        return result
+
+
+def _unit(value: int) -> float:
+    """A 64-bit value as a number in [0, 1)."""
+    return (value >> 11) / float(1 << 53)
+
+
+def _logprob_entry(token: int, probability: float) -> dict[str, Any]:
+    # vLLM reports the token's text and that text's UTF-8 bytes (not the raw token bytes).
+    text = _TOKENIZER.token_str(token)
+    logprob = max(math.log(probability), _WORST_LOGPROB) if probability > 0 else _WORST_LOGPROB
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
 class SchemaError(ValueError):

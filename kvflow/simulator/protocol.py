@@ -4,18 +4,23 @@ Unknown fields are accepted and ignored, as vLLM does. Errors use vLLM's body::
 
     {"error": {"message": str, "type": str, "param": str | None, "code": int}}
 
-with `BadRequestError` (400: bad parameters, a prompt over the context length with param
-`input_tokens`, `max_tokens` above the context length with param `max_tokens`), `Bad Request`
+with `BadRequestError` (400: bad parameters, among them the cross-field checks of a body such as
+`tool_choice` without `tools`, a prompt over the context length with param `input_tokens`,
+`max_tokens` above the context length with param `max_tokens`), `Bad Request`
 (400: a body that fails schema validation, param its location such as `body.max_tokens`),
 `NotFoundError` (404: unknown model, param `model`), and the fault statuses (429, 5xx).
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from http import HTTPStatus
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kvflow.scheduler.tokens import message_text
 
 _ERROR_TYPES = {
     400: "BadRequestError",
@@ -54,6 +59,31 @@ class ApiError(Exception):
                 "code": self.status,
             }
         }
+
+
+class ParameterError(Exception):
+    """A cross-field check of a request body failed (vLLM's `VLLMValidationError`).
+
+    Raised inside a body model's validator. Not a `ValueError`, so pydantic lets it through
+    instead of wrapping it in a `ValidationError`: vLLM 0.32 answers it as a plain
+    `BadRequestError` naming `parameter` (`api_error`), not as a list of validation problems.
+    Its text ends with the parameter and the value, as vLLM's does.
+    """
+
+    def __init__(self, message: str, *, parameter: str, value: object = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+        self.value = value
+
+    def __str__(self) -> str:
+        extras = [f"parameter={self.parameter}"]
+        if self.value is not None:
+            extras.append(f"value={self.value}")
+        return f"{super().__str__()} ({', '.join(extras)})"
+
+    def api_error(self) -> ApiError:
+        """The 400 answer: type `BadRequestError`, param the parameter."""
+        return ApiError(str(self), param=self.parameter)
 
 
 def validation_error(exc: ValidationError) -> ApiError:
@@ -133,21 +163,132 @@ class CompletionBody(SamplingBody):
     echo: bool = False
 
 
+class FunctionDefinition(_Body):
+    """A function a chat request offers the model: its name and its arguments' JSON schema."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    """One entry of `tools` (only function tools exist in the chat API)."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+MAX_TOP_LOGPROBS = 20
+"""vLLM's default `--max-logprobs`: the most `top_logprobs` a request may ask for."""
+
+_NAMED_CHOICE_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+
+
 class ChatBody(SamplingBody):
-    """`POST /v1/chat/completions`."""
+    """`POST /v1/chat/completions`.
+
+    `tools`, `tool_choice` and `top_logprobs` are checked as vLLM checks them (a
+    `ParameterError`); `tool_choice` defaults to `"auto"` when tools are given.
+    """
 
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[ChatTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
+    logprobs: bool | None = False
+    top_logprobs: int | None = 0
+
+    @model_validator(mode="after")
+    def _check_tool_usage(self) -> Self:
+        # vLLM's `check_tool_usage`, with its messages and parameters.
+        if self.tools == []:
+            raise ParameterError(
+                "`tools` must not be an empty array. Either provide at least one tool or omit "
+                "the field entirely.",
+                parameter="tools",
+            )
+        choice = self.tool_choice
+        if choice is None and self.tools:
+            self.tool_choice = choice = "auto"
+        if choice is None or choice == "none":
+            return self
+        if self.tools is None:
+            raise ParameterError(
+                "When using `tool_choice`, `tools` must be set.", parameter="tool_choice"
+            )
+        if isinstance(choice, str):
+            if choice not in ("auto", "required"):
+                raise ParameterError(
+                    f"Invalid value for `tool_choice`: {choice}! Only named tools, "
+                    '"none", "auto" or "required" are supported.',
+                    parameter="tool_choice",
+                )
+            return self
+        function = choice.get("function")
+        if not isinstance(function, dict):
+            raise ParameterError(
+                f"Invalid value for `function`: `{function}` in `tool_choice`! "
+                f"{_NAMED_CHOICE_USAGE}",
+                parameter="tool_choice.function",
+            )
+        if "name" not in function:
+            raise ParameterError(
+                f"Expected field `name` in `function` in `tool_choice`! {_NAMED_CHOICE_USAGE}",
+                parameter="tool_choice.function.name",
+            )
+        name = function["name"]
+        if not isinstance(name, str) or not name:
+            raise ParameterError(
+                f"Invalid `name` in `function`: `{name}` in `tool_choice`! {_NAMED_CHOICE_USAGE}",
+                parameter="tool_choice.function.name",
+            )
+        if all(tool.function.name != name for tool in self.tools):
+            raise ParameterError(
+                "The tool specified in `tool_choice` does not match any of the specified `tools`",
+                parameter="tool_choice",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> Self:
+        # vLLM's `check_logprobs`; the engine's cap (MAX_TOP_LOGPROBS) is the server's check.
+        top = self.top_logprobs
+        if top is None:
+            self.top_logprobs = top = 0
+        if top < 0 and top != -1:
+            raise ParameterError(
+                "`top_logprobs` must be a positive value or -1.",
+                parameter="top_logprobs",
+                value=top,
+            )
+        if top != 0 and not self.logprobs:
+            raise ParameterError(
+                "when using `top_logprobs`, `logprobs` must be set to true.",
+                parameter="top_logprobs",
+            )
+        return self
+
+    @property
+    def named_tool(self) -> ChatTool | None:
+        """The tool a named `tool_choice` (`{"type": "function", ...}`) asks for, else None."""
+        choice = self.tool_choice
+        if not isinstance(choice, dict) or not self.tools:
+            return None
+        name = choice["function"]["name"]
+        return next(tool for tool in self.tools if tool.function.name == name)
 
 
 class TokenizeBody(_Body):
-    """`POST /tokenize`: a prompt, or messages rendered with the chat template."""
+    """`POST /tokenize`: a prompt, or messages (and tools) rendered with the chat template."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -159,3 +300,58 @@ class DetokenizeBody(_Body):
 
     model: str | None = None
     tokens: list[int]
+
+
+def template_messages(
+    messages: list[dict[str, Any]], tools: list[ChatTool] | None
+) -> list[dict[str, Any]]:
+    r"""A conversation as the chat template renders it, tools written in as text.
+
+    vLLM renders tools into the chat template; the simulator writes them the way Hermes-style
+    templates do, so that they count as prompt tokens and share a cached prefix:
+
+    - the tools' JSON, one per line between `<tools>` and `</tools>` after a `# Tools` heading,
+      ends the first system message (a system message is put first if there is none),
+      whatever `tool_choice` says, as vLLM keeps tools in the prompt for `"none"`;
+    - an assistant message's `tool_calls` follow its content, each as
+      `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`;
+    - a `tool` message stays a message of role `tool` whose content is the result.
+
+    A malformed `tool_calls` entry raises `ValueError` (the server answers 400).
+    """
+    rendered = [_template_message(index, m) for index, m in enumerate(messages)]
+    if not tools:
+        return rendered
+    lines = [json.dumps(tool.model_dump(exclude_none=True), ensure_ascii=False) for tool in tools]
+    block = "# Tools\n<tools>\n" + "\n".join(lines) + "\n</tools>"
+    if rendered and rendered[0].get("role") == "system":
+        text = message_text(rendered[0].get("content"))
+        rendered[0] = {**rendered[0], "content": f"{text}\n\n{block}" if text else block}
+    else:
+        rendered.insert(0, {"role": "system", "content": block})
+    return rendered
+
+
+def _template_message(index: int, message: dict[str, Any]) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    if not isinstance(calls, list):
+        raise ValueError(f"messages[{index}].tool_calls must be a list")
+    parts = [message_text(message.get("content"))] if message.get("content") else []
+    for number, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        name = function.get("name") if isinstance(function, Mapping) else None
+        arguments = function.get("arguments", "{}") if isinstance(function, Mapping) else None
+        if not isinstance(name, str) or not isinstance(arguments, str):
+            raise ValueError(
+                f"messages[{index}].tool_calls[{number}] needs a function with a `name` "
+                "string and an `arguments` JSON string"
+            )
+        try:
+            parsed: Any = json.loads(arguments)
+        except json.JSONDecodeError:
+            parsed = arguments  # a model's malformed arguments go back as they came
+        call_text = json.dumps({"name": name, "arguments": parsed}, ensure_ascii=False)
+        parts.append(f"<tool_call>\n{call_text}\n</tool_call>")
+    return {**message, "content": "\n".join(parts)}

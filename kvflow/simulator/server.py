@@ -2,10 +2,29 @@
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (streaming as server-sent
 events ending in `data: [DONE]`, `stream_options.include_usage` for a last chunk with
-`usage`), `GET /v1/models`, `GET /health`, `GET /version`, `GET /load`, `POST /tokenize`,
-`POST /detokenize` and `GET /metrics` (see `kvflow.simulator.metrics`). Request and response JSON,
-error bodies and status codes follow vLLM (`kvflow.simulator.protocol`); faults come from the
-server's settings and the `x-kvflow-fault` header (`kvflow.simulator.faults`).
+`usage`; function calling and `logprobs`, below), `GET /v1/models`, `GET /health`,
+`GET /version`, `GET /load`, `POST /tokenize`, `POST /detokenize` and `GET /metrics` (see
+`kvflow.simulator.metrics`). Request and response JSON, error bodies and status codes follow
+vLLM (`kvflow.simulator.protocol`); faults come from the server's settings and the
+`x-kvflow-fault` header (`kvflow.simulator.faults`).
+
+Function calling answers as vLLM started with `--enable-auto-tool-choice --tool-call-parser`
+does. `tools` are rendered into the prompt (`kvflow.simulator.protocol.template_messages`), so
+they are prompt tokens; whether the answer is a tool call follows `generation.calls_tool`. A
+tool call's arguments are an instance of the tool's `parameters` schema, made like a
+`response_format` document and generated token by token, so they are the completion tokens
+(a real model also writes its parser's wrapper, e.g. hermes' `<tool_call>{"name": ...,
+"arguments": ...}</tool_call>`, about 30 more tokens, which the simulator leaves out). The answer
+has `message.tool_calls = [{"id": "chatcmpl-tool-<hex>", "type": "function", "function":
+{"name", "arguments"}}]` and `content` null (`"auto"`) or empty (`"required"`, named), and
+`finish_reason` `"tool_calls"`, except `"stop"` for a named function, as vLLM and OpenAI answer
+(`"length"` when `max_tokens` cut the arguments short). A stream sends, as vLLM 0.32 with the
+`hermes` parser does, the role chunk, a chunk naming the call (`delta.tool_calls = [{"index":
+0, "id", "type": "function", "function": {"name"}}]`), one chunk per step with the next piece
+of the arguments (`[{"index": 0, "function": {"arguments"}}]`), and a last chunk with an empty
+`delta` and the finish reason. `logprobs` with `top_logprobs` (0 to 20)
+adds `choices[0].logprobs.content` (one entry per output token, end of sequence included, from
+`generation.TokenLogprobs`), per chunk when streaming.
 
 Time: the engine runs on a clock that advances `time_scale` simulated seconds per real second,
 so a step the performance model prices at 20 ms takes 20 ms at `time_scale` 1 and 2 ms at
@@ -66,19 +85,27 @@ from kvflow.simulator.faults import (
 from kvflow.simulator.generation import (
     SchemaError,
     TextSampler,
+    TokenLogprobs,
+    ToolChoice,
+    calls_tool,
     context_hash,
     json_for_schema,
+    pick_tool,
     splitmix64,
 )
 from kvflow.simulator.kv_events import ZmqEventPublisher
 from kvflow.simulator.metrics import CONTENT_TYPE, VllmMetrics
 from kvflow.simulator.protocol import (
+    MAX_TOP_LOGPROBS,
     ApiError,
     ChatBody,
+    ChatTool,
     CompletionBody,
     DetokenizeBody,
+    ParameterError,
     SamplingBody,
     TokenizeBody,
+    template_messages,
     validation_error,
 )
 
@@ -135,6 +162,45 @@ class _StepItem:
 _CRASH = _StepItem([], "crash")
 
 
+@dataclass(frozen=True)
+class _ToolRequest:
+    """A chat request whose answer is a tool call: how it chose, and the tools it may call."""
+
+    choice: ToolChoice
+    tools: list[ChatTool]
+
+
+@dataclass(frozen=True)
+class _ToolCall:
+    """The tool call an answer makes; its arguments are the answer's text."""
+
+    id: str
+    name: str
+    choice: ToolChoice
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """vLLM's: an ended call is `tool_calls`, except a named function's (`stop`)."""
+        if reason == "stop" and self.choice != "named":
+            return "tool_calls"
+        return reason
+
+    def message(self, arguments: str) -> dict[str, Any]:
+        """The call in `message.tool_calls`."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": arguments},
+        }
+
+    def header(self) -> dict[str, Any]:
+        """The stream's first `delta.tool_calls` entry: the call's id and function name."""
+        return {"index": 0, "id": self.id, "type": "function", "function": {"name": self.name}}
+
+    def piece(self, arguments: str) -> dict[str, Any]:
+        """A later `delta.tool_calls` entry: the next piece of the arguments."""
+        return {"index": 0, "function": {"arguments": arguments}}
+
+
 @dataclass
 class _Job:
     """One HTTP request's generation: its engine request and the tokens it has not sent."""
@@ -148,6 +214,18 @@ class _Job:
     delivered: int = 0
     last_token_time: float | None = None
     done: bool = False
+    tool_call: _ToolCall | None = None
+    logprobs: TokenLogprobs | None = None
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """The finish reason the client sees (a tool call's, see `_ToolCall`)."""
+        return reason if self.tool_call is None else self.tool_call.finish_reason(reason)
+
+    def logprobs_body(self, token_ids: list[int]) -> dict[str, Any] | None:
+        """`choices[0].logprobs` for the next `token_ids` of the answer (None: not asked)."""
+        if self.logprobs is None:
+            return None
+        return {"content": self.logprobs.entries(token_ids)}
 
 
 @dataclass
@@ -157,6 +235,8 @@ class _Delta:
     stop_reason: str | None = None
     tokens: int = 0
     """Output tokens sent so far, this delta's included."""
+    token_ids: list[int] = field(default_factory=list)
+    """The output tokens this delta covers (those since the last delta)."""
 
 
 class _EngineLoop:
@@ -389,11 +469,14 @@ class SimulatedVllm:
             if body.messages is not None:
                 self._check_chat_flags(body.add_generation_prompt, body.continue_final_message)
                 # The template writes <|bos|> itself: add_special_tokens adds no second one.
-                ids = self.tokenizer.encode_chat(
-                    body.messages,
-                    add_generation_prompt=body.add_generation_prompt,
-                    continue_final_message=body.continue_final_message,
-                )
+                try:
+                    ids = self.tokenizer.encode_chat(
+                        template_messages(body.messages, body.tools),
+                        add_generation_prompt=body.add_generation_prompt,
+                        continue_final_message=body.continue_final_message,
+                    )
+                except ValueError as exc:
+                    raise ApiError(str(exc), param="messages") from None
             elif body.prompt is not None:
                 add = True if body.add_special_tokens is None else body.add_special_tokens
                 ids = self.tokenizer.encode(body.prompt, add_special_tokens=add)
@@ -500,8 +583,9 @@ class SimulatedVllm:
                     param="messages",
                 )
         try:
+            messages = template_messages(body.messages, body.tools)
             prompt_ids = self.tokenizer.encode_chat(
-                body.messages,
+                messages,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
             )
@@ -513,7 +597,7 @@ class SimulatedVllm:
             last = body.messages[-1]
             if last.get("role") == "assistant":
                 partial = message_text(last.get("content"))
-                base_ids = self.tokenizer.encode_chat(body.messages[:-1])
+                base_ids = self.tokenizer.encode_chat(messages[:-1])
         # `is None`, not `or`: a max_completion_tokens of 0 is refused, not ignored.
         max_tokens = (
             body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
@@ -527,7 +611,27 @@ class SimulatedVllm:
             chat=True,
             base_ids=base_ids,
             partial=partial,
+            tool=self._tool_request(body),
+            top_logprobs=body.top_logprobs if body.logprobs else None,
         )
+
+    @staticmethod
+    def _tool_request(body: ChatBody) -> _ToolRequest | None:
+        """The tools the answer calls one of, or None for a text answer (`calls_tool`)."""
+        choice: ToolChoice
+        named = body.named_tool
+        if named is not None:
+            choice, tools = "named", [named]
+        elif body.tools and body.tool_choice == "auto":
+            choice, tools = "auto", body.tools
+        elif body.tools and body.tool_choice == "required":
+            choice, tools = "required", body.tools
+        else:
+            return None
+        last_role = body.messages[-1].get("role") if body.messages else None
+        if not calls_tool(choice, last_role, body.continue_final_message):
+            return None
+        return _ToolRequest(choice, tools)
 
     async def _completion(self, http: Request, body: CompletionBody) -> Response:
         engine = self._engine(body.model)
@@ -659,6 +763,8 @@ class SimulatedVllm:
         chat: bool,
         base_ids: list[int],
         partial: str,
+        tool: _ToolRequest | None = None,
+        top_logprobs: int | None = None,
     ) -> Response:
         faults = self._faults(http)
         if faults.error is not None:
@@ -666,33 +772,32 @@ class SimulatedVllm:
         if faults.error_rate > 0 and self.dice.fails(faults.error_rate):
             raise ApiError(_fault_message(faults.error_code), faults.error_code)
         limit = self._validate(body, engine, len(prompt_ids), max_tokens)
-        structured, schema = self._schema(body)
+        if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            # vLLM's engine check; -1 (the whole vocabulary) is over the cap too.
+            asked = self.tokenizer.vocab_size if top_logprobs == -1 else top_logprobs
+            raise _param_error(
+                f"Requested sample logprobs of {asked}, which is greater than max allowed: "
+                f"{MAX_TOP_LOGPROBS}",
+                "logprobs",
+                asked,
+            )
         key = self._sampling_key(body)
+        # The document (structured output or a tool call's arguments) is drawn from this seed.
+        seed = splitmix64(context_hash(base_ids) ^ key)
+        document: str | None = None
+        tool_call: _ToolCall | None = None
+        if tool is not None:
+            chosen = tool.tools[pick_tool(len(tool.tools), seed)].function
+            # A function without parameters takes an empty object, as OpenAI's do.
+            parameters = chosen.parameters or {"type": "object", "properties": {}}
+            document = self._document(parameters, seed, engine, param="tools")
+            tool_call = _ToolCall(f"chatcmpl-tool-{uuid.uuid4().hex}", chosen.name, tool.choice)
+        else:
+            structured, schema = self._schema(body)
+            if structured:
+                document = self._document(schema, seed, engine, param="response_format")
         forced: list[int] | None = None
-        if structured:
-            size = _smallest_document(schema, engine.max_model_len)
-            if size > _DOCUMENT_CONTEXTS * engine.max_model_len:
-                # The document is built whole before it streams: one far larger than the
-                # context would block the server (vLLM would stream it until max_tokens).
-                raise ApiError(
-                    "the JSON schema cannot be used: its smallest document has over "
-                    f"{_DOCUMENT_CONTEXTS * engine.max_model_len} elements (items, properties, "
-                    f"16-character runs), far more than {engine.max_model_len} tokens of context "
-                    "can hold",
-                    param="response_format",
-                )
-            try:
-                document = json_for_schema(schema, splitmix64(context_hash(base_ids) ^ key))
-            except Exception as exc:
-                # The generator computes on the request's schema alone, so whatever stops it
-                # (minItems "x", multipleOf 0.5 for an integer, nesting too deep) is the
-                # request's fault: a 400 that says what, never a 500.
-                detail = (
-                    str(exc) if isinstance(exc, SchemaError) else f"{type(exc).__name__}: {exc}"
-                )
-                raise ApiError(
-                    f"the JSON schema cannot be used: {detail}", param="response_format"
-                ) from None
+        if document is not None:
             rest = (
                 document[len(partial) :] if partial and document.startswith(partial) else document
             )
@@ -712,6 +817,8 @@ class SimulatedVllm:
             engine=engine,
             faults=faults,
             stop=[s for s in stops if s],
+            tool_call=tool_call,
+            logprobs=None if top_logprobs is None else TokenLogprobs(prompt_ids, key, top_logprobs),
         )
         if faults.latency_ms > 0:
             await asyncio.sleep(faults.latency_ms / 1000)
@@ -730,15 +837,46 @@ class SimulatedVllm:
             )
         try:
             text: list[str] = []
+            token_ids: list[int] = []
             last = _Delta("")
             async for delta in self._deltas(job):
                 text.append(delta.text)
+                token_ids += delta.token_ids
                 last = delta
         finally:
             self._release(job)
         return JSONResponse(
-            self._final_body(job, body.model or job.model, created, chat, "".join(text), last)
+            self._final_body(
+                job, body.model or job.model, created, chat, "".join(text), last, token_ids
+            )
         )
+
+    def _document(
+        self, schema: dict[str, Any] | None, seed: int, engine: EngineCore, *, param: str
+    ) -> str:
+        """The JSON document for a schema (`json_for_schema`); a schema it cannot serve is a 400.
+
+        `param` names the request field the schema came from (`response_format`, `tools`).
+        """
+        size = _smallest_document(schema, engine.max_model_len, param)
+        if size > _DOCUMENT_CONTEXTS * engine.max_model_len:
+            # The document is built whole before it streams: one far larger than the
+            # context would block the server (vLLM would stream it until max_tokens).
+            raise ApiError(
+                "the JSON schema cannot be used: its smallest document has over "
+                f"{_DOCUMENT_CONTEXTS * engine.max_model_len} elements (items, properties, "
+                f"16-character runs), far more than {engine.max_model_len} tokens of context "
+                "can hold",
+                param=param,
+            )
+        try:
+            return json_for_schema(schema, seed)
+        except Exception as exc:
+            # The generator computes on the request's schema alone, so whatever stops it
+            # (minItems "x", multipleOf 0.5 for an integer, nesting too deep) is the
+            # request's fault: a 400 that says what, never a 500.
+            detail = str(exc) if isinstance(exc, SchemaError) else f"{type(exc).__name__}: {exc}"
+            raise ApiError(f"the JSON schema cannot be used: {detail}", param=param) from None
 
     async def _deltas(self, job: _Job) -> AsyncIterator[_Delta]:
         """The request's text as it is generated, with faults and stop strings applied."""
@@ -751,6 +889,14 @@ class SimulatedVllm:
         emitted = 0
         sent = 0
         stalled = False
+        pending: list[int] = []
+
+        def taken() -> list[int]:
+            # The tokens since the last delta go with the next one (logprobs follow them).
+            nonlocal pending
+            tokens, pending = pending, []
+            return tokens
+
         while True:
             item = await job.queue.get()
             if item is _CRASH:
@@ -768,6 +914,7 @@ class SimulatedVllm:
                     if self.crashed:
                         raise ConnectionDrop
                 sent += 1
+                pending.append(token)
                 if not tokenizer.is_special(token):
                     text += decoder.decode(tokenizer.token_bytes(token))
                 last_token = position == len(tokens) - 1
@@ -776,19 +923,19 @@ class SimulatedVllm:
                     if found is not None:
                         index, stop = found
                         text = text[:index]
-                        yield _Delta(text[emitted:], "stop", stop, sent)
+                        yield _Delta(text[emitted:], "stop", stop, sent, taken())
                         return
                 finish = item.finish_reason if last_token else None
                 if finish is not None:
                     text += decoder.decode(b"", final=True)
-                    yield _Delta(text[emitted:], finish, tokens=sent)
+                    yield _Delta(text[emitted:], finish, tokens=sent, token_ids=taken())
                     return
                 safe = len(text) - hold if stops else len(text)
                 if safe > emitted:
-                    yield _Delta(text[emitted:safe], tokens=sent)
+                    yield _Delta(text[emitted:safe], tokens=sent, token_ids=taken())
                     emitted = safe
             if not tokens and item.finish_reason is not None:
-                yield _Delta(text[emitted:], item.finish_reason, tokens=sent)
+                yield _Delta(text[emitted:], item.finish_reason, tokens=sent, token_ids=taken())
                 return
 
     def _usage(self, job: _Job, *, streamed: bool = False) -> dict[str, Any]:
@@ -818,12 +965,33 @@ class SimulatedVllm:
         return usage
 
     def _final_body(
-        self, job: _Job, model: str, created: int, chat: bool, text: str, last: _Delta
+        self,
+        job: _Job,
+        model: str,
+        created: int,
+        chat: bool,
+        text: str,
+        last: _Delta,
+        token_ids: list[int],
     ) -> dict[str, Any]:
         request_id = job.request.request_id
         usage = self._usage(job)
         common = {"service_tier": None, "system_fingerprint": FINGERPRINT, "usage": usage}
         if chat:
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": text,
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+            }
+            call = job.tool_call
+            if call is not None:
+                # vLLM: the auto parser finds no text before the call; forced paths give "".
+                message["content"] = None if call.choice == "auto" else ""
+                message["tool_calls"] = [call.message(text)]
+            message["reasoning"] = None
             return {
                 "id": request_id,
                 "object": "chat.completion",
@@ -832,17 +1000,9 @@ class SimulatedVllm:
                 "choices": [
                     {
                         "index": 0,
-                        "message": {
-                            "role": "assistant",
-                            "content": text,
-                            "refusal": None,
-                            "annotations": None,
-                            "audio": None,
-                            "function_call": None,
-                            "reasoning": None,
-                        },
-                        "logprobs": None,
-                        "finish_reason": last.finish_reason,
+                        "message": message,
+                        "logprobs": job.logprobs_body(token_ids),
+                        "finish_reason": job.finish_reason(last.finish_reason),
                         "stop_reason": last.stop_reason,
                         "token_ids": None,
                         "routed_experts": None,
@@ -921,13 +1081,19 @@ class SimulatedVllm:
             body.update(extra)
             return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
+        call = job.tool_call
+
         def choice(delta: _Delta) -> dict[str, Any]:
             if chat:
+                message: dict[str, Any] = {"content": delta.text}
+                if call is not None:
+                    # The last delta (end of sequence) has no text: an empty delta, as vLLM's.
+                    message = {"tool_calls": [call.piece(delta.text)]} if delta.text else {}
                 item: dict[str, Any] = {
                     "index": 0,
-                    "delta": {"content": delta.text},
-                    "logprobs": None,
-                    "finish_reason": delta.finish_reason,
+                    "delta": message,
+                    "logprobs": job.logprobs_body(delta.token_ids),
+                    "finish_reason": job.finish_reason(delta.finish_reason),
                 }
                 if delta.finish_reason is not None:
                     item["stop_reason"] = delta.stop_reason
@@ -958,7 +1124,17 @@ class SimulatedVllm:
                     prompt_token_ids=None,
                     prompt_text=None,
                 )
+            named = call is None
             async for delta in self._deltas(job):
+                if not named:
+                    # Before the first piece of the arguments, a chunk that names the call
+                    # (vLLM's parsers send it once they have read the function's name).
+                    named = True
+                    assert call is not None
+                    header = {"index": 0, "delta": {"tool_calls": [call.header()]}}
+                    yield chunk(
+                        [{**header, "logprobs": None, "finish_reason": None}], running_usage(0)
+                    )
                 yield chunk([choice(delta)], running_usage(delta.tokens))
             if include_usage:
                 yield chunk([], self._usage(job, streamed=True), system_fingerprint=FINGERPRINT)
@@ -991,6 +1167,8 @@ def _parse(model: type[_Body], data: Any) -> _Body:
         return model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc) from None
+    except ParameterError as exc:
+        raise exc.api_error() from None
 
 
 def _param_error(message: str, param: str, value: object) -> ApiError:
@@ -1010,11 +1188,12 @@ _SIZE_KEYWORDS = (("minItems", 1), ("minProperties", 1), ("minLength", 16))
 """Keywords that force a size, and how many of their units make one element."""
 
 
-def _smallest_document(schema: dict[str, Any] | None, limit: int) -> int:
+def _smallest_document(schema: dict[str, Any] | None, limit: int, param: str) -> int:
     """A rough lower bound on the elements of a schema's smallest document.
 
     Sizes multiply down the nesting (`minItems` of an item with `minItems`) and through
-    `$ref`s, each counted once. A size keyword that is not a whole number raises `ApiError`.
+    `$ref`s, each counted once. A size keyword that is not a whole number raises `ApiError`
+    naming `param`, the request field the schema came from.
     """
     sizes: dict[str, int] = {}
     ceiling = (limit + 1) * _DOCUMENT_CONTEXTS
@@ -1031,7 +1210,7 @@ def _smallest_document(schema: dict[str, Any] | None, limit: int) -> int:
                 raise ApiError(
                     f"the JSON schema cannot be used: {keyword} must be a whole number, got "
                     f"{value!r}",
-                    param="response_format",
+                    param=param,
                 )
             own = max(own, value // per)
         inner = 1
