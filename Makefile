@@ -37,8 +37,8 @@ test: lint vllm-env
 	$(BIN)/pytest
 
 # The fault suite (tests/chaos): kvflow's real processes (Temporal dev server, simulators, GPU
-# and workflow workers, PostgreSQL ledger) killed, stopped and broken while tasks run. About
-# 10 minutes on a 2-core machine, so not part of `make test`; .ci/run runs both. The table of
+# and workflow workers, PostgreSQL ledger) killed, stopped and broken while tasks run. 6-8
+# minutes on a 2-core machine, so not part of `make test`; .ci/run runs both. The table of
 # figures goes to .kvflow/chaos-summary.md.
 chaos: $(STAMP)
 	$(BIN)/pytest -m chaos tests/chaos
