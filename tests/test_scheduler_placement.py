@@ -947,3 +947,20 @@ def test_time_and_cost_assume_the_output_length_observed_while_memory_keeps_the_
     after = placed(scheduler.place(request(tokens, max_output_tokens=2000, workflow_id="wf-2")))
     assert after.est_duration_s < before.est_duration_s
     assert after.est_cost_micros < before.est_cost_micros
+
+
+def test_schedulers_that_count_different_calls_send_a_new_prefix_to_the_same_replica() -> None:
+    # Each workflow worker runs its own scheduler and counts only the calls it placed. While
+    # the fleet is lightly loaded, one call more on the rendezvous replica must not move a
+    # new prefix elsewhere, or two workers would split one conversation's cache.
+    new = request(prompt(900, 600))
+    fresh = make_scheduler()
+    target = placed(fresh.place(new))
+    assert target.rendezvous
+    busy = make_scheduler()
+    for seed in range(901, 1000):
+        if placed(busy.place(request(prompt(seed, 600)))).replica == target.replica:
+            break  # left in flight: `busy` now counts one call on the target
+    else:
+        raise AssertionError(f"no other prompt went to {target.replica}")
+    assert placed(busy.place(new)).replica == target.replica

@@ -286,7 +286,10 @@ class PrefixConfig(_Config):
     bounded_load_factor: float = Field(
         default=1.25,
         ge=1,
-        description="a rendezvous pick may hold at most this multiple of the mean load",
+        description=(
+            "a rendezvous pick may hold at most this multiple of the mean load (and at least "
+            "affinity_min_load calls)"
+        ),
     )
     affinity_load_factor: float = Field(
         # 1.25 rather than 1.5: on the policy benchmark's hotspot, agent and heterogeneous

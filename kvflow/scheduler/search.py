@@ -352,7 +352,13 @@ class Search:
             group.extend([rid for _, rid in ranked[:end]])
         key = rendezvous_key(ctx.block_hashes, ctx.workflow_id, self._rendezvous_prefix_blocks)
         seeds = self._seeds
-        capacity = bounded_capacity(view.shared_load, view.warm_count, self._bounded_load_factor)
+        # The bound only starts above the affinity floor: below it, ⌈c · (L + 1) / n⌉ is 1 or
+        # 2, and schedulers in different workflow workers, each counting its own calls, would
+        # skip different replicas and split one prefix across several.
+        capacity = max(
+            bounded_capacity(view.shared_load, view.warm_count, self._bounded_load_factor),
+            self._affinity_min_load,
+        )
         replicas = self._replicas
         limit = chosen.objective * tolerance * tolerance
         for position in rendezvous_order(key, [seeds[rid] for rid in group]):
