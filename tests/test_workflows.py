@@ -321,14 +321,17 @@ async def test_deadline_too_tight_fails_fast_and_runs_the_compensation(
         await assert_replays(handle)
 
 
+@pytest.mark.parametrize("budget", [2, 3])
 async def test_exhausted_retry_budget_fails_with_its_own_error_and_bills_every_attempt(
-    temporal_client: Client, tmp_path: Path
+    temporal_client: Client, tmp_path: Path, budget: int
 ):
-    # Every replica cuts its streams: each attempt is paid for, none finishes.
-    pools = [PoolPlan("flaky", gpu="H100", replicas=3, faults=FaultSpec(disconnect_after=8))]
+    # Every replica cuts its streams: each attempt is paid for, none finishes. A budget of
+    # 3 is the scheduler's own cap too (`max_task_retries`): the task still gets all three.
+    replicas = budget + 1
+    pools = [PoolPlan("flaky", gpu="H100", replicas=replicas, faults=FaultSpec(disconnect_after=8))]
     async with stack(temporal_client, tmp_path, pools) as s:
         task = wf.StepsInput(
-            spec=_spec(expected_steps=1, retry_budget=2), model=MODEL, steps=1, max_tokens=60
+            spec=_spec(expected_steps=1, retry_budget=budget), model=MODEL, steps=1, max_tokens=60
         )
         handle = await s.start(wf.MultiStepAgent.run, task)
         with pytest.raises(WorkflowFailureError) as failed:
@@ -338,10 +341,10 @@ async def test_exhausted_retry_budget_fails_with_its_own_error_and_bills_every_a
             isinstance(cause, ApplicationError)
             and cause.type == errors.TaskErrorType.RETRY_BUDGET_EXHAUSTED
         )
-        assert "2 re-placements are used up" in cause.message
+        assert f"{budget} re-placements are used up" in cause.message
         attempts = await _attempts(s, handle)
-        assert len(attempts) == 3 and all(a.cost_micros > 0 for a in attempts)
-        assert len({a.replica for a in attempts}) == 3
+        assert len(attempts) == replicas and all(a.cost_micros > 0 for a in attempts)
+        assert len({a.replica for a in attempts}) == replicas
         run_id = (await handle.describe()).run_id or ""
         row = await s.ledger.task(handle.id, run_id)
         assert row is not None and row.outcome == TaskOutcome.FAILED

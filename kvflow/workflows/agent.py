@@ -588,7 +588,9 @@ class Agent:
                 exclude=call.exclude,
                 workflow_id=workflow.info().workflow_id,
                 attempt=call.attempt,
-                task_retries=self.retries,
+                # Re-placements made before this request: this one is already counted.
+                task_retries=self.retries
+                - (1 if call.attempt > 1 and not call.after_outage else 0),
                 after_control_plane_fault=call.after_outage,
             )
             answer = await self._local(
