@@ -146,14 +146,6 @@ def test_bad_inputs_fail_at_once_with_invalid_task_and_reach_no_gpu_worker(run: 
         assert run.outcome.traces[handle.id].attempts == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rendezvous bounded load is too tight at light load: capacity "
-    "ceil(1.25 * (L + 1) / n) is 1 for L < 3 on 4 replicas (kvflow/scheduler/rendezvous.py "
-    "bounded_capacity, used by Search._rendezvous), so a scheduler that does not hold a "
-    "prefix skips its rendezvous replica while that replica runs a single call and sends "
-    "the prefix to its second choice; schedulers that saw different loads split one prefix",
-)
 def test_the_same_prefix_goes_to_the_same_replica_whichever_worker_places_it(run: Run):
     # Each group was placed by several scheduler processes (killed and restarted ones).
     assert all(len(d) >= 2 for d in run.deciders.values()), run.deciders
