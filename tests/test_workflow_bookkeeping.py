@@ -38,6 +38,7 @@ from kvflow.ledger.errors import LedgerSchemaError, LedgerUnavailable
 from kvflow.ledger.records import AttemptOutcome, TaskOutcome, TaskRecord
 from kvflow.ledger.report import ReportQuery
 from kvflow.ledger.store import AsyncLedger
+from kvflow.scheduler.config import AdmissionConfig, SchedulerConfig
 from kvflow.scheduler.fleet import task_queue_for
 from kvflow.workers.reconcile import reconcile
 from kvflow.workflows import agent as agent_module
@@ -403,3 +404,53 @@ async def test_record_the_placed_history(temporal_client: Client, tmp_path: Path
         history = await handle.fetch_history()
     DATA.mkdir(exist_ok=True)
     PLACE_HISTORY.write_text(json.dumps(json.loads(history.to_json()), indent=1) + "\n")
+
+
+# ---- admission under a fleet that is really busy --------------------------------------------
+
+
+async def test_a_busy_fleet_makes_the_lower_tier_wait_while_tier_1_is_admitted(
+    temporal_client: Client, tmp_path: Path
+):
+    # Tier 3 (globex) is admitted while the replica's (running + waiting) / slots is under
+    # 0.1, tier 1 (acme) under 4: two long calls in flight on 16 slots (0.125) saturate the
+    # fleet for globex and not for acme. The load is the replica's own, scraped and counted
+    # by the control plane: no stub answers "saturated".
+    config = SchedulerConfig(
+        admission=AdmissionConfig(saturation_by_tier=(4.0, 2.0, 0.1, 0.1, 0.1), retry_after_s=0.5)
+    )
+    async with stack(temporal_client, tmp_path, [PoolPlan("only", gpu="L4")], config) as s:
+        long = wf.StepsInput(spec=_spec(expected_steps=1), model=MODEL, steps=1, max_tokens=3000)
+        busy = [await s.start(wf.MultiStepAgent.run, long) for _ in range(2)]
+        for handle in busy:
+            await wait_until_streaming(handle)
+        short = {"model": MODEL, "steps": 1, "max_tokens": 8}
+        tier3 = await s.start(
+            wf.MultiStepAgent.run,
+            wf.StepsInput(spec=_spec(tenant="globex", expected_steps=1), **short),
+        )
+        tier1 = await s.start(
+            wf.MultiStepAgent.run, wf.StepsInput(spec=_spec(expected_steps=1), **short)
+        )
+        for handle in [tier1, tier3, *busy]:
+            await _result(handle)
+        first = await tier1.query(SPEND_QUERY, result_type=SpendBreakdown)
+        waited = await tier3.query(SPEND_QUERY, result_type=SpendBreakdown)
+        assert first.steps[0].admission_waits == 0
+        assert waited.steps[0].admission_waits >= 1 and waited.steps[0].outcome == "ok"
+        # The wait is a durable timer in the lower tier's history, and it ended only after
+        # tier 1's call had been placed.
+        history = await tier3.fetch_history()
+        timers = [e for e in history.events if e.event_type == EventType.EVENT_TYPE_TIMER_STARTED]
+        assert len(timers) == waited.steps[0].admission_waits
+        tier1_placed = min(
+            e.event_time.ToDatetime()
+            for e in (await tier1.fetch_history()).events
+            if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+        )
+        tier3_placed = min(
+            e.event_time.ToDatetime()
+            for e in history.events
+            if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+        )
+        assert tier1_placed < tier3_placed
