@@ -22,7 +22,6 @@ import threading
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from decimal import Decimal
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -52,15 +51,14 @@ from kvflow.ledger import (
 )
 from kvflow.ledger.spool import AttemptSpool, SpooledAttemptWriter
 from kvflow.ledger.store import open_async_ledger
-from kvflow.scheduler.fleet import Fleet, Pool, Tenant, TokenPrices, task_queue_for
-from kvflow.simulator import BUILTIN_MODELS
+from kvflow.scheduler.fleet import Tenant, task_queue_for
 from kvflow.workers.devserver import free_port
 from kvflow.workers.embedded import EmbeddedFleet
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
 from tests import agent_workflows as wf
 from tests.fixtures_ledger import attempt_record, task_record, with_schema
 from tests.test_ledger_invariants import assert_books_balance
-from tests.test_workflows import MODEL, PoolPlan, Stack, _spec
+from tests.test_workflows import MODEL, PoolPlan, Stack, _spec, fleet_for
 
 # This file defines a workflow, so the sandbox re-imports it; pass kvflow through.
 with workflow.unsafe.imports_passed_through():
@@ -109,35 +107,12 @@ def _pools() -> list[PoolPlan]:
     ]
 
 
-def _fleet(pools: list[PoolPlan]) -> Fleet:
-    return Fleet(
-        models=[BUILTIN_MODELS[MODEL]],
-        pools=[
-            Pool(
-                name=plan.name,
-                gpu=plan.gpu,
-                replicas=plan.replicas,
-                price_per_gpu_hour_usd=Decimal("2.00"),
-                token_prices=TokenPrices(
-                    input_per_mtok_usd=Decimal(plan.prices[0]),
-                    cached_input_per_mtok_usd=Decimal(plan.prices[1]),
-                    output_per_mtok_usd=Decimal(plan.prices[2]),
-                ),
-                warm_models=[MODEL],
-                max_concurrency=16,
-            )
-            for plan in pools
-        ],
-        tenants=[Tenant(name="acme", tier=1, fairness_weight=3.0)],
-    )
-
-
 @asynccontextmanager
 async def ledger_stack(
     client: Client, tmp_path: Path, ledger_url: str, pools: list[PoolPlan]
 ) -> AsyncIterator[tuple[Stack, EmbeddedFleet]]:
     """`tests.test_workflows.stack` on the ledger at `ledger_url` (SQLite or PostgreSQL)."""
-    fleet = _fleet(pools)
+    fleet = fleet_for(pools, [Tenant(name="acme", tier=1, fairness_weight=3.0)])
     by_name = {p.name: p for p in pools}
     replicas = [name for pool in fleet.pools for name in pool.replica_names()]
     ledger = await open_async_ledger(ledger_url, migrate=True)

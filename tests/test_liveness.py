@@ -12,8 +12,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from decimal import Decimal
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +34,9 @@ from kvflow.scheduler.config import (
     SchedulerConfig,
 )
 from kvflow.scheduler.core import Scheduler
-from kvflow.scheduler.fleet import Fleet, Pool, Tenant, TokenPrices
+from kvflow.scheduler.fleet import Fleet
 from kvflow.scheduler.telemetry import MetricsScraper
-from kvflow.simulator import BUILTIN_MODELS, SimServer
+from kvflow.simulator import SimServer
 from kvflow.simulator.faults import FaultSpec
 from kvflow.workers.control_plane import ControlPlane
 from kvflow.workers.devserver import EmbeddedTemporal, free_port
@@ -47,8 +46,7 @@ from kvflow.workflows.agent import TaskSpec
 from tests import agent_workflows as wf
 from tests.fixtures_sim import sim_settings
 from tests.history import wait_until_streaming
-
-MODEL = "llama-3.2-1b"
+from tests.test_workflows import MODEL, PoolPlan, fleet_for
 
 VLLM_PAGE = """\
 # TYPE vllm:num_requests_running gauge
@@ -60,46 +58,12 @@ vllm:kv_cache_usage_perc{model_name="llama-3.2-1b"} 0.1
 """
 
 
-@dataclass
-class PoolPlan:
-    """One pool of a test fleet: its GPU, prices, concurrency and what is wrong with it."""
-
-    name: str
-    gpu: str = "H100"
-    prices: tuple[str, str, str] = ("0.20", "0.02", "0.60")
-    faults: FaultSpec = field(default_factory=FaultSpec)
-    max_concurrency: int = 16
-
-
 def cheap_first(cheap: PoolPlan | None = None) -> list[PoolPlan]:
     """A cheap replica the scheduler prefers and a dearer one to fall back to."""
     return [
         cheap or PoolPlan("cheap", gpu="H200", prices=("0.05", "0.005", "0.15")),
         PoolPlan("backup", gpu="H100", prices=("0.40", "0.04", "1.20")),
     ]
-
-
-def fleet_of(pools: list[PoolPlan]) -> Fleet:
-    return Fleet(
-        models=[BUILTIN_MODELS[MODEL]],
-        pools=[
-            Pool(
-                name=plan.name,
-                gpu=plan.gpu,
-                replicas=1,
-                price_per_gpu_hour_usd=Decimal("2.00"),
-                token_prices=TokenPrices(
-                    input_per_mtok_usd=Decimal(plan.prices[0]),
-                    cached_input_per_mtok_usd=Decimal(plan.prices[1]),
-                    output_per_mtok_usd=Decimal(plan.prices[2]),
-                ),
-                warm_models=[MODEL],
-                max_concurrency=plan.max_concurrency,
-            )
-            for plan in pools
-        ],
-        tenants=[Tenant(name="acme", tier=1), Tenant(name="globex", tier=3)],
-    )
 
 
 @dataclass
@@ -172,7 +136,7 @@ async def fleet_stack(
     time_scale: float = 20.0,
 ) -> AsyncIterator[Stack]:
     """Simulated replicas, a GPU worker each, the control plane and a workflow worker."""
-    fleet = fleet_of(pools)
+    fleet = fleet_for(pools)
     faults = {
         pool.replica_names()[0]: plan.faults for pool, plan in zip(fleet.pools, pools, strict=True)
     }
@@ -212,7 +176,7 @@ def lone_sim() -> Iterator[SimServer]:
 
 
 def one_replica_fleet() -> Fleet:
-    return fleet_of([PoolPlan("cpu")])
+    return fleet_for([PoolPlan("cpu")])
 
 
 async def test_a_crashed_engine_is_down_after_one_scrape(lone_sim: SimServer) -> None:

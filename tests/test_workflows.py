@@ -88,6 +88,32 @@ class PoolPlan:
     faults: FaultSpec = field(default_factory=FaultSpec)
     gpu_worker: bool = True
     max_model_len: int = 4096
+    max_concurrency: int = 16
+
+
+def fleet_for(pools: list[PoolPlan], tenants: list[Tenant] | None = None) -> Fleet:
+    """The test fleet of `pools`, all serving `MODEL`; tenants acme (tier 1) and globex (3)."""
+    return Fleet(
+        models=[BUILTIN_MODELS[MODEL]],
+        pools=[
+            Pool(
+                name=plan.name,
+                gpu=plan.gpu,
+                replicas=plan.replicas,
+                price_per_gpu_hour_usd=Decimal("2.00"),
+                token_prices=TokenPrices(
+                    input_per_mtok_usd=Decimal(plan.prices[0]),
+                    cached_input_per_mtok_usd=Decimal(plan.prices[1]),
+                    output_per_mtok_usd=Decimal(plan.prices[2]),
+                ),
+                warm_models=[MODEL],
+                max_concurrency=plan.max_concurrency,
+            )
+            for plan in pools
+        ],
+        tenants=tenants
+        or [Tenant(name="acme", tier=1, fairness_weight=3.0), Tenant(name="globex", tier=3)],
+    )
 
 
 @dataclass
@@ -109,26 +135,7 @@ class Stack:
 async def stack(
     client: Client, tmp_path: Path, pools: list[PoolPlan], scheduler: SchedulerConfig | None = None
 ) -> AsyncIterator[Stack]:
-    fleet = Fleet(
-        models=[BUILTIN_MODELS[MODEL]],
-        pools=[
-            Pool(
-                name=plan.name,
-                gpu=plan.gpu,
-                replicas=plan.replicas,
-                price_per_gpu_hour_usd=Decimal("2.00"),
-                token_prices=TokenPrices(
-                    input_per_mtok_usd=Decimal(plan.prices[0]),
-                    cached_input_per_mtok_usd=Decimal(plan.prices[1]),
-                    output_per_mtok_usd=Decimal(plan.prices[2]),
-                ),
-                warm_models=[MODEL],
-                max_concurrency=16,
-            )
-            for plan in pools
-        ],
-        tenants=[Tenant(name="acme", tier=1, fairness_weight=3.0), Tenant(name="globex", tier=3)],
-    )
+    fleet = fleet_for(pools)
     by_name = {p.name: p for p in pools}
     replicas = [name for pool in fleet.pools for name in pool.replica_names()]
     ledger = await open_async_ledger(f"sqlite:///{tmp_path}/ledger.db", migrate=True)
