@@ -140,6 +140,10 @@ class PartialOutput:
         return self._stored
 
 
+YIELD_EVERY_CHUNKS = 32
+"""The stream hands the event loop to other tasks (heartbeats) at least this often."""
+
+
 async def _finish(work: Awaitable[_T]) -> _T:
     """Await `work` to its end even if the activity is cancelled meanwhile, then re-raise.
 
@@ -420,6 +424,7 @@ class InferenceActivities:
                     raise _not_a_stream(
                         await _read_capped(response), media_type, progress, bounds, replica
                     )
+                since_yield = 0
                 async for chunk in _sse_chunks(response, replica):
                     _apply_chunk(
                         chunk,
@@ -428,6 +433,13 @@ class InferenceActivities:
                         bounds=bounds,
                         replica=replica,
                     )
+                    since_yield += 1
+                    if since_yield == YIELD_EVERY_CHUNKS:
+                        # Chunks already buffered are read without a pause: a fast engine
+                        # would starve the heartbeat task, and the call would time out for
+                        # heartbeats while it streams.
+                        since_yield = 0
+                        await asyncio.sleep(0)
         except httpx.TransportError as exc:
             raise from_transport(exc, replica=replica) from exc
         except InvalidUsage:
