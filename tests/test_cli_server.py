@@ -129,21 +129,7 @@ def _assert_all_exit(pids: Iterable[int], what: str) -> None:
 
 def test_server_prints_the_ui_address_serves_it_and_stops_on_ctrl_c(tmp_path: Path):
     port, ui_port = free_port(), free_port()
-    process = subprocess.Popen(
-        [
-            str(KVFLOW),
-            "server",
-            "--port",
-            str(port),
-            "--ui-port",
-            str(ui_port),
-            "--state-dir",
-            str(tmp_path),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    process = _start_server(port, ui_port, tmp_path)
     try:
         output = _read_until(process, "Web UI")
         assert f"http://127.0.0.1:{ui_port}" in output

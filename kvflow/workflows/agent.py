@@ -692,14 +692,7 @@ class Agent:
         key = AttemptKey(workflow_id=info.workflow_id, run_id=info.run_id, activity_id=activity_id)
         try:
             bill: AttemptBill | None = await _uncancellable(
-                workflow.execute_local_activity(
-                    ATTEMPT_BILL_ACTIVITY,
-                    key,
-                    result_type=AttemptBill,
-                    start_to_close_timeout=LOCAL_TIMEOUT,
-                    schedule_to_close_timeout=LOCAL_SCHEDULE_TO_CLOSE,
-                    retry_policy=LOCAL_RETRY,
-                )
+                _bounded_local(ATTEMPT_BILL_ACTIVITY, key, AttemptBill)
             )
         except FailureError as err:
             if _is_cancellation(err):
@@ -777,14 +770,7 @@ class Agent:
         workflow task forever.
         """
         try:
-            result: R = await workflow.execute_local_activity(
-                activity,
-                arg,
-                result_type=result_type,
-                start_to_close_timeout=LOCAL_TIMEOUT,
-                schedule_to_close_timeout=LOCAL_SCHEDULE_TO_CLOSE,
-                retry_policy=LOCAL_RETRY,
-            )
+            result: R = await _bounded_local(activity, arg, result_type)
         except FailureError as err:
             # A local activity's failure arrives as its cause, not wrapped in an ActivityError.
             if _is_cancellation(err):
@@ -1230,6 +1216,21 @@ def _is_cancellation(exc: BaseException) -> bool:
             return True
         seen = seen.cause if isinstance(seen, ActivityError) else seen.__cause__
     return False
+
+
+def _bounded_local(activity: str, arg: Any, result_type: type[R]) -> Awaitable[R]:
+    """A control-plane local activity, bounded as every one of them is.
+
+    `LOCAL_TIMEOUT` per try, retried within `LOCAL_RETRY` and `LOCAL_SCHEDULE_TO_CLOSE`.
+    """
+    return workflow.execute_local_activity(
+        activity,
+        arg,
+        result_type=result_type,
+        start_to_close_timeout=LOCAL_TIMEOUT,
+        schedule_to_close_timeout=LOCAL_SCHEDULE_TO_CLOSE,
+        retry_policy=LOCAL_RETRY,
+    )
 
 
 def _tool_failure(cause: BaseException | None) -> str:
