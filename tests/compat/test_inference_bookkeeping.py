@@ -51,12 +51,21 @@ async def workflows(temporal_client: Client) -> AsyncIterator[None]:
 
 
 async def _call(
-    client: Client, worker: GpuWorker, request: Any, workflow_id: str | None = None
+    client: Client,
+    worker: GpuWorker,
+    request: Any,
+    workflow_id: str | None = None,
+    *,
+    heartbeat_timeout_s: float = 2.0,
 ) -> CallOutcome:
     return await asyncio.wait_for(
         client.execute_workflow(
             CallOnce.run,
-            Call(request=request, task_queue=worker.task_queue),
+            Call(
+                request=request,
+                task_queue=worker.task_queue,
+                heartbeat_timeout_s=heartbeat_timeout_s,
+            ),
             id=workflow_id or f"call-{uuid.uuid4()}",
             task_queue=QUEUE,
         ),
@@ -219,7 +228,8 @@ async def test_cut_and_resumed_call_keeps_its_output_text_out_of_history(
         proxy.fault = Fault(cut_after_chunks=800)
         async with cut_worker, worker:
             cut_id, resumed_id = f"cut-{uuid.uuid4()}", f"resumed-{uuid.uuid4()}"
-            cut = await _call(temporal_client, cut_worker, request, cut_id)
+            # A long stream on a busy CPU: a 2 s heartbeat timeout could end it before the cut.
+            cut = await _call(temporal_client, cut_worker, request, cut_id, heartbeat_timeout_s=20)
             assert cut.error_type == "StreamCut", cut
             progress = AttemptProgress.from_details([cut.details], source="StreamCut details")
             assert progress is not None
@@ -233,6 +243,7 @@ async def test_cut_and_resumed_call_keeps_its_output_text_out_of_history(
                 worker,
                 request.model_copy(update={"checkpoint": partial}),
                 resumed_id,
+                heartbeat_timeout_s=20,
             )
     finally:
         proxy.stop()
