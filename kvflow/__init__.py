@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvflow.activities.tools import tool_heartbeats, tool_idempotency_key
-    from kvflow.activities.wire import ChatMessage, ContextRef, InferenceResult, Usage
+    from kvflow.activities.wire import (
+        ChatMessage,
+        ContextRef,
+        InferenceResult,
+        ToolCall,
+        ToolSpec,
+        Usage,
+    )
     from kvflow.scheduler.fleet import Fleet, format_usd, task_queue_for
     from kvflow.workers.config import FleetConfig, FleetConfigError, load_fleet
     from kvflow.workers.embedded import EmbeddedFleet
@@ -43,6 +50,8 @@ _WHERE = {
     "StepSpend": "kvflow.workflows.agent",
     "TaskErrorType": "kvflow.workflows.errors",
     "TaskSpec": "kvflow.workflows.agent",
+    "ToolCall": "kvflow.activities.wire",
+    "ToolSpec": "kvflow.activities.wire",
     "Usage": "kvflow.activities.wire",
     "format_usd": "kvflow.scheduler.fleet",
     "load_fleet": "kvflow.workers.config",
@@ -67,6 +76,8 @@ __all__ = [
     "StepSpend",
     "TaskErrorType",
     "TaskSpec",
+    "ToolCall",
+    "ToolSpec",
     "Usage",
     "format_usd",
     "load_fleet",

@@ -11,7 +11,7 @@ from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
     from kvflow.activities.tools import tool_heartbeats, tool_idempotency_key
-    from kvflow.activities.wire import ChatMessage, ContextRef, Sampling
+    from kvflow.activities.wire import ChatMessage, ContextRef, Sampling, ToolSpec
     from kvflow.workflows.agent import Agent, TaskSpec
 
 
@@ -317,6 +317,71 @@ class OneCall:
             return result.text
 
 
+WEATHER = ToolSpec(
+    name="get_weather",
+    description="Today's weather in a city",
+    parameters={
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+        "required": ["city", "unit"],
+    },
+)
+
+
+class ToolLoopInput(BaseModel):
+    spec: TaskSpec
+    model: str
+    question: str = "What should I wear in Lisbon today?"
+    first_choice: str = "required"
+
+
+class ToolLoopOutput(BaseModel):
+    calls: list[dict[str, str]]
+    finish_reasons: list[str]
+    answer: str
+    replicas: list[str]
+
+
+@workflow.defn
+class ToolLoop:
+    """Ask with a tool, run the call the model made, give it the result, ask again."""
+
+    @workflow.run
+    async def run(self, task: ToolLoopInput) -> ToolLoopOutput:
+        agent = Agent(task.spec)
+        async with agent:
+            chat = [ChatMessage(role="user", content=task.question)]
+            first = await agent.infer(
+                chat,
+                model=task.model,
+                max_tokens=200,
+                tools=[WEATHER],
+                tool_choice=task.first_choice,
+                step="decide",
+            )
+            chat.append(
+                ChatMessage(role="assistant", content=first.text, tool_calls=first.tool_calls)
+            )
+            for call in first.tool_calls:
+                chat.append(
+                    ChatMessage(role="tool", tool_call_id=call.id, content="18 degrees, light rain")
+                )
+            second = await agent.infer(
+                chat,
+                model=task.model,
+                max_tokens=40,
+                tools=[WEATHER],
+                tool_choice="none",
+                step="answer",
+            )
+            return ToolLoopOutput(
+                calls=[c.model_dump() for c in first.tool_calls],
+                finish_reasons=[first.finish_reason, second.finish_reason],
+                answer=second.text,
+                replicas=[first.replica, second.replica],
+            )
+
+
 ALL_WORKFLOWS = [
     MultiStepAgent,
     RefundThenReply,
@@ -326,6 +391,7 @@ ALL_WORKFLOWS = [
     BookTrip,
     CheckIn,
     OneCall,
+    ToolLoop,
 ]
 ALL_ACTIVITIES = [
     issue_refund,

@@ -45,6 +45,7 @@ from kvflow.scheduler.placement import (
     PlacementRequest,
     Refusal,
 )
+from kvflow.scheduler.tokens import render_tools
 
 log = logging.getLogger(__name__)
 
@@ -198,13 +199,13 @@ class ControlPlaneActivities:
         tokenizer = self.tokenizers.for_model(place.request.model)
         partial = await self._text(place.checkpoint_text)
         if place.messages is not None:
-            messages = [
-                {"role": m.role, "content": await self._text(m.content)} for m in place.messages
-            ]
+            messages = [m.to_api(await self._text(m.content)) for m in place.messages]
             # A chat resume sends the partial answer without its trailing whitespace.
             partial = partial.rstrip()
             if partial:
                 messages.append({"role": "assistant", "content": partial})
+            # Tools, and earlier tool calls, are part of the prompt the engine caches.
+            messages = render_tools(messages, [tool.to_api() for tool in place.tools or ()])
             return await tokenizer.encode_chat(
                 messages,
                 add_generation_prompt=not partial,

@@ -20,7 +20,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -44,11 +44,13 @@ from kvflow.activities.wire import (
     CONVERSATION,
     INLINE_LIMIT_BYTES,
     AttemptProgress,
+    ChatMessage,
     Checkpoint,
     ContextRef,
     InferenceRequest,
     InferenceResult,
     Timings,
+    ToolCall,
     Usage,
     needs_store,
 )
@@ -85,6 +87,22 @@ class Progress:
     """The engine's last valid usage report; None while it has sent none."""
     resumable: bool = True
     """False once the output must not be continued (its engine miscounted tokens)."""
+    tool_calls: dict[int, dict[str, str]] = field(default_factory=dict)
+    """The tool calls streamed so far, by their index: `id`, `name` and `arguments` text."""
+
+    def finished_tool_calls(self) -> list[ToolCall]:
+        """The tool calls of a finished answer, in the order the model wrote them."""
+        calls = []
+        for index in sorted(self.tool_calls):
+            call = self.tool_calls[index]
+            calls.append(
+                ToolCall(
+                    id=call.get("id") or f"call_{index}",
+                    name=call.get("name", ""),
+                    arguments=call.get("arguments") or "{}",
+                )
+            )
+        return calls
 
     def usage(self) -> Usage:
         """Tokens of the current attempt so far."""
@@ -95,8 +113,12 @@ class Progress:
         )
 
     def checkpoint(self) -> Checkpoint:
-        """The partial output, to continue from (none when it is not `resumable`)."""
-        if not self.resumable:
+        """The partial output, to continue from (none when it is not `resumable`).
+
+        A call cut while it wrote a tool call starts over: the API continues a message's text,
+        not a tool call's arguments.
+        """
+        if not self.resumable or self.tool_calls:
             return Checkpoint()
         return Checkpoint(
             text=self.text, completion_tokens=self.reused_tokens + self.completion_tokens
@@ -342,6 +364,7 @@ class InferenceActivities:
             gpu=self.replica.pool.gpu.value,
             cost_micros=cost,
             reused_tokens=progress.reused_tokens,
+            tool_calls=progress.finished_tool_calls(),
         )
 
     async def _resumed_text(self, request: InferenceRequest, checkpoint: Checkpoint | None) -> str:
@@ -491,6 +514,11 @@ def _checkpoint_from_heartbeat(info: activity.Info) -> Checkpoint | None:
     return last.resumable() if last else None
 
 
+def _message_body(message: ChatMessage) -> dict[str, Any]:
+    assert isinstance(message.content, str), "context references are resolved before this"
+    return message.to_api(message.content)
+
+
 def _request_body(
     request: InferenceRequest, resumed: str, reused: int
 ) -> tuple[str, dict[str, Any]]:
@@ -514,8 +542,16 @@ def _request_body(
             "type": "json_schema",
             "json_schema": {"name": "output", "schema": request.json_schema},
         }
+    if request.tools:
+        body["tools"] = [tool.to_api() for tool in request.tools]
+    if request.tool_choice is not None:
+        body["tool_choice"] = (
+            request.tool_choice
+            if request.tool_choice in ("auto", "required", "none")
+            else {"type": "function", "function": {"name": request.tool_choice}}
+        )
     if request.messages is not None:
-        messages = [m.model_dump() for m in request.messages]
+        messages = [_message_body(m) for m in request.messages]
         if resumed:
             messages.append({"role": "assistant", "content": resumed})
             # vLLM refuses continue_final_message unless add_generation_prompt is off.
@@ -626,6 +662,7 @@ def _apply_chunk(
 ) -> None:
     """Add one chunk to `progress`; a chunk of the wrong shape or wrong usage raises."""
     pieces, finish = _chunk_parts(chunk, chat=chat, replica=replica)
+    calls = _tool_call_deltas(chunk, replica=replica) if chat else []
     usage = chunk.get("usage")
     # `{}` and null say nothing: some servers send them on every chunk before the real one.
     reported = _apply_usage(usage, progress, bounds, replica) if usage else False
@@ -636,8 +673,63 @@ def _apply_chunk(
         progress.text += piece
         if not reported:
             progress.completion_tokens += 1
+    for index, delta in calls:
+        if progress.first_token_at is None:
+            progress.first_token_at = time.monotonic()
+        call = progress.tool_calls.setdefault(index, {})
+        for key in ("id", "name"):
+            if delta.get(key):
+                call[key] = delta[key]
+        call["arguments"] = call.get("arguments", "") + delta.get("arguments", "")
+        if not reported:
+            progress.completion_tokens += 1
     if finish:
         progress.finish_reason = finish
+
+
+def _tool_call_deltas(chunk: dict[str, Any], *, replica: str) -> list[tuple[int, dict[str, str]]]:
+    """The tool-call pieces of a chat chunk, as (index, {id, name, arguments}) in order.
+
+    vLLM streams a call as a first delta with its `id` and function `name`, then pieces of
+    its `arguments` JSON, all under the call's `index`.
+    """
+    found: list[tuple[int, dict[str, str]]] = []
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        calls = delta.get("tool_calls") if isinstance(delta, dict) else None
+        if not calls:
+            continue
+        if not isinstance(calls, list):
+            raise MalformedResponse(
+                f"a chunk's tool_calls are not a list: {_snippet(json.dumps(chunk))}",
+                replica=replica,
+            )
+        for position, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            index = call.get("index", position) if isinstance(call, dict) else None
+            if not isinstance(index, int) or (
+                function is not None and not isinstance(function, dict)
+            ):
+                raise MalformedResponse(
+                    f"a chunk's tool call has no index or function: {_snippet(json.dumps(chunk))}",
+                    replica=replica,
+                )
+            piece: dict[str, str] = {}
+            for key, value in (
+                ("id", call.get("id")),
+                ("name", (function or {}).get("name")),
+                ("arguments", (function or {}).get("arguments")),
+            ):
+                if value is None:
+                    continue
+                if not isinstance(value, str):
+                    raise MalformedResponse(
+                        f"a chunk's tool call {key} is not a string: {_snippet(json.dumps(chunk))}",
+                        replica=replica,
+                    )
+                piece[key] = value
+            found.append((index, piece))
+    return found
 
 
 def _chunk_parts(
@@ -699,6 +791,9 @@ class UsageBounds:
         messages = body.get("messages")
         if messages is not None:
             texts = [str(m.get("content") or "") for m in messages]
+            # Tools and earlier tool calls are rendered into the prompt too.
+            texts += [json.dumps(m["tool_calls"]) for m in messages if m.get("tool_calls")]
+            texts += [json.dumps(tool) for tool in body.get("tools") or ()]
             overhead = cls.TEMPLATE_TOKENS + cls.MESSAGE_TOKENS * len(messages)
         else:
             texts = [str(body.get("prompt") or "")]

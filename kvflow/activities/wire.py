@@ -112,11 +112,71 @@ def needs_store(text: str) -> bool:
 # ---- one model call ---------------------------------------------------------------------------
 
 
+TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+"""What OpenAI's API (and so vLLM) accepts as a function's name."""
+
+
+class ToolSpec(BaseModel):
+    """A function the model may call: one entry of the OpenAI API's `tools`."""
+
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] = Field(
+        default_factory=lambda: {"type": "object", "properties": {}},
+        description="the arguments' JSON schema",
+    )
+    strict: bool | None = None
+
+    def to_api(self) -> dict[str, Any]:
+        """The tool as an entry of the API's `tools` (fields in the API's order)."""
+        function: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            function["description"] = self.description
+        function["parameters"] = self.parameters
+        if self.strict is not None:
+            function["strict"] = self.strict
+        return {"type": "function", "function": function}
+
+
+class ToolCall(BaseModel):
+    """A call of a `ToolSpec` the model asked for; `arguments` is the JSON text it wrote."""
+
+    id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str = "{}"
+
+
+ToolChoice = str
+"""`"auto"`, `"required"`, `"none"`, or the name of the one tool the model must call."""
+
+
 class ChatMessage(BaseModel):
-    """One message of a chat conversation; large contents travel as a `ContextRef`."""
+    """One message of a chat conversation; large contents travel as a `ContextRef`.
+
+    An assistant message may carry the `tool_calls` it made (its content then often empty); a
+    `tool` message answers one of them, named by `tool_call_id`.
+    """
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str | ContextRef
+    content: str | ContextRef = ""
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def to_api(self, content: str) -> dict[str, Any]:
+        """The message as the API takes it, with `content` (resolved); unset fields left out."""
+        body: dict[str, Any] = {"role": self.role, "content": content}
+        if self.tool_calls:
+            body["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            body["tool_call_id"] = self.tool_call_id
+        return body
 
 
 CONVERSATION = TypeAdapter(list[ChatMessage])
@@ -158,6 +218,8 @@ class InferenceRequest(BaseModel):
     max_tokens: int = Field(ge=1)
     sampling: Sampling = Field(default_factory=Sampling)
     json_schema: dict[str, Any] | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
     tenant: str = "default"
     step: str = "infer"
     deadline: datetime | None = None
@@ -165,7 +227,14 @@ class InferenceRequest(BaseModel):
 
     @model_validator(mode="after")
     def _messages_or_prompt(self) -> Self:
-        problem = call_input_problem(self.model, self.messages, self.prompt, self.max_tokens)
+        problem = call_input_problem(
+            self.model,
+            self.messages,
+            self.prompt,
+            self.max_tokens,
+            tools=self.tools,
+            tool_choice=self.tool_choice,
+        )
         if problem is not None:
             raise ValueError(problem)
         return self
@@ -176,6 +245,9 @@ def call_input_problem(
     messages: Sequence[ChatMessage] | None,
     prompt: str | ContextRef | None,
     max_tokens: int,
+    *,
+    tools: Sequence[ToolSpec] | None = None,
+    tool_choice: ToolChoice | None = None,
 ) -> str | None:
     """What makes a model call's input unusable, and how to fix it; None when it is usable.
 
@@ -192,6 +264,30 @@ def call_input_problem(
         return "`prompt` is empty: give the text to complete"
     if max_tokens < 1:
         return f"max_tokens is {max_tokens}: ask for at least 1 output token"
+    return _tools_problem(messages, tools, tool_choice)
+
+
+def _tools_problem(
+    messages: Sequence[ChatMessage] | None,
+    tools: Sequence[ToolSpec] | None,
+    tool_choice: ToolChoice | None,
+) -> str | None:
+    """What is wrong with a call's tools and its choice among them; None when nothing is."""
+    if (tools or tool_choice is not None) and messages is None:
+        return "tools need a chat call: give `messages`, not `prompt`"
+    names = [tool.name for tool in tools or ()]
+    if len(set(names)) < len(names):
+        twice = sorted({name for name in names if names.count(name) > 1})
+        return f"tools {twice} are given twice: give each tool once"
+    if tool_choice is None or tool_choice in ("auto", "none"):
+        return None
+    if not names:
+        return f"tool_choice is {tool_choice!r} but no tools are given: give `tools`"
+    if tool_choice != "required" and tool_choice not in names:
+        return (
+            f"tool_choice {tool_choice!r} is not one of the tools {names}: name one of them, "
+            '"auto", "required" or "none"'
+        )
     return None
 
 
@@ -232,6 +328,8 @@ class InferenceResult(BaseModel):
     cost_micros: int
     reused_tokens: int = 0
     """Output tokens taken from a checkpoint instead of decoded again."""
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    """The tools the model asked to call (`finish_reason` is then "tool_calls")."""
 
 
 # ---- an attempt in flight, and how it failed -------------------------------------------------
@@ -305,6 +403,8 @@ class PlaceInput(BaseModel):
     prompt: str | ContextRef | None = None
     checkpoint_text: str | ContextRef = ""
     """Partial output a resume will send as well (it is part of the prompt then)."""
+    tools: list[ToolSpec] | None = None
+    """The call's tools: the engine renders them into the prompt."""
 
 
 class PlaceAnswer(BaseModel):

@@ -424,3 +424,61 @@ def check_tokenizer_setting(value: str) -> str:
             f'chat_template in {_CONFIG_FILE}, or use tokenizer = "vllm"'
         )
     return value
+
+
+def render_tools(
+    messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = ()
+) -> list[dict[str, Any]]:
+    r"""A conversation as the chat template renders it, tools written in as text.
+
+    vLLM renders tools into the chat template; the simulator writes them the way Hermes-style
+    templates do, so that they count as prompt tokens and share a cached prefix:
+
+    - the tools' JSON, one per line between `<tools>` and `</tools>` after a `# Tools` heading,
+      ends the first system message (a system message is put first if there is none),
+      whatever `tool_choice` says, as vLLM keeps tools in the prompt for `"none"`;
+    - an assistant message's `tool_calls` follow its content, each as
+      `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`;
+    - a `tool` message stays a message of role `tool` whose content is the result.
+
+    Real models' templates write tools their own way (vLLM passes them to the template); for
+    them this is an approximation of the prompt's size and prefix. `tools` are the API's
+    entries (`{"type": "function", "function": {...}}`). A malformed `tool_calls` entry raises
+    `ValueError`.
+    """
+    rendered = [_template_message(index, m) for index, m in enumerate(messages)]
+    if not tools:
+        return rendered
+    lines = [json.dumps(tool, ensure_ascii=False) for tool in tools]
+    block = "# Tools\n<tools>\n" + "\n".join(lines) + "\n</tools>"
+    if rendered and rendered[0].get("role") == "system":
+        text = message_text(rendered[0].get("content"))
+        rendered[0] = {**rendered[0], "content": f"{text}\n\n{block}" if text else block}
+    else:
+        rendered.insert(0, {"role": "system", "content": block})
+    return rendered
+
+
+def _template_message(index: int, message: Mapping[str, Any]) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if not calls:
+        return dict(message)
+    if not isinstance(calls, list):
+        raise ValueError(f"messages[{index}].tool_calls must be a list")
+    parts = [message_text(message.get("content"))] if message.get("content") else []
+    for number, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        name = function.get("name") if isinstance(function, Mapping) else None
+        arguments = function.get("arguments", "{}") if isinstance(function, Mapping) else None
+        if not isinstance(name, str) or not isinstance(arguments, str):
+            raise ValueError(
+                f"messages[{index}].tool_calls[{number}] needs a function with a `name` "
+                "string and an `arguments` JSON string"
+            )
+        try:
+            parsed: Any = json.loads(arguments)
+        except json.JSONDecodeError:
+            parsed = arguments  # a model's malformed arguments go back as they came
+        call_text = json.dumps({"name": name, "arguments": parsed}, ensure_ascii=False)
+        parts.append(f"<tool_call>\n{call_text}\n</tool_call>")
+    return {**message, "content": "\n".join(parts)}

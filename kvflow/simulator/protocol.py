@@ -13,14 +13,12 @@ with `BadRequestError` (400: bad parameters, among them the cross-field checks o
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
 from http import HTTPStatus
 from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kvflow.scheduler.tokens import message_text
+from kvflow.scheduler.tokens import render_tools
 
 _ERROR_TYPES = {
     400: "BadRequestError",
@@ -305,53 +303,10 @@ class DetokenizeBody(_Body):
 def template_messages(
     messages: list[dict[str, Any]], tools: list[ChatTool] | None
 ) -> list[dict[str, Any]]:
-    r"""A conversation as the chat template renders it, tools written in as text.
+    """A conversation as the chat template renders it, tools written in as text.
 
-    vLLM renders tools into the chat template; the simulator writes them the way Hermes-style
-    templates do, so that they count as prompt tokens and share a cached prefix:
-
-    - the tools' JSON, one per line between `<tools>` and `</tools>` after a `# Tools` heading,
-      ends the first system message (a system message is put first if there is none),
-      whatever `tool_choice` says, as vLLM keeps tools in the prompt for `"none"`;
-    - an assistant message's `tool_calls` follow its content, each as
-      `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`;
-    - a `tool` message stays a message of role `tool` whose content is the result.
-
-    A malformed `tool_calls` entry raises `ValueError` (the server answers 400).
+    The rendering is `kvflow.scheduler.tokens.render_tools`, which the scheduler uses as well,
+    so that a placement hashes the prompt the simulated engine caches. A malformed
+    `tool_calls` entry raises `ValueError` (the server answers 400).
     """
-    rendered = [_template_message(index, m) for index, m in enumerate(messages)]
-    if not tools:
-        return rendered
-    lines = [json.dumps(tool.model_dump(exclude_none=True), ensure_ascii=False) for tool in tools]
-    block = "# Tools\n<tools>\n" + "\n".join(lines) + "\n</tools>"
-    if rendered and rendered[0].get("role") == "system":
-        text = message_text(rendered[0].get("content"))
-        rendered[0] = {**rendered[0], "content": f"{text}\n\n{block}" if text else block}
-    else:
-        rendered.insert(0, {"role": "system", "content": block})
-    return rendered
-
-
-def _template_message(index: int, message: dict[str, Any]) -> dict[str, Any]:
-    calls = message.get("tool_calls")
-    if not calls:
-        return message
-    if not isinstance(calls, list):
-        raise ValueError(f"messages[{index}].tool_calls must be a list")
-    parts = [message_text(message.get("content"))] if message.get("content") else []
-    for number, call in enumerate(calls):
-        function = call.get("function") if isinstance(call, Mapping) else None
-        name = function.get("name") if isinstance(function, Mapping) else None
-        arguments = function.get("arguments", "{}") if isinstance(function, Mapping) else None
-        if not isinstance(name, str) or not isinstance(arguments, str):
-            raise ValueError(
-                f"messages[{index}].tool_calls[{number}] needs a function with a `name` "
-                "string and an `arguments` JSON string"
-            )
-        try:
-            parsed: Any = json.loads(arguments)
-        except json.JSONDecodeError:
-            parsed = arguments  # a model's malformed arguments go back as they came
-        call_text = json.dumps({"name": name, "arguments": parsed}, ensure_ascii=False)
-        parts.append(f"<tool_call>\n{call_text}\n</tool_call>")
-    return {**message, "content": "\n".join(parts)}
+    return render_tools(messages, [tool.model_dump(exclude_none=True) for tool in tools or ()])

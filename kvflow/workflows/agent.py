@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
+from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from types import TracebackType
@@ -92,6 +93,8 @@ with workflow.unsafe.imports_passed_through():
         PlaceInput,
         ResumedAttempts,
         Sampling,
+        ToolChoice,
+        ToolSpec,
         UnreadableDetails,
         call_input_problem,
         digest_of,
@@ -274,6 +277,8 @@ class _Call:
     max_tokens: int
     schema: dict[str, Any] | None
     sampling: Sampling
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
     exclude: list[str] = field(default_factory=list)
     """Replicas that failed this call."""
     checkpoint: Checkpoint | None = None
@@ -295,6 +300,10 @@ class _Failure(BaseModel):
     retryable: bool
     checkpoint: Checkpoint | None = None
     attempt: AttemptSpend
+
+
+_CURRENT: ContextVar[Agent | None] = ContextVar("kvflow_current_agent", default=None)
+"""The `Agent` whose `async with` block the running workflow code is in."""
 
 
 class Agent:
@@ -323,10 +332,22 @@ class Agent:
         self._published: dict[str, str | int] = {attrs.OUTCOME.name: "running"}
         """The search attributes' values as last upserted (`_publish`)."""
         self._published_at: datetime | None = None
+        self._entered: Token[Agent | None] | None = None
+        """Undoes `Agent.current()` when the `async with` block ends."""
 
     # ---- the task's bracket ------------------------------------------------------------------
 
+    @staticmethod
+    def current() -> Agent | None:
+        """The task whose `async with agent:` block is running, or None outside any.
+
+        How framework adapters (`kvflow.contrib`) find the task that places and bills the
+        model calls of an agent run inside the block.
+        """
+        return _CURRENT.get()
+
     async def __aenter__(self) -> Agent:
+        self._entered = _CURRENT.set(self)
         return self
 
     async def __aexit__(
@@ -335,6 +356,9 @@ class Agent:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        entered, self._entered = self._entered, None
+        if entered is not None:
+            _CURRENT.reset(entered)
         if exc is None:
             await self._close(TaskOutcome.SUCCEEDED)
             return
@@ -369,6 +393,9 @@ class Agent:
         step: str = ...,
         prompt: str | None = None,
         sampling: Sampling | None = None,
+        tools: Sequence[ToolSpec] | None = None,
+        tool_choice: ToolChoice | None = None,
+        json_schema: dict[str, Any] | None = None,
     ) -> T: ...
 
     @overload
@@ -382,6 +409,9 @@ class Agent:
         step: str = ...,
         prompt: str | None = None,
         sampling: Sampling | None = None,
+        tools: Sequence[ToolSpec] | None = None,
+        tool_choice: ToolChoice | None = None,
+        json_schema: dict[str, Any] | None = None,
     ) -> InferenceResult: ...
 
     async def infer(
@@ -394,15 +424,27 @@ class Agent:
         step: str = "infer",
         prompt: str | None = None,
         sampling: Sampling | None = None,
+        tools: Sequence[ToolSpec] | None = None,
+        tool_choice: ToolChoice | None = None,
+        json_schema: dict[str, Any] | None = None,
     ) -> T | InferenceResult:
         """Run one model call on the best replica; see the module docstring for the steps.
 
         Give `messages` (chat) or `prompt` (completion). With `output`, the answer is asked for
-        as JSON matching that model's schema and returned parsed.
+        as JSON matching that model's schema and returned parsed; with `json_schema` (a raw
+        schema, for callers that hold no pydantic model) it is asked for the same way and
+        returned unparsed. With `tools`, the model may answer with `InferenceResult.tool_calls`
+        instead of text; `tool_choice` is "auto" (the default when tools are given),
+        "required", "none" or the name of the one tool it must call. Running the tools is the
+        caller's: their results go back as `ChatMessage(role="tool", tool_call_id=...)`.
         """
         record = StepSpend(index=len(self.steps) + 1, name=step, kind="infer", model=model)
         self.steps.append(record)
-        problem = call_input_problem(model, messages, prompt, max_tokens)
+        problem = call_input_problem(
+            model, messages, prompt, max_tokens, tools=tools, tool_choice=tool_choice
+        )
+        if problem is None and output is not None and json_schema is not None:
+            problem = "give `output` (a pydantic model) or `json_schema`, not both"
         if problem is not None:
             # Refused here: the same rule raised while building the request would fail the
             # workflow task, which Temporal retries forever.
@@ -412,11 +454,19 @@ class Agent:
         text_prompt: str | ContextRef | None = None
         if prompt is not None:
             text_prompt = await self._store_if_large(prompt)
-        schema = output.model_json_schema() if output is not None else None
+        schema = output.model_json_schema() if output is not None else json_schema
         repairs_left = self.spec.schema_repairs
         while True:
             call = _Call(
-                record, model, chat, text_prompt, max_tokens, schema, sampling or Sampling()
+                record,
+                model,
+                chat,
+                text_prompt,
+                max_tokens,
+                schema,
+                sampling or Sampling(),
+                tools=list(tools) if tools else None,
+                tool_choice=tool_choice,
             )
             result = await self._call(call)
             if output is None:
@@ -470,6 +520,8 @@ class Agent:
                 max_tokens=call.max_tokens,
                 sampling=call.sampling,
                 json_schema=call.schema,
+                tools=call.tools,
+                tool_choice=call.tool_choice,
                 tenant=self.spec.tenant,
                 step=record.name,
                 deadline=self._deadline,
@@ -600,6 +652,7 @@ class Agent:
                     messages=call.chat,
                     prompt=call.prompt,
                     checkpoint_text=checkpoint.text if checkpoint else "",
+                    tools=call.tools,
                 ),
                 PlaceAnswer,
                 record,
