@@ -151,6 +151,7 @@ class VllmServer:
         kv_cache_space_gib: int = 1,
         ready_timeout_s: float = READY_TIMEOUT_S,
         stop_timeout_s: float = STOP_TIMEOUT_S,
+        tool_call_parser: str | None = "hermes",
     ) -> None:
         if not served_model_names:
             raise ValueError("served_model_names needs at least one name")
@@ -166,6 +167,9 @@ class VllmServer:
         self.kv_cache_space_gib = kv_cache_space_gib
         self.ready_timeout_s = ready_timeout_s
         self.stop_timeout_s = stop_timeout_s
+        self.tool_call_parser = tool_call_parser
+        """vLLM's `--tool-call-parser` for `tool_choice: "auto"`; None leaves "auto" off (vLLM
+        then refuses it with 400, while "required" and a named tool work without one)."""
         self.kv_events_endpoint: str | None = None
         """ZMQ PUB socket (`ipc://...`) of `[topic, sequence, msgpack batch]` messages."""
         self.kv_replay_endpoint: str | None = None
@@ -213,6 +217,10 @@ class VllmServer:
             # Eager mode is ready in about 26 s instead of about a minute with compilation.
             "--enforce-eager",
         ]
+        if self.tool_call_parser is not None:
+            # Tool calls the model writes as text (`<tool_call>{...}</tool_call>` for Hermes)
+            # come back as `tool_calls`, as agent frameworks expect.
+            command += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
         positions = model_max_positions(self.model_dir)
         if positions is not None and self.max_model_len > positions:
             # A longer context than the model was built for: extend its rotary position
