@@ -156,6 +156,25 @@ def test_fleet_check_prints_the_fleet_and_exits_0():
         assert word in result.output
 
 
+def test_fleet_check_masks_credentials_in_endpoint_urls(tmp_path: Path):
+    text = EXAMPLE.read_text()
+    first = 'endpoints = "simulated"'
+    assert first in text
+    path = tmp_path / "credentials.toml"
+    path.write_text(
+        text.replace(
+            first,
+            'endpoints = ["http://ops:s3cret-pw@10.0.0.5:8000", "http://10.0.0.6:8000"]',
+            1,
+        )
+    )
+    result = CliRunner().invoke(app, ["fleet", "check", str(path)])
+    assert result.exit_code == 0, result.output
+    # The operator sees which endpoint, never its password.
+    assert "http://ops:***@10.0.0.5" in result.output and "10.0.0.6:8000" in result.output
+    assert "s3cret" not in result.output
+
+
 def test_fleet_check_exits_2_listing_every_error_without_traceback(tmp_path: Path):
     path = tmp_path / "bad.toml"
     path.write_text(_example_with("tier = 5 => tier = 9").replace('gpu = "L4"', 'gpu = "T4"'))

@@ -26,9 +26,9 @@ from kvflow.ledger import (
     open_ledger,
 )
 from kvflow.ledger.spool import AttemptSpool, SpooledAttemptWriter
-from kvflow.ledger.store import redact_url
 from kvflow.scheduler.fleet import Fleet
 from kvflow.scheduler.placement import PlacementRequest, Refusal, RefusalReason
+from kvflow.scheduler.redact import redact_url
 from kvflow.workers.control_plane import ControlPlane
 from tests.fixtures_ledger import attempt_record
 from tests.fleets import one_pool_fleet
@@ -274,6 +274,12 @@ def test_passwords_in_query_parameters_and_libpq_strings_are_redacted() -> None:
         "host=h sslpassword=*** password = ***"
     )
     assert redact_url("postgresql://u@h/db?schema=s1") == "postgresql://u@h/db?schema=s1"
+    # Endpoint URLs: API keys and tokens too, but not a key file's path (libpq `sslkey`).
+    assert redact_url("https://vllm.example/v1?api_key=k3y&x=1") == (
+        "https://vllm.example/v1?api_key=***&x=1"
+    )
+    assert redact_url("http://h/?access_token=t0k") == "http://h/?access_token=***"
+    assert redact_url("host=h sslkey=/etc/k.pem") == "host=h sslkey=/etc/k.pem"
 
 
 def test_password_in_the_query_stays_out_of_ledger_errors() -> None:

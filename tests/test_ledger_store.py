@@ -30,8 +30,9 @@ from kvflow.ledger import (
 )
 from kvflow.ledger.metrics import METER_NAME
 from kvflow.ledger.migrations import LATEST_VERSION
-from kvflow.ledger.store import postgres_conninfo, redact_url, sqlite_path
+from kvflow.ledger.store import postgres_conninfo, sqlite_path
 from kvflow.scheduler.fleet import TokenPrices
+from kvflow.scheduler.redact import redact_url
 from tests.fixtures_ledger import PRICES, T0, attempt_record, task_record, with_schema
 
 WRITERS = 8

@@ -24,6 +24,7 @@ from kvflow.cli.demo import demo
 from kvflow.cli.ledger import ledger_app, report_command
 from kvflow.cli.sim import sim_app
 from kvflow.cli.worker import worker_app
+from kvflow.scheduler.redact import redact_url
 from kvflow.workers.console import (
     PortOption,
     StateDirOption,
@@ -83,7 +84,7 @@ def fleet_check(
         endpoints = (
             pool.endpoints
             if isinstance(pool.endpoints, str)
-            else "\n".join(str(u) for u in pool.endpoints)
+            else "\n".join(redact_url(str(u)) for u in pool.endpoints)
         )
         pools.add_row(
             pool.name,

@@ -14,6 +14,7 @@ from kvflow.activities.context_store import DEFAULT_CONTEXT_DIR, DirectoryContex
 from kvflow.ledger.errors import LedgerError
 from kvflow.ledger.store import open_async_ledger
 from kvflow.scheduler.build import scheduler_build
+from kvflow.scheduler.redact import redact_url
 from kvflow.workers.config import FleetConfig
 from kvflow.workers.console import fail, load_fleet_or_exit, out
 from kvflow.workers.control_plane import ControlPlane
@@ -97,7 +98,8 @@ def gpu(
             _shutdown_on_signals(worker.shutdown)
             await worker.run(
                 on_ready=lambda: out.print(
-                    f"GPU worker for {binding.name} ({binding.base_url}) polls {worker.task_queue}"
+                    f"GPU worker for {binding.name} ({redact_url(binding.base_url)}) polls "
+                    f"{worker.task_queue}"
                 )
             )
         finally:

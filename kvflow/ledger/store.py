@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
@@ -34,6 +33,7 @@ from kvflow.ledger.migrations import LATEST_VERSION, MIGRATIONS, SCHEMA_VERSION_
 from kvflow.ledger.records import AttemptOutcome, AttemptRecord, TaskOutcome, TaskRecord
 from kvflow.ledger.report import AttemptTotals, Report, ReportQuery, TaskFacts, build_report
 from kvflow.scheduler.fleet import TokenPrices
+from kvflow.scheduler.redact import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -93,27 +93,6 @@ _KEY_CHUNK = 200
 def default_ledger_url() -> str:
     """`$KVFLOW_LEDGER_URL`, else the embedded SQLite file `sqlite:///.kvflow/ledger.db`."""
     return os.environ.get(LEDGER_URL_ENV) or DEFAULT_LEDGER_URL
-
-
-# `password=...` (or `sslpassword=...`) in a URL's query or a libpq `key=value` string; the
-# value is a single-quoted libpq string or runs to the next space, `&` or `;`.
-_PASSWORD_PARAM = re.compile(
-    r"(?i)(?<![a-z_])((?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.)*'?|[^\s&;]*)"
-)
-
-
-def redact_url(url: str) -> str:
-    """`url` with every password replaced by `***`, for messages and logs.
-
-    Covers the user-info password (`postgresql://u:secret@h/db`), `password=` query parameters
-    (`postgresql://u@h/db?password=secret`) and libpq `key=value` strings
-    (`host=h password='se cret'`).
-    """
-    parts = urlsplit(url)
-    if parts.password is not None:
-        netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-        url = urlunsplit(parts._replace(netloc=netloc))
-    return _PASSWORD_PARAM.sub(r"\1***", url)
 
 
 class Ledger(ABC):

@@ -34,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvflow.scheduler.core import Scheduler
 from kvflow.scheduler.fleet import Fleet
+from kvflow.scheduler.redact import redact_url
 from kvflow.scheduler.state import ReplicaMetrics
 
 logger = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ class MetricsScraper:
             except (httpx.HTTPError, MetricsParseError) as exc:
                 failures = self._failures[replica] + 1
                 self._failures[replica] = failures
-                logger.debug("scrape of %s (%s) failed: %s", replica, url, exc)
+                logger.debug("scrape of %s (%s) failed: %s", replica, redact_url(url), exc)
                 # Refused: nothing listens where the replica answered, so its server is gone.
                 if isinstance(exc, httpx.ConnectError) or failures >= self.failures_before_down:
                     self._mark_down(replica, url, failures, exc)
@@ -197,7 +198,7 @@ class MetricsScraper:
         logger.warning(
             "replica %s stopped answering %s (%d failure(s): %s); marking it down",
             replica,
-            url,
+            redact_url(url),
             failures,
             str(exc) or type(exc).__name__,
         )

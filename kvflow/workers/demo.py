@@ -56,10 +56,10 @@ from kvflow.ledger.store import (
     AsyncLedger,
     default_ledger_url,
     open_async_ledger,
-    redact_url,
 )
 from kvflow.ledger.table import print_whole, report_table
 from kvflow.scheduler.fleet import Fleet, Pool, format_usd
+from kvflow.scheduler.redact import redact_url
 from kvflow.simulator import FaultSpec
 from kvflow.workers.embedded import EmbeddedFleet
 from kvflow.workers.vllm_server import Engine, VllmInstall, VllmServer, stop_servers

@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 
 from kvflow.activities.inference import ReplicaBinding
+from kvflow.scheduler.redact import redact_url
 from kvflow.workers.config import FleetConfig
 
 
@@ -42,10 +43,12 @@ async def check_endpoint(binding: ReplicaBinding, http: httpx.AsyncClient) -> No
         response = await http.get(url, timeout=5.0)
     except httpx.HTTPError as exc:
         raise GpuWorkerError(
-            f"vLLM for {binding.name} is not answering at {url} ({type(exc).__name__}); "
+            f"vLLM for {binding.name} is not answering at {redact_url(url)} "
+            f"({type(exc).__name__}); "
             "start it, or fix the endpoint in fleet.toml / --endpoint"
         ) from None
     if response.status_code != 200:
         raise GpuWorkerError(
-            f"vLLM for {binding.name} at {url} answered {response.status_code}; it is not healthy"
+            f"vLLM for {binding.name} at {redact_url(url)} answered {response.status_code}; "
+            "it is not healthy"
         )
