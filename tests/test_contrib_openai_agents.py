@@ -1,0 +1,509 @@
+"""OpenAI Agents SDK agents on kvflow: `kvflow.contrib.openai_agents` end to end.
+
+A real Temporal dev server, simulated vLLM replicas with a GPU worker each, and a workflow
+worker whose client carries `KvflowPlugin` and `KvflowAgentsPlugin`, as a user's would. The
+GPU workers' client carries only `KvflowPlugin`, as `kvflow worker gpu`'s does: each reads the
+other's payloads. The agents are written as for Temporal's own OpenAI Agents plugin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import agents
+import pytest
+from agents import AgentOutputSchema, ModelResponse, ModelSettings, UserError
+from agents.usage import Usage
+from openai.types.responses import ResponseOutputMessage
+from pydantic import BaseModel
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.converter import DataConverter
+from temporalio.openai_agents import AgentsWorkflowError, OpenAIPayloadConverter
+from temporalio.worker import Replayer
+
+import samples.openai_agents_travel as travel
+from kvflow.activities.claim_check import ClaimCheckCodec, is_claim_check
+from kvflow.activities.context_store import DirectoryContextStore
+from kvflow.activities.wire import ChatMessage, Sampling, ToolCall, ToolSpec
+from kvflow.contrib.openai_agents import (
+    KvflowAgentsPayloadConverter,
+    KvflowAgentsPlugin,
+    KvflowModel,
+    KvflowRunner,
+    chat_messages,
+    json_schema,
+    output_items,
+    sampling_of,
+    tool_choice,
+    tool_specs,
+)
+from kvflow.ledger.records import AttemptRecord, TaskOutcome, TaskRecord
+from kvflow.ledger.store import AsyncLedger, open_async_ledger
+from kvflow.scheduler.fleet import Fleet
+from kvflow.simulator.faults import FaultSpec
+from kvflow.workers.embedded import EmbeddedFleet
+from kvflow.workers.plugin import KvflowPlugin
+from kvflow.workers.workflow_worker import workflow_worker
+from kvflow.workflows.agent import SPEND_QUERY, AttemptSpend, SpendBreakdown, StepSpend
+from tests import agents_sdk_workflows as wf
+from tests.test_workflows import MODEL, PoolPlan, _spec, cheap_pool_that_crashes, fleet_for
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Stack:
+    client: Client
+    """The workflow worker's client: `KvflowPlugin` and `KvflowAgentsPlugin`."""
+    ledger: AsyncLedger
+    task_queue: str
+    context_dir: Path
+    fleet: EmbeddedFleet
+
+    async def start(self, run: Any, arg: Any) -> WorkflowHandle[Any, Any]:
+        return await self.client.start_workflow(
+            run, arg, id=f"agents-{uuid.uuid4()}", task_queue=self.task_queue
+        )
+
+    async def rows(
+        self, handle: WorkflowHandle[Any, Any]
+    ) -> tuple[TaskRecord | None, list[AttemptRecord]]:
+        run_id = (await handle.describe()).run_id or ""
+        return await self.ledger.task(handle.id, run_id), await self.ledger.attempts_for(
+            handle.id, run_id
+        )
+
+
+def plugins(context_dir: Path) -> list[Any]:
+    """What a user puts in the workflow worker's client: kvflow's, then the agents plugin."""
+    return [KvflowPlugin(context_dir=context_dir), KvflowAgentsPlugin()]
+
+
+@asynccontextmanager
+async def agents_stack(
+    temporal_client: Client,
+    tmp_path: Path,
+    fleet: Fleet,
+    faults: dict[str, FaultSpec] | None = None,
+) -> AsyncIterator[Stack]:
+    context_dir = tmp_path / "context"
+    # The GPU workers' client: kvflow's converter and codec, no agents plugin.
+    gpu_client = Client(
+        temporal_client.service_client,
+        namespace=temporal_client.namespace,
+        plugins=[KvflowPlugin(context_dir=context_dir)],
+    )
+    client = Client(
+        temporal_client.service_client,
+        namespace=temporal_client.namespace,
+        plugins=plugins(context_dir),
+    )
+    ledger = await open_async_ledger(f"sqlite:///{tmp_path}/ledger.db", migrate=True)
+    task_queue = f"agents-{uuid.uuid4()}"
+    try:
+        async with EmbeddedFleet(
+            gpu_client,
+            fleet,
+            ledger=ledger,
+            store=DirectoryContextStore(context_dir),
+            max_model_len=4096,
+            faults=faults,
+        ) as embedded:
+            assert embedded.control_plane is not None
+            worker = await workflow_worker(
+                client,
+                embedded.control_plane,
+                workflows=wf.WORKFLOWS,
+                activities=wf.ACTIVITIES,
+                task_queue=task_queue,
+            )
+            async with worker:
+                yield Stack(client, ledger, task_queue, context_dir, embedded)
+    finally:
+        await ledger.close()
+
+
+@pytest.fixture(scope="module")
+async def stack(
+    temporal_client: Client, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Stack]:
+    tmp_path = tmp_path_factory.mktemp("openai-agents")
+    async with agents_stack(
+        temporal_client, tmp_path, fleet_for([PoolPlan("gpu", replicas=2)])
+    ) as s:
+        yield s
+
+
+async def assert_replays(stack: Stack, handle: WorkflowHandle[Any, Any]) -> None:
+    """The run's history replays on a `Replayer` with the same plugins (no fleet, no GPU)."""
+    history = await handle.fetch_history()
+    replayer = Replayer(workflows=wf.WORKFLOWS, plugins=plugins(stack.context_dir))
+    await replayer.replay_workflow(history)
+
+
+def scheduled(history: Any) -> list[Any]:
+    return [
+        e.activity_task_scheduled_event_attributes
+        for e in history.events
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+    ]
+
+
+@pytest.mark.timeout(60)
+async def test_travel_sample_answers_and_every_model_call_is_a_billed_kvflow_step(stack: Stack):
+    task = travel.example_input(random.Random(3), "acme")
+    handle = await stack.start(travel.WORKFLOW.run, task)
+    plan = await handle.result()
+
+    # Two turns, each a tool call and an answer: the function tool ran in the workflow, the
+    # activity tool as an activity.
+    assert plan.weather and plan.answer
+    assert plan.tools_called == ["get_weather", "find_flights"]
+    assert plan.model_calls == 4
+
+    # Every model call went through kvflow.infer to a GPU worker's queue; no model activity of
+    # the Temporal plugin ran. find_flights ran on the workflow worker's queue.
+    events = scheduled(await handle.fetch_history())
+    infers = [e for e in events if e.activity_type.name == "kvflow.infer"]
+    assert len(infers) == 4
+    assert all(e.task_queue.name.startswith("kvflow.gpu.gpu.") for e in infers)
+    tools = [e for e in events if e.activity_type.name == "find_flights"]
+    assert len(tools) == 1 and tools[0].task_queue.name == stack.task_queue
+    assert not [e for e in events if "invoke_model" in e.activity_type.name]
+
+    # The ledger: one row per model attempt, each named after the agent, and the task row;
+    # the task's spend is their sum and what the spend query says.
+    spend = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
+    row, attempts = await stack.rows(handle)
+    assert len(attempts) == 4 and all(a.cost_micros > 0 for a in attempts)
+    assert {a.step for a in attempts} == {"travel-agent"}
+    assert row is not None and row.outcome == TaskOutcome.SUCCEEDED
+    assert row.spend_micros == sum(a.cost_micros for a in attempts) == spend.spend_micros
+    assert row.attempts == 4 and [s.name for s in spend.steps] == ["travel-agent"] * 4
+    # The SDK's usage is the ledger's tokens; the second turn repeats the first, so its
+    # prompt was mostly cached where the scheduler kept the conversation.
+    assert plan.input_tokens == sum(a.prompt_tokens for a in attempts)
+    assert plan.output_tokens == sum(a.completion_tokens for a in attempts)
+    assert attempts[2].cached_tokens > 0 and attempts[2].replica == attempts[1].replica
+    await assert_replays(stack, handle)
+
+
+@pytest.mark.timeout(60)
+async def test_runner_outside_a_kvflow_agent_block_fails_with_the_fix(stack: Stack):
+    handle = await stack.start(wf.Writer.run, wf.OneAgentInput(spec=_spec(), kvflow_block=False))
+    with pytest.raises(WorkflowFailureError) as failed:
+        await handle.result()
+    message = str(failed.value.cause)
+    assert "writer" in message and "async with kvflow.Agent(spec):" in message
+    row, attempts = await stack.rows(handle)
+    assert row is None and attempts == []
+
+
+@pytest.mark.timeout(60)
+async def test_failing_tools_follow_the_sdk(stack: Stack):
+    # A function tool's error goes back to the model, which answers.
+    handle = await stack.start(
+        wf.FailingTool.run, wf.ToolFailureInput(spec=_spec(), activity_tool=False)
+    )
+    out = await handle.result()
+    assert out.requests == 2 and "visa service does not know" in out.tool_outputs[0]
+    # An activity tool that fails for good fails the workflow, and kvflow records the task
+    # as failed with the model call it paid for.
+    handle = await stack.start(
+        wf.FailingTool.run, wf.ToolFailureInput(spec=_spec(), activity_tool=True)
+    )
+    with pytest.raises(WorkflowFailureError) as failed:
+        await handle.result()
+    causes = [failed.value.cause]
+    while causes[-1].__cause__ is not None:
+        causes.append(causes[-1].__cause__)
+    assert "AgentsWorkflowError" in str(causes[0])
+    assert any("no rooms left in" in str(c) for c in causes)
+    row, attempts = await stack.rows(handle)
+    assert row is not None and row.outcome == TaskOutcome.FAILED
+    assert len(attempts) == 1 and row.spend_micros == attempts[0].cost_micros
+
+
+@pytest.mark.timeout(60)
+async def test_replica_cut_mid_answer_resumes_elsewhere_and_both_attempts_are_billed(
+    temporal_client: Client, tmp_path: Path
+):
+    pools = cheap_pool_that_crashes()
+    faults = {"cheap/0": pools[0].faults}
+    async with agents_stack(temporal_client, tmp_path, fleet_for(pools), faults) as s:
+        handle = await s.start(wf.Writer.run, wf.OneAgentInput(spec=_spec(expected_steps=1)))
+        out = await handle.result()
+        spend = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
+        [step] = spend.steps
+        first, second = step.attempts
+        assert step.name == "writer"
+        assert first.replica == "cheap/0" and first.outcome in {"StreamCut", "TimeoutHeartbeat"}
+        assert second.replica == "backup/0" and second.outcome == "ok"
+        assert second.reused_tokens > 0 and out.final_output
+        row, attempts = await s.rows(handle)
+        assert {a.replica for a in attempts} == {"cheap/0", "backup/0"}
+        assert all(a.cost_micros > 0 for a in attempts)
+        assert row is not None and row.spend_micros == spend.spend_micros
+        assert spend.spend_micros == sum(a.cost_micros for a in attempts)
+        # The SDK counts both requests and all their tokens, as the ledger does.
+        assert out.requests == 2
+        assert out.input_tokens == sum(a.prompt_tokens for a in attempts)
+        assert out.output_tokens == sum(a.completion_tokens for a in attempts)
+        await assert_replays(s, handle)
+
+
+@pytest.mark.timeout(60)
+async def test_the_sdk_costs_what_the_same_calls_through_agent_infer_cost(
+    temporal_client: Client, tmp_path: Path
+):
+    async def bills(name: str, run: Any) -> list[tuple[Any, ...]]:
+        # A fresh fleet for each, so that neither finds the other's prefix cached.
+        fleet = fleet_for([PoolPlan(name)])
+        async with agents_stack(temporal_client, tmp_path / name, fleet) as s:
+            handle = await s.start(run, wf.OneAgentInput(spec=_spec()))
+            await handle.result()
+            _, attempts = await s.rows(handle)
+        return [
+            (a.prompt_tokens, a.cached_tokens, a.completion_tokens, a.cost_micros) for a in attempts
+        ]
+
+    through_sdk = await bills("sdk", wf.SdkWeather.run)
+    direct = await bills("direct", wf.DirectWeather.run)
+    assert len(through_sdk) == 2  # the tool call, then the answer
+    assert through_sdk == direct
+
+
+@pytest.mark.timeout(60)
+def test_import_kvflow_does_not_import_the_agents_sdk_and_a_missing_extra_names_it():
+    lazy = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, kvflow, kvflow.contrib; kvflow.Agent; kvflow.KvflowPlugin; "
+            "print(sorted(m for m in ('agents', 'openai') if m in sys.modules))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert lazy.returncode == 0 and lazy.stdout.strip() == "[]", lazy.stderr
+    missing = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.modules['agents'] = None; import kvflow.contrib.openai_agents",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert missing.returncode != 0
+    assert "pip install 'kvflow[openai-agents]'" in missing.stderr
+
+
+@pytest.mark.timeout(120)
+async def test_starter_runs_its_worker_and_plans_one_trip_on_a_running_fleet(
+    stack: Stack, temporal_client: Client, tmp_path: Path
+):
+    # The module's fleet as a fleet file; its GPU workers and simulators are the ones running.
+    fleet_file = tmp_path / "fleet.toml"
+    fleet_file.write_text(FLEET_FILE.format(model=MODEL))
+    endpoints = [f"--endpoint={name}={sim.base_url}" for name, sim in stack.fleet.sims.items()]
+    starter = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "samples.openai_agents_travel.starter",
+        "--address",
+        temporal_client.service_client.config.target_host,
+        "--task-queue",
+        f"travel-{uuid.uuid4()}",
+        "--context-dir",
+        str(stack.context_dir),
+        "--fleet",
+        str(fleet_file),
+        *endpoints,
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, "COLUMNS": "200", "KVFLOW_LEDGER_URL": f"sqlite:///{tmp_path}/l.db"},
+    )
+    output, _ = await asyncio.wait_for(starter.communicate(), timeout=90)
+    text = output.decode()
+    assert starter.returncode == 0, text
+    assert "tools called: get_weather, find_flights" in text
+    assert "4. travel-agent: gpu/" in text and "4 model calls, $0." in text
+
+
+FLEET_FILE = """
+[[models]]
+name = "{model}"
+parameters_b = 1.2
+layers = 16
+kv_heads = 8
+head_dim = 64
+context_length = 32768
+
+[[pools]]
+name = "gpu"
+gpu = "H100"
+replicas = 2
+endpoints = "simulated"
+price_per_gpu_hour_usd = "2.00"
+warm_models = ["{model}"]
+max_concurrency = 16
+[pools.token_prices]
+input_per_mtok_usd = "0.20"
+cached_input_per_mtok_usd = "0.02"
+output_per_mtok_usd = "0.60"
+
+[[tenants]]
+name = "acme"
+tier = 1
+"""
+
+
+# ---- the parts, without a server --------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+async def test_one_converter_reads_kvflow_records_and_sdk_items_and_keeps_the_claim_check(
+    tmp_path: Path,
+):
+    config: Any = {"data_converter": DataConverter.default, "interceptors": [], "plugins": []}
+    for plugin in plugins(tmp_path / "context"):
+        config = plugin.configure_client(config)
+    converter: DataConverter = config["data_converter"]
+    assert converter.payload_converter_class is KvflowAgentsPayloadConverter
+    assert isinstance(converter.payload_codec, ClaimCheckCodec)
+
+    # A kvflow record whose list grew after it was built ("unset" to pydantic), an Agents SDK
+    # output item, and a payload over the claim-check threshold.
+    step = StepSpend(index=1, name="travel-agent", kind="infer")
+    step.attempts.append(AttemptSpend(replica="gpu/0", outcome="ok", cost_micros=12))
+    breakdown = SpendBreakdown(
+        tenant="acme", outcome="succeeded", spend_micros=12, steps=[step], retries=0, attempts=1
+    )
+    [message] = output_items("It will rain.", [])
+    large = "a long document " * 200
+    payloads = await converter.encode([breakdown, message, large])
+    assert [is_claim_check(p) for p in payloads] == [False, False, True]
+    # The SDK's item is written as Temporal's OpenAI plugin writes it.
+    assert payloads[1] == OpenAIPayloadConverter().to_payloads([message])[0]
+    decoded = await converter.decode(payloads, [SpendBreakdown, ResponseOutputMessage, str])
+    assert decoded == [breakdown, message, large]
+    # A GPU worker's plain pydantic converter reads kvflow's payloads, and the other way round.
+    assert pydantic_data_converter.payload_converter.from_payloads(
+        payloads[:1], [SpendBreakdown]
+    ) == [breakdown]
+    plain = pydantic_data_converter.payload_converter.to_payloads([breakdown])
+    assert converter.payload_converter.from_payloads(plain, [SpendBreakdown]) == [breakdown]
+
+
+def test_the_sdks_converter_writes_the_messages_tools_and_answers_kvflow_sends():
+    call = ToolCall(id="call-1", name="get_weather", arguments='{"city": "Oslo", "day": "Fri"}')
+    answer = ModelResponse(output=output_items("", [call]), usage=Usage(), response_id=None)
+    items: list[Any] = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        *answer.to_input_items(),
+        {"type": "function_call_output", "call_id": "call-1", "output": "Oslo: sunny"},
+        *ModelResponse(
+            output=output_items("Sunny.", []), usage=Usage(), response_id=None
+        ).to_input_items(),
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_text", "text": "Thanks."},
+                {"type": "input_text", "text": "Flights?"},
+            ],
+        },
+    ]
+    assert chat_messages("Be brief.", items) == [
+        ChatMessage(role="system", content="Be brief."),
+        ChatMessage(role="user", content="Weather in Oslo?"),
+        ChatMessage(role="assistant", content="", tool_calls=[call]),
+        ChatMessage(role="tool", content="Oslo: sunny", tool_call_id="call-1"),
+        ChatMessage(role="assistant", content="Sunny."),
+        ChatMessage(role="user", content="Thanks.\nFlights?"),
+    ]
+    image: list[Any] = [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]
+    with pytest.raises(UserError, match="kvflow sends text"):
+        chat_messages(None, image)
+
+    weather = travel.workflow.get_weather
+    flights = agents.Agent(name="flight-agent")
+    specs = tool_specs([weather], [agents.handoff(flights)])
+    assert [s.name for s in specs] == ["get_weather", "transfer_to_flight_agent"]
+    assert specs[0] == ToolSpec(
+        name="get_weather",
+        description=weather.description,
+        parameters=weather.params_json_schema,
+        strict=True,
+    )
+    assert tool_choice(ModelSettings(tool_choice="get_weather")) == "get_weather"
+    assert tool_choice(ModelSettings(tool_choice="required")) == "required"
+    assert tool_choice(ModelSettings()) is None
+
+    class Plan(BaseModel):
+        steps: list[str]
+
+    assert json_schema(AgentOutputSchema(str)) is None
+    assert json_schema(AgentOutputSchema(Plan)) == AgentOutputSchema(Plan).json_schema()
+
+    settings = ModelSettings(
+        temperature=0.3,
+        top_p=0.9,
+        extra_args={"seed": 7, "stop": "\n"},
+        extra_body={"ignore_eos": 1},
+    )
+    assert sampling_of(settings) == Sampling(
+        temperature=0.3, top_p=0.9, seed=7, stop=["\n"], ignore_eos=True
+    )
+    assert sampling_of(ModelSettings()) == Sampling()
+
+    assert [type(item).__name__ for item in output_items("Here.", [call])] == [
+        "ResponseOutputMessage",
+        "ResponseFunctionToolCall",
+    ]
+
+
+def test_runner_gives_every_agent_of_a_run_a_kvflow_model_named_after_it():
+    flights = agents.Agent(name="flight-agent", model="llama-3.1-8b")
+    planner = agents.Agent(name="travel-agent", handoffs=[flights])
+    flights.handoffs = [planner]  # a cycle: converted once, kept a cycle
+    runner = KvflowRunner(default_model=MODEL, max_tokens=300)
+
+    kwargs: Any = {}
+    converted = runner._prepare(planner, kwargs)
+    model = converted.model
+    assert isinstance(model, KvflowModel)
+    assert (model.model, model.step, model.max_tokens) == (MODEL, "travel-agent", 300)
+    [flights_converted] = converted.handoffs
+    assert isinstance(flights_converted, agents.Agent)
+    assert isinstance(flights_converted.model, KvflowModel)
+    assert flights_converted.model.model == "llama-3.1-8b"
+    assert flights_converted.handoffs == [converted]
+    assert planner.model is None and flights.model == "llama-3.1-8b"  # the user's untouched
+
+    # RunConfig(model=...) is every agent's model, as in the SDK; each step keeps its name.
+    kwargs = {"run_config": {"model": "llama-3.2-1b"}}
+    converted = runner._prepare(planner, kwargs)
+    assert kwargs["run_config"].model is None
+    assert isinstance(converted.model, KvflowModel)
+    assert converted.model.model == "llama-3.2-1b"
+
+    with pytest.raises(AgentsWorkflowError, match="activity_as_tool"):
+        runner._prepare(agents.Agent(name="bad", tools=[wf.book_hotel]), {})  # type: ignore[list-item]
