@@ -75,6 +75,7 @@ try:
         set_default_agent_runner,
     )
     from agents.sandbox import SandboxAgent
+    from agents.tracing import generation_span
     from agents.usage import Usage
     from openai import Omit
     from openai.types.chat import ChatCompletionMessage, ChatCompletionMessageFunctionToolCall
@@ -217,31 +218,60 @@ class KvflowModel(Model):
             sampling = sampling_of(model_settings)
         except (UserError, ValidationError, ValueError) as problem:
             raise self._invalid(str(problem)) from None
-        # `infer` adds its step record before it first awaits: this call's is at `index`.
-        index = len(task.steps)
-        result = await task.infer(
-            messages,
+        max_tokens = model_settings.max_tokens or self.max_tokens
+        # The generation in the Agents SDK's trace, as its own models record one.
+        with generation_span(
             model=self.model,
-            max_tokens=model_settings.max_tokens or self.max_tokens,
-            tools=specs or None,
-            tool_choice=choice,
-            json_schema=schema,
-            sampling=sampling,
-            step=self.step,
-        )
-        text = await task.text_of(result)
+            model_config={
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
+                "max_tokens": max_tokens,
+                "tool_choice": choice,
+            },
+            disabled=tracing.is_disabled(),
+        ) as span:
+            if tracing.include_data():
+                span.span_data.input = [m.model_dump(exclude_none=True) for m in messages]
+            # `infer` adds its step record before it first awaits: this call's is at `index`.
+            index = len(task.steps)
+            result = await task.infer(
+                messages,
+                model=self.model,
+                max_tokens=max_tokens,
+                tools=specs or None,
+                tool_choice=choice,
+                json_schema=schema,
+                sampling=sampling,
+                step=self.step,
+            )
+            text = await task.text_of(result)
+            record = task.steps[index] if index < len(task.steps) else None
+            if record is not None and (record.kind, record.name) != ("infer", self.step):
+                record = None
+            usage = usage_of(result, record)
+            span.span_data.usage = {
+                "requests": usage.requests,
+                "input_tokens": usage.input_tokens,
+                "output_tokens": usage.output_tokens,
+                "total_tokens": usage.total_tokens,
+            }
+            if tracing.include_data():
+                span.span_data.output = [
+                    {
+                        "role": "assistant",
+                        "content": text,
+                        "tool_calls": [c.model_dump() for c in result.tool_calls],
+                    }
+                ]
         if result.finish_reason == "length" and not text and not result.tool_calls:
             # What the SDK's Chat Completions model says of the same answer.
             raise ModelBehaviorError(
-                f"the answer of {self.step!r} ran out of its output tokens before any text "
-                "or tool call"
+                f"the answer of {self.step!r} ran out of its {max_tokens} output tokens before "
+                "any text or tool call"
             )
-        record = task.steps[index] if index < len(task.steps) else None
-        if record is not None and (record.kind, record.name) != ("infer", self.step):
-            record = None
         return ModelResponse(
             output=output_items(text, result.tool_calls),
-            usage=usage_of(result, record),
+            usage=usage,
             response_id=None,
         )
 
