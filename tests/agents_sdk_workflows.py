@@ -190,5 +190,31 @@ class FailingTool:
             return _output(await Runner.run(agent, "Plan my stay in Oslo."))
 
 
-WORKFLOWS = [travel.WORKFLOW, Writer, SdkWeather, DirectWeather, FailingTool]
+@workflow.defn
+class Triage:
+    """A triage agent that hands the traveller off to a flight agent, which answers."""
+
+    @workflow.run
+    async def run(self, task: OneAgentInput) -> RunOutput:
+        flights = agents.Agent(
+            name="flight-agent",
+            instructions="Recommend a flight.",
+            model=task.model,
+            model_settings=ModelSettings(max_tokens=40),
+        )
+        triage = agents.Agent(
+            name="triage-agent",
+            instructions="Hand the traveller to the right agent.",
+            model=task.model,
+            handoffs=[flights],
+            model_settings=ModelSettings(tool_choice="transfer_to_flight_agent", max_tokens=40),
+        )
+        async with Agent(task.spec):
+            result = await Runner.run(triage, "I need a flight to Oslo.")
+        out = _output(result)
+        out.final_output = f"{result.last_agent.name}: {out.final_output}"
+        return out
+
+
+WORKFLOWS = [travel.WORKFLOW, Writer, SdkWeather, DirectWeather, FailingTool, Triage]
 ACTIVITIES = [*travel.ACTIVITIES, book_hotel]

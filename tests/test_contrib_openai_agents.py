@@ -237,6 +237,16 @@ async def test_failing_tools_follow_the_sdk(stack: Stack):
 
 
 @pytest.mark.timeout(60)
+async def test_a_handoff_runs_the_next_agent_on_kvflow_under_its_own_name(stack: Stack):
+    handle = await stack.start(wf.Triage.run, wf.OneAgentInput(spec=_spec()))
+    out = await handle.result()
+    assert out.final_output.startswith("flight-agent: ") and out.requests == 2
+    _, attempts = await stack.rows(handle)
+    assert [a.step for a in attempts] == ["triage-agent", "flight-agent"]
+    await assert_replays(stack, handle)
+
+
+@pytest.mark.timeout(60)
 async def test_replica_cut_mid_answer_resumes_elsewhere_and_both_attempts_are_billed(
     temporal_client: Client, tmp_path: Path
 ):
