@@ -23,6 +23,7 @@ from typing import Any
 import agents
 import pytest
 from agents import AgentOutputSchema, ModelResponse, ModelSettings, UserError
+from agents.mcp import MCPServerStdio
 from agents.usage import Usage
 from openai.types.responses import ResponseOutputMessage
 from pydantic import BaseModel
@@ -515,5 +516,9 @@ def test_runner_gives_every_agent_of_a_run_a_kvflow_model_named_after_it():
     assert isinstance(converted.model, KvflowModel)
     assert converted.model.model == "llama-3.2-1b"
 
+    with pytest.raises(AgentsWorkflowError, match="MCP servers are not offered"):
+        runner._prepare(
+            agents.Agent(name="mcp", mcp_servers=[MCPServerStdio({"command": "x"})]), {}
+        )
     with pytest.raises(AgentsWorkflowError, match="activity_as_tool"):
         runner._prepare(agents.Agent(name="bad", tools=[wf.book_hotel]), {})  # type: ignore[list-item]

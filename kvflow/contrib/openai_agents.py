@@ -618,6 +618,11 @@ class KvflowRunner(AgentRunner):
                 f"agent {agent.name!r}: Temporal workflows require a model name to be a string "
                 "in the agent."
             )
+        if agent.mcp_servers:
+            raise AgentsWorkflowError(
+                f"agent {agent.name!r}: MCP servers are not offered by KvflowAgentsPlugin: give "
+                "the agent function tools, or activities with activity_as_tool"
+            )
         for tool in agent.tools:
             if callable(tool):
                 raise AgentsWorkflowError(
