@@ -10,6 +10,8 @@ from temporalio import workflow
 with workflow.unsafe.imports_passed_through():
     from pydantic_ai import Agent as PydanticAgent
     from pydantic_ai import ModelRetry
+    from pydantic_ai.durable_exec.temporal import TemporalDurability
+    from pydantic_ai.models.test import TestModel
 
     from kvflow import Agent, ChatMessage, TaskSpec, ToolSpec
     from kvflow.activities.wire import Sampling
@@ -74,6 +76,41 @@ class PickyLookup:
             result = await picky.run(task.question)
         # What each model request received: the tool's retry prompt comes back to the model.
         return [message.kind for message in result.all_messages()] + [result.output]
+
+
+mixed = PydanticAgent(
+    KvflowModel(MODEL),
+    name="mixed",
+    model_settings={"max_tokens": 20, "temperature": 0.0},
+    capabilities=[KvflowDurability(models={"offline": TestModel(custom_output_text="offline")})],
+)
+"""On the fleet by default; a registered model of another provider on request."""
+
+
+@workflow.defn
+class MixedModels:
+    __pydantic_ai_agents__ = (mixed,)
+
+    @workflow.run
+    async def run(self, task: Question) -> list[str]:
+        async with Agent(task.spec):
+            on_fleet = await mixed.run(task.question)
+            offline = await mixed.run(task.question, model="offline")
+        return [on_fleet.output, offline.output]
+
+
+bypassing = PydanticAgent(KvflowModel(MODEL), name="bypassing", capabilities=[TemporalDurability()])
+"""A fleet model under Pydantic AI's own durability: its calls would go to an activity."""
+
+
+@workflow.defn
+class Bypassing:
+    __pydantic_ai_agents__ = (bypassing,)
+
+    @workflow.run
+    async def run(self, task: Question) -> str:
+        async with Agent(task.spec):
+            return (await bypassing.run(task.question)).output
 
 
 @workflow.defn
@@ -157,4 +194,11 @@ class DirectSupport:
                     chat.append(ChatMessage(role="tool", tool_call_id=call.id, content=answer))
 
 
-ALL_WORKFLOWS: list[type] = [BriefAnswer, PickyLookup, Unbracketed, StreamedSupport, DirectSupport]
+ALL_WORKFLOWS: list[type] = [
+    BriefAnswer,
+    PickyLookup,
+    MixedModels,
+    Unbracketed,
+    StreamedSupport,
+    DirectSupport,
+]

@@ -155,17 +155,40 @@ async def test_sample_agent_answers_with_each_model_call_placed_and_billed_by_kv
 
 
 @pytest.mark.timeout(30)
-async def test_plugin_before_kvflow_plugin_is_refused_with_the_order_to_use(
+async def test_worker_that_would_bypass_kvflow_refuses_to_start_with_the_fix(
     temporal_client: Client, tmp_path: Path
 ) -> None:
-    # KvflowPlugin's converter would replace Pydantic AI's: the worker refuses to start.
-    client = await Client.connect(
-        temporal_client.service_client.config.target_host,
-        namespace=temporal_client.namespace,
-        plugins=list(reversed(_plugins(tmp_path / "context"))),
-    )
+    async def connect(plugins: list[Any]) -> Client:
+        return await Client.connect(
+            temporal_client.service_client.config.target_host,
+            namespace=temporal_client.namespace,
+            plugins=plugins,
+        )
+
+    # KvflowPlugin's converter would replace Pydantic AI's: the order is named.
+    client = await connect(list(reversed(_plugins(tmp_path / "context"))))
     with pytest.raises(ValueError, match=r"KvflowPlugin\(...\), KvflowPydanticAIPlugin\(\)"):
         Worker(client, task_queue="unused", workflows=[sample.WORKFLOW])
+    # A fleet model under TemporalDurability would be asked from an activity.
+    client = await connect(_plugins(tmp_path / "context"))
+    with pytest.raises(UserError, match=r"capabilities=\[KvflowDurability\(\)\]"):
+        Worker(client, task_queue="unused", workflows=[wf.Bypassing])
+
+
+@pytest.mark.timeout(60)
+async def test_registered_model_of_another_provider_keeps_its_activity(
+    temporal_client: Client, tmp_path: Path
+) -> None:
+    async with pai_stack(temporal_client, tmp_path, [PoolPlan("gpu")]) as s:
+        task = wf.Question(spec=_spec(expected_steps=1), question="Say hello.")
+        handle = await s.start(wf.MixedModels.run, task)
+        on_fleet, offline = await handle.result()
+        assert on_fleet and offline == "offline"
+        names = [a.activity_type.name for a in _scheduled(await handle.fetch_history())]
+        assert names.count(INFER_ACTIVITY) == 1
+        assert [n for n in names if "model_request" in n] == ["agent__mixed__model_request"]
+        [attempt] = await _attempts(s, handle)
+        assert attempt.step == "mixed"
 
 
 @pytest.mark.timeout(60)
