@@ -142,6 +142,49 @@ def test_demo_on_running_servers_places_every_call_on_the_vllm_pool(
     assert tasks_per_pool(tmp_path) == {"vllm": 6}
 
 
+def tasks_per_workflow_type(state_dir: Path) -> dict[str, tuple[int, int]]:
+    """(tasks, succeeded) per workflow type in the demo's ledger (`kvflow report`)."""
+    report = subprocess.run(
+        [
+            str(KVFLOW),
+            "report",
+            "--db",
+            f"sqlite:///{state_dir / 'ledger.db'}",
+            "--group-by",
+            "workflow_type",
+            "--format",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert report.returncode == 0, report.stderr
+    rows = json.loads(report.stdout)["rows"]
+    return {row["workflow_type"]: (row["tasks"], row["succeeded"]) for row in rows}
+
+
+def test_demo_mixes_the_agent_framework_samples_into_its_workload(tmp_path: Path):
+    done = run_demo(
+        tmp_path, "--samples", "openai_agents_travel,pydantic-ai-support", "--tasks", "6"
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Traceback" not in done.stdout + done.stderr
+    # Both frameworks' agents ran on their own workers, placed and billed by kvflow.
+    per_type = tasks_per_workflow_type(tmp_path)
+    assert set(per_type) == {"TravelAgent", "PydanticAISupport"}, per_type
+    assert sum(tasks for tasks, _ in per_type.values()) == 6
+    assert all(succeeded > 0 for _, succeeded in per_type.values()), per_type
+
+
+def test_demo_refuses_a_sample_it_does_not_have_and_names_the_choices(tmp_path: Path):
+    done = run_demo(tmp_path, "--samples", "research_assistant,travel", timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    message = " ".join(done.stderr.split())
+    assert "no sample 'travel'" in message and "openai_agents_travel" in message
+    assert "Traceback" not in done.stdout + done.stderr
+
+
 def test_demo_on_an_endpoint_that_does_not_answer_names_it_and_exits_2(tmp_path: Path):
     url = f"http://127.0.0.1:{free_port()}"
     done = run_demo(tmp_path, "--endpoints", url, timeout=60)

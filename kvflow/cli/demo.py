@@ -92,6 +92,15 @@ def demo(
             help="URL[,URL...]: vLLM servers that already run, one replica each",
         ),
     ] = None,
+    samples: Annotated[
+        str | None,
+        typer.Option(
+            "--samples",
+            help="NAME[,NAME...] or all: the samples whose tasks the workload mixes "
+            "(research_assistant, support_triage, code_review, openai_agents_travel, "
+            "pydantic_ai_support; default: the first three)",
+        ),
+    ] = None,
     port: PortOption = 7233,
     ui_port: UiPortOption = 8233,
     state_dir: StateDirOption = DEFAULT_STATE_DIR,
@@ -99,17 +108,22 @@ def demo(
     """Run agent tasks of three tenants on a simulated fleet, then show what they cost.
 
     With --endpoints or --engine vllm they run on real vLLM servers (one pool, `vllm`).
+    --samples adds the OpenAI Agents SDK and Pydantic AI samples (their extras installed).
     Ctrl-C or SIGTERM stops the whole stack in order (exit status 0), --keep-running too.
     """
     from kvflow.workers.demo import (
+        DEFAULT_SAMPLES,
         DemoOptions,
         EndpointError,
+        SampleError,
         check_endpoints,
         connect_local,
         fleet_on_endpoints,
+        load_samples,
         local_vllm_servers,
         log_to_file,
         parse_endpoints,
+        parse_samples,
         run_demo,
         sample_models,
     )
@@ -130,6 +144,11 @@ def demo(
             "--model and --replicas are for --engine vllm; the simulated fleet's replicas "
             "come from --fleet"
         )
+    try:
+        chosen = parse_samples(samples) if samples is not None else DEFAULT_SAMPLES
+        loaded = load_samples(chosen)
+    except SampleError as exc:
+        fail(str(exc))
     fleet = fleet or EXAMPLE_FLEET
     config = load_fleet_or_exit(fleet)
     urls: list[str] = []
@@ -137,7 +156,7 @@ def demo(
         try:
             urls = parse_endpoints(endpoints)
             names = [m.name for m in config.models]
-            served = check_endpoints(urls, sample_models(), names_to_serve=names)
+            served = check_endpoints(urls, sample_models(loaded), names_to_serve=names)
             config = fleet_on_endpoints(config, served)
         except EndpointError as exc:
             fail(str(exc))
@@ -172,7 +191,7 @@ def demo(
             client,
             config,
             state_dir=state_dir,
-            options=DemoOptions(tasks=tasks, seed=seed),
+            options=DemoOptions(tasks=tasks, seed=seed, samples=chosen),
             console=out,
             ui_url=temporal.ui_url,
             keep_running=keep_running,
@@ -207,7 +226,7 @@ def demo(
                 for server in servers:
                     server.wait_ready()
                 urls = [server.base_url for server in servers]
-                config = fleet_on_endpoints(config, check_endpoints(urls, sample_models()))
+                config = fleet_on_endpoints(config, check_endpoints(urls, sample_models(loaded)))
                 out.print(
                     f"vLLM servers ready at {', '.join(urls)} after "
                     f"{time.monotonic() - started:.0f} s",

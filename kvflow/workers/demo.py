@@ -48,8 +48,10 @@ from temporalio.runtime import (
     TelemetryFilter,
 )
 from temporalio.service import RPCError
+from temporalio.worker import Worker
 
 from kvflow.activities.context_store import DirectoryContextStore
+from kvflow.activities.wire import INLINE_LIMIT_BYTES
 from kvflow.ledger.report import GroupField, ReportQuery
 from kvflow.ledger.store import (
     LEDGER_URL_ENV,
@@ -61,16 +63,25 @@ from kvflow.ledger.table import print_whole, report_table
 from kvflow.scheduler.fleet import Fleet, Pool, format_usd
 from kvflow.scheduler.redact import redact_url
 from kvflow.simulator import FaultSpec
+from kvflow.workers.control_plane import ControlPlane
 from kvflow.workers.embedded import EmbeddedFleet
+from kvflow.workers.plugin import KvflowPlugin
 from kvflow.workers.vllm_server import Engine, VllmInstall, VllmServer, stop_servers
 from kvflow.workers.workflow_worker import DEFAULT_WORKFLOW_QUEUE
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
 
-SAMPLE_MODULES = (
-    "kvflow.samples.research_assistant",
-    "kvflow.samples.support_triage",
-    "kvflow.samples.code_review",
-)
+SAMPLES = {
+    "research_assistant": "kvflow.samples.research_assistant",
+    "support_triage": "kvflow.samples.support_triage",
+    "code_review": "kvflow.samples.code_review",
+    "openai_agents_travel": "kvflow.samples.openai_agents_travel",
+    "pydantic_ai_support": "kvflow.samples.pydantic_ai_support",
+}
+"""The samples `--samples` can name, by short name."""
+DEFAULT_SAMPLES = ("research_assistant", "support_triage", "code_review")
+"""The samples of the default workload: the ones written with kvflow's step API."""
+SAMPLE_EXTRAS = {"openai_agents_travel": "openai-agents", "pydantic_ai_support": "pydantic-ai"}
+"""The optional dependencies (`pip install 'kvflow[EXTRA]'`) a framework's sample needs."""
 VLLM_POOL = "vllm"
 """The one pool the demo's fleet has when it runs on real vLLM servers."""
 VLLM_MAX_MODEL_LEN = 16_384
@@ -82,6 +93,10 @@ FleetT = TypeVar("FleetT", bound=Fleet)
 
 class EndpointError(Exception):
     """A vLLM endpoint the demo was given does not answer, or does not serve the samples."""
+
+
+class SampleError(Exception):
+    """`--samples` names a sample that does not exist or whose framework is not installed."""
 
 
 @dataclass
@@ -98,6 +113,8 @@ class DemoOptions:
     slow_replica: str | None = None
     """Replica whose engine runs `slowdown` times slower (default: the last pool's last)."""
     slowdown: float = 4.0
+    samples: tuple[str, ...] = DEFAULT_SAMPLES
+    """The samples whose tasks the workload mixes (names of `SAMPLES`)."""
 
 
 @dataclass
@@ -158,9 +175,86 @@ def default_faults(fleet: Fleet, options: DemoOptions) -> dict[str, FaultSpec]:
     return faults
 
 
-def load_samples() -> list[ModuleType]:
-    """The sample packages the workload mixes (each exports WORKFLOW, ACTIVITIES, example_input)."""
-    return [importlib.import_module(name) for name in SAMPLE_MODULES]
+def parse_samples(text: str) -> tuple[str, ...]:
+    """Sample names from `NAME[,NAME...]` or `all`; `SampleError` naming the choices if bad."""
+    if text.strip() == "all":
+        return tuple(SAMPLES)
+    names: list[str] = []
+    for part in text.split(","):
+        name = part.strip().replace("-", "_")
+        if not name:
+            continue
+        if name not in SAMPLES:
+            raise SampleError(
+                f"--samples: no sample {part.strip()!r}; choose from {', '.join(SAMPLES)} or all"
+            )
+        if name not in names:
+            names.append(name)
+    if not names:
+        raise SampleError(f"--samples is empty; e.g. --samples {','.join(DEFAULT_SAMPLES)}")
+    return tuple(names)
+
+
+def load_samples(names: Sequence[str] = DEFAULT_SAMPLES) -> list[ModuleType]:
+    """The sample packages the workload mixes (each exports WORKFLOW, ACTIVITIES, example_input).
+
+    A framework's sample also exports `client_plugins()`, the plugins its workflow worker's
+    client needs after `KvflowPlugin`, and `TASK_QUEUE`, its own queue (`framework_worker`).
+    Its framework is an optional dependency: without it, `SampleError` says which extra to
+    install.
+    """
+    loaded: list[ModuleType] = []
+    for name in names:
+        try:
+            loaded.append(importlib.import_module(SAMPLES[name]))
+        except ImportError as exc:
+            extra = SAMPLE_EXTRAS.get(name)
+            # Only a missing framework is the user's to install; a broken sample is kvflow's.
+            if extra is None or (exc.name or "kvflow").startswith("kvflow"):
+                raise
+            raise SampleError(
+                f"the sample {name} needs its framework ({exc.name or exc}): "
+                f"pip install 'kvflow[{extra}]'"
+            ) from None
+    return loaded
+
+
+def sample_name(sample: ModuleType) -> str:
+    """The short name of a sample package (`research_assistant`)."""
+    return sample.__name__.rsplit(".", 1)[-1]
+
+
+def sample_task_queue(sample: ModuleType) -> str:
+    """The workflow task queue of a sample's tasks: its own (`TASK_QUEUE`) for a framework's."""
+    queue = getattr(sample, "TASK_QUEUE", None)
+    return queue if isinstance(queue, str) else DEFAULT_WORKFLOW_QUEUE
+
+
+def framework_worker(
+    client: Client, control_plane: ControlPlane, sample: ModuleType, **options: Any
+) -> Worker:
+    """The workflow worker of a framework's sample, on its own queue (not yet started).
+
+    Its client is the demo's with `KvflowPlugin` on the running control plane and then the
+    framework's plugins (`client_plugins()`), in that order, as the sample's own worker has
+    them: the framework's plugin extends kvflow's data converter.
+    """
+    config = client.config()
+    # Claim checks only where the demo's own client has them: its GPU workers decode with it.
+    claim_check = None if config["data_converter"].payload_codec is None else INLINE_LIMIT_BYTES
+    plugins = [
+        KvflowPlugin(control_plane=control_plane, claim_check_bytes=claim_check),
+        *sample.client_plugins(),
+    ]
+    config["plugins"] = [*config["plugins"], *plugins]
+    framework_client = Client(**config)
+    return Worker(
+        framework_client,
+        task_queue=sample_task_queue(sample),
+        workflows=[sample.WORKFLOW],
+        activities=list(sample.ACTIVITIES),
+        **options,
+    )
 
 
 def sample_models(samples: Sequence[ModuleType] | None = None) -> list[str]:
@@ -325,7 +419,7 @@ async def run_demo(
     running this coroutine is cancelled (Ctrl-C or SIGTERM), so the Temporal UI can be
     explored.
     """
-    samples = load_samples()
+    samples = load_samples(options.samples)
     started = time.monotonic()
     run_started = datetime.now(UTC)
     run_id = run_started.strftime("%Y%m%d-%H%M%S")
@@ -352,81 +446,96 @@ async def run_demo(
     rng = random.Random(options.seed)
     tally = Tally()
     runs: list[TaskRun] = []
-    async with EmbeddedFleet(
-        client,
-        fleet,
-        ledger=ledger,
-        store=DirectoryContextStore(state_dir / "context"),
-        time_scale=options.time_scale,
-        faults=faults,
-        seed=options.seed,
-        fleet_file=fleet_file,
-    ) as embedded:
-        worker = await embedded.workflow_worker(
-            workflows=[s.WORKFLOW for s in samples],
-            activities=[a for s in samples for a in s.ACTIVITIES],
-            task_queue=DEFAULT_WORKFLOW_QUEUE,
-            max_concurrent_workflow_tasks=64,
-        )
-        async with worker:
-            with Live(
-                _progress(embedded, tally, fleet),
-                console=console,
-                refresh_per_second=4,
-                transient=False,
-            ) as live:
-                pending: set[asyncio.Task[None]] = set()
-                for i in range(options.tasks):
-                    tenant = fleet.tenants[i % len(fleet.tenants)]
-                    sample = samples[rng.randrange(len(samples))]
-                    task_input = sample.example_input(rng, tenant.name)
-                    handle = await client.start_workflow(
-                        sample.WORKFLOW.run,
-                        task_input,
-                        id=f"demo-{run_id}-{i:03d}-{uuid.uuid4().hex[:6]}",
-                        task_queue=DEFAULT_WORKFLOW_QUEUE,
-                        priority=Priority(
-                            priority_key=tenant.tier,
-                            fairness_key=tenant.name,
-                            fairness_weight=tenant.fairness_weight,
-                        ),
-                    )
-                    run = TaskRun(tenant.name, sample.__name__.rsplit(".", 1)[-1], handle)
-                    runs.append(run)
-                    tally.started[tenant.name] += 1
-                    pending.add(asyncio.create_task(_await(run, tally)))
-                    live.update(_progress(embedded, tally, fleet))
-                    await asyncio.sleep(rng.expovariate(options.rate_per_s))
-                while pending:
-                    _, pending = await asyncio.wait(pending, timeout=0.25)
-                    live.update(_progress(embedded, tally, fleet))
-                live.update(_progress(embedded, tally, fleet))
-            # The live display's last frame does not end its line when output is not a terminal.
-            console.print()
-            console.print(summarize(runs, started), highlight=False)
-            failures = failed_tasks(runs)
-            if failures is not None:
-                print_whole(console, failures)
-            print_whole(console, await finance_report(ledger, since=run_started))
-            print_whole(console, await placement_summary(ledger, since=run_started))
-            report_command = "kvflow report" + (
-                "" if ledger_url == default_ledger_url() else f" --db {redact_url(ledger_url)}"
+    async with (
+        EmbeddedFleet(
+            client,
+            fleet,
+            ledger=ledger,
+            store=DirectoryContextStore(state_dir / "context"),
+            time_scale=options.time_scale,
+            faults=faults,
+            seed=options.seed,
+            fleet_file=fleet_file,
+        ) as embedded,
+        contextlib.AsyncExitStack() as workers,
+    ):
+        # The step-API samples share the default workflow worker; a framework's sample gets
+        # its own, on its own queue, with the framework's plugins.
+        own = [s for s in samples if hasattr(s, "client_plugins")]
+        shared = [s for s in samples if s not in own]
+        if shared:
+            worker = await embedded.workflow_worker(
+                workflows=[s.WORKFLOW for s in shared],
+                activities=[a for s in shared for a in s.ACTIVITIES],
+                task_queue=DEFAULT_WORKFLOW_QUEUE,
+                max_concurrent_workflow_tasks=64,
             )
+            await workers.enter_async_context(worker)
+        for sample in own:
+            assert embedded.control_plane is not None
+            await workers.enter_async_context(
+                framework_worker(
+                    client, embedded.control_plane, sample, max_concurrent_workflow_tasks=64
+                )
+            )
+        with Live(
+            _progress(embedded, tally, fleet),
+            console=console,
+            refresh_per_second=4,
+            transient=False,
+        ) as live:
+            pending: set[asyncio.Task[None]] = set()
+            for i in range(options.tasks):
+                tenant = fleet.tenants[i % len(fleet.tenants)]
+                sample = samples[rng.randrange(len(samples))]
+                task_input = sample.example_input(rng, tenant.name)
+                handle = await client.start_workflow(
+                    sample.WORKFLOW.run,
+                    task_input,
+                    id=f"demo-{run_id}-{i:03d}-{uuid.uuid4().hex[:6]}",
+                    task_queue=sample_task_queue(sample),
+                    priority=Priority(
+                        priority_key=tenant.tier,
+                        fairness_key=tenant.name,
+                        fairness_weight=tenant.fairness_weight,
+                    ),
+                )
+                run = TaskRun(tenant.name, sample_name(sample), handle)
+                runs.append(run)
+                tally.started[tenant.name] += 1
+                pending.add(asyncio.create_task(_await(run, tally)))
+                live.update(_progress(embedded, tally, fleet))
+                await asyncio.sleep(rng.expovariate(options.rate_per_s))
+            while pending:
+                _, pending = await asyncio.wait(pending, timeout=0.25)
+                live.update(_progress(embedded, tally, fleet))
+            live.update(_progress(embedded, tally, fleet))
+        # The live display's last frame does not end its line when output is not a terminal.
+        console.print()
+        console.print(summarize(runs, started), highlight=False)
+        failures = failed_tasks(runs)
+        if failures is not None:
+            print_whole(console, failures)
+        print_whole(console, await finance_report(ledger, since=run_started))
+        print_whole(console, await placement_summary(ledger, since=run_started))
+        report_command = "kvflow report" + (
+            "" if ledger_url == default_ledger_url() else f" --db {redact_url(ledger_url)}"
+        )
+        console.print(
+            f"Ledger: {redact_url(ledger_url)} (`{report_command}`)",
+            highlight=False,
+            soft_wrap=True,
+        )
+        if ui_url:
+            console.print(f"Temporal UI: {ui_url}", highlight=False)
             console.print(
-                f"Ledger: {redact_url(ledger_url)} (`{report_command}`)",
+                f"Tasks that did not succeed: {failed_tasks_url(ui_url)}",
                 highlight=False,
                 soft_wrap=True,
             )
-            if ui_url:
-                console.print(f"Temporal UI: {ui_url}", highlight=False)
-                console.print(
-                    f"Tasks that did not succeed: {failed_tasks_url(ui_url)}",
-                    highlight=False,
-                    soft_wrap=True,
-                )
-            if keep_running:
-                console.print("The stack stays up; Ctrl-C or SIGTERM stops it.")
-                await asyncio.Event().wait()
+        if keep_running:
+            console.print("The stack stays up; Ctrl-C or SIGTERM stops it.")
+            await asyncio.Event().wait()
     await ledger.close()
     return runs
 
@@ -583,12 +692,14 @@ __all__ = [
     "DemoOptions",
     "EndpointError",
     "Engine",
+    "SampleError",
     "check_endpoints",
     "failed_tasks_url",
     "finance_report",
     "fleet_on_endpoints",
     "local_vllm_servers",
     "parse_endpoints",
+    "parse_samples",
     "placement_summary",
     "run_demo",
     "sample_models",

@@ -6,6 +6,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from temporalio.plugin import SimplePlugin
 from temporalio.workflow import unsafe
 
 from .workflow import TravelAgent, TravelPlan, TravelTask
@@ -20,6 +21,16 @@ WORKFLOW = TravelAgent
 """The workflow class to register on the workflow worker (with `KvflowAgentsPlugin`)."""
 ACTIVITIES: list[Callable[..., Any]] = list(activities.ALL)
 """The agent's activity tool, to register on the workflow worker."""
+TASK_QUEUE = "kvflow.openai-agents-travel"
+"""This sample's own queue: a workflow worker without `KvflowAgentsPlugin` must not take it."""
+
+
+def client_plugins() -> list[SimplePlugin]:
+    """The plugins the workflow worker's client needs after `KvflowPlugin` (`kvflow demo`)."""
+    from kvflow.contrib.openai_agents import KvflowAgentsPlugin
+
+    return [KvflowAgentsPlugin()]
+
 
 _CITIES = ["Lisbon", "Oslo", "Vienna", "Seville", "Krakow", "Edinburgh", "Porto", "Lyon"]
 _DAYS = ["Monday", "Wednesday", "Friday", "Saturday"]
@@ -37,4 +48,13 @@ def example_input(rng: random.Random, tenant: str) -> TravelTask:
     )
 
 
-__all__ = ["ACTIVITIES", "WORKFLOW", "TravelAgent", "TravelPlan", "TravelTask", "example_input"]
+__all__ = [
+    "ACTIVITIES",
+    "TASK_QUEUE",
+    "WORKFLOW",
+    "TravelAgent",
+    "TravelPlan",
+    "TravelTask",
+    "client_plugins",
+    "example_input",
+]

@@ -21,10 +21,7 @@ from kvflow import SPEND_QUERY, KvflowPlugin, SpendBreakdown, format_usd, load_f
 from kvflow.contrib.openai_agents import KvflowAgentsPlugin
 
 from ..starter import arguments, run
-from . import ACTIVITIES, WORKFLOW, example_input
-
-TASK_QUEUE = "kvflow.openai-agents-travel"
-"""This sample's own queue: a workflow worker without `KvflowAgentsPlugin` must not take it."""
+from . import ACTIVITIES, TASK_QUEUE, WORKFLOW, example_input
 
 
 async def start(

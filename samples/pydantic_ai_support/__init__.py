@@ -6,6 +6,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from temporalio.plugin import SimplePlugin
 from temporalio.workflow import unsafe
 
 from .workflow import ORDERS, PydanticAISupport, SupportAnswer, SupportReply, SupportTask
@@ -20,6 +21,14 @@ TASK_QUEUE = "kvflow.pydantic-ai-support"
 """The queue this sample's worker polls: its own, so other workflow workers never see it."""
 ACTIVITIES: list[Callable[..., Any]] = []
 """None of its own: the plugin registers the agent's tool activity from the workflow."""
+
+
+def client_plugins() -> list[SimplePlugin]:
+    """The plugins the workflow worker's client needs after `KvflowPlugin` (`kvflow demo`)."""
+    from kvflow.contrib.pydantic_ai import KvflowPydanticAIPlugin
+
+    return [KvflowPydanticAIPlugin()]
+
 
 _QUESTIONS = [
     "Where is my order {order}? I was told it would arrive this week.",
@@ -46,5 +55,6 @@ __all__ = [
     "SupportAnswer",
     "SupportReply",
     "SupportTask",
+    "client_plugins",
     "example_input",
 ]
