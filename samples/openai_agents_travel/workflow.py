@@ -63,6 +63,10 @@ class TravelTask(BaseModel):
     destination: str = Field(min_length=1)
     day: str = Field(min_length=1)
     model: str = Field(default=MODEL, description="a model of the kvflow fleet")
+    name_tools: bool = Field(
+        default=True,
+        description="each turn names the tool it starts with; off, the model chooses (auto)",
+    )
 
 
 class TravelPlan(BaseModel):
@@ -92,7 +96,10 @@ class TravelAgent:
                 activity_as_tool(find_flights, start_to_close_timeout=timedelta(seconds=10)),
             ],
             # Each turn starts with the lookup it is about; the SDK then lets the model answer.
-            model_settings=ModelSettings(tool_choice="get_weather", max_tokens=160),
+            # (The simulated fleet's model calls a tool only when told; a real one decides.)
+            model_settings=ModelSettings(
+                tool_choice="get_weather" if task.name_tools else "auto", max_tokens=160
+            ),
         )
         async with Agent(task.spec):
             weather = await Runner.run(
@@ -102,7 +109,9 @@ class TravelAgent:
             )
             flights = await Runner.run(
                 travel_agent.clone(
-                    model_settings=ModelSettings(tool_choice="find_flights", max_tokens=160)
+                    model_settings=ModelSettings(
+                        tool_choice="find_flights" if task.name_tools else "auto", max_tokens=160
+                    )
                 ),
                 [
                     *weather.to_input_list(),
