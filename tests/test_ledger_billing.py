@@ -23,6 +23,7 @@ from kvflow.ledger import (
     AttemptRecord,
     Ledger,
     LedgerUnavailable,
+    TaskOutcome,
     open_ledger,
 )
 from kvflow.ledger.spool import AttemptSpool, SpooledAttemptWriter
@@ -30,7 +31,7 @@ from kvflow.scheduler.fleet import Fleet
 from kvflow.scheduler.placement import PlacementRequest, Refusal, RefusalReason
 from kvflow.scheduler.redact import redact_url
 from kvflow.workers.control_plane import ControlPlane
-from tests.fixtures_ledger import attempt_record
+from tests.fixtures_ledger import attempt_record, task_record
 from tests.fleets import one_pool_fleet
 from tests.test_ledger_store import _sums
 
@@ -73,6 +74,37 @@ def test_provisional_estimate_never_replaces_the_exact_row(ledger: Ledger) -> No
     assert ledger.record_attempt(_estimate(exact)) is False
     (stored,) = ledger.attempts_for("wf-1", "run-1")
     assert stored == exact and stored.provisional is False
+
+
+def test_attempt_ending_while_reconcile_sums_is_counted_in_the_reconciled_row(
+    ledger: Ledger,
+) -> None:
+    # A workflow timed out with a call still streaming. Reconcile reads its attempts (one
+    # row) and sums them; the call's attempt ends and is written; then reconcile writes.
+    first = attempt_record("wf-late", activity_id="1")
+    assert ledger.record_attempt(first)
+    summed = task_record(
+        "wf-late",
+        outcome=TaskOutcome.TIMED_OUT,
+        attempts=1,
+        spend_micros=first.cost_micros,
+    ).model_copy(update={"source": "reconcile"})
+    streaming = attempt_record("wf-late", activity_id="2", completion_tokens=900)
+    assert ledger.record_attempt(streaming)
+    assert ledger.record_task(summed)
+    task = ledger.task("wf-late", "run-1")
+    assert task is not None and task.attempts == 2
+    assert task.spend_micros == first.cost_micros + streaming.cost_micros
+    # One that ends after the row adds itself to it.
+    last = attempt_record("wf-late", activity_id="3", completion_tokens=50)
+    assert ledger.record_attempt(last)
+    task = ledger.task("wf-late", "run-1")
+    assert task is not None and task.attempts == 3
+    assert task.spend_micros == sum(a.cost_micros for a in ledger.attempts_for("wf-late", "run-1"))
+    # A workflow's own row is its own count, whatever the attempt rows say.
+    own = task_record("wf-own", attempts=1, spend_micros=first.cost_micros)
+    assert ledger.record_task(own)
+    assert ledger.task("wf-own", "run-1") == own
 
 
 async def test_lost_attempt_activity_writes_an_estimate_the_worker_supersedes(

@@ -146,6 +146,13 @@ class PostgresLedger(Ledger):
                         log.warning("ledger %s: rollback failed", self.url, exc_info=True)
                 raise
 
+    def _serialize_task(self, workflow_id: str, run_id: str) -> None:
+        # Concurrent transactions see each other's rows only once committed: a transaction
+        # lock per task orders a late attempt row and a reconciled task row (`record_task`).
+        self._execute(
+            "SELECT pg_advisory_xact_lock(hashtextextended(?, 0))", (f"{workflow_id}/{run_id}",)
+        )
+
     @contextmanager
     def _snapshot(self) -> Iterator[None]:
         with self._lock, self._driver_errors():

@@ -103,6 +103,10 @@ class SqliteLedger(Ledger):
                     self._conn.execute("ROLLBACK")
                 raise
 
+    def _serialize_task(self, workflow_id: str, run_id: str) -> None:
+        # Nothing to do: BEGIN IMMEDIATE already runs write transactions one at a time.
+        return
+
     @contextmanager
     def _snapshot(self) -> Iterator[None]:
         with self._lock:

@@ -134,6 +134,14 @@ class Ledger(ABC):
         """A read-only transaction whose statements all see the same committed state."""
 
     @abstractmethod
+    def _serialize_task(self, workflow_id: str, run_id: str) -> None:
+        """Make writes that touch one task's row run one after another, until commit.
+
+        An attempt row that comes late and a reconciled task row that sums its attempts must
+        not both miss the other (see `record_task`).
+        """
+
+    @abstractmethod
     def _schema_version_or_none(self) -> int | None:
         """The latest applied migration, or None when `schema_version` does not exist."""
 
@@ -266,8 +274,10 @@ class Ledger(ABC):
                     "attempts", _ATTEMPT_COLUMNS, values, ", ".join(_ATTEMPT_KEY)
                 )
                 if written:
+                    self._serialize_task(record.workflow_id, record.run_id)
                     self._add_late_row(record)
                 elif not record.provisional:
+                    self._serialize_task(record.workflow_id, record.run_id)
                     estimate = self._supersede(record, values)
             # Counted once committed: a rolled-back write is retried and counted then.
             if written:
@@ -326,7 +336,13 @@ class Ledger(ABC):
         )
 
     def record_task(self, record: TaskRecord) -> bool:
-        """Write one task row; True if written now, False if its key was already there."""
+        """Write one task row; True if written now, False if its key was already there.
+
+        A reconciled row (`source = "reconcile"`) takes its attempts and spend from the attempt
+        rows as they stand when it is written, in the same transaction: an attempt that ended
+        while reconcile was summing (its workflow timed out with the call still streaming) is
+        counted here or, if it commits later, adds itself (`record_attempt`), never neither.
+        """
         values: tuple[object, ...] = (
             record.workflow_id,
             record.run_id,
@@ -341,7 +357,19 @@ class Ledger(ABC):
             record.compensation_micros,
             record.source,
         )
-        written = self._insert("tasks", _TASK_COLUMNS, values, "workflow_id, run_id")
+        with self._lock, self._write_transaction():
+            written = self._insert("tasks", _TASK_COLUMNS, values, "workflow_id, run_id")
+            if written and record.source == "reconcile":
+                self._serialize_task(record.workflow_id, record.run_id)
+                of_run = "workflow_id = ? AND run_id = ?"
+                self._execute(
+                    "UPDATE tasks SET "
+                    f"attempts = (SELECT COUNT(*) FROM attempts WHERE {of_run}), "
+                    "spend_micros = "
+                    f"(SELECT COALESCE(SUM(cost_micros), 0) FROM attempts WHERE {of_run}) "
+                    f"WHERE {of_run}",
+                    (record.workflow_id, record.run_id) * 3,
+                )
         if written:
             self._metrics.task_written(record)
         return written
