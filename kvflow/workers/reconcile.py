@@ -141,6 +141,8 @@ async def reconcile(
                 result.skipped += 1
                 continue
             if await ledger.record_task(task):
+                # As written: the ledger counts attempts that ended since they were summed.
+                task = await ledger.task(task.workflow_id, task.run_id) or task
                 result.written.append(task)
                 log.info(
                     "reconciled %s/%s: %s, %d attempts, %d micro-dollars",
