@@ -382,6 +382,37 @@ class ToolLoop:
             )
 
 
+@activity.defn
+async def slow_lookup(seconds: float) -> str:
+    """A tool of another library: it takes `seconds`, and heartbeats nothing."""
+    await asyncio.sleep(seconds)
+    return "found"
+
+
+class RawActivityInput(BaseModel):
+    spec: TaskSpec
+    seconds: float
+    refund: Refund | None = None
+
+
+@workflow.defn
+class RawActivityInBlock:
+    """An activity started as a framework starts its tools: not through `agent.tool`."""
+
+    @workflow.run
+    async def run(self, task: RawActivityInput) -> str:
+        agent = Agent(task.spec)
+        async with agent:
+            if task.refund is not None:
+                await agent.tool(issue_refund, task.refund, compensation=reverse_refund)
+            return await workflow.execute_activity(
+                slow_lookup,
+                task.seconds,
+                start_to_close_timeout=timedelta(seconds=60),
+                retry_policy=RetryPolicy(maximum_attempts=1),
+            )
+
+
 ALL_WORKFLOWS = [
     MultiStepAgent,
     RefundThenReply,
@@ -392,6 +423,7 @@ ALL_WORKFLOWS = [
     CheckIn,
     OneCall,
     ToolLoop,
+    RawActivityInBlock,
 ]
 ALL_ACTIVITIES = [
     issue_refund,
@@ -400,4 +432,5 @@ ALL_ACTIVITIES = [
     cancel_hotel,
     charge_card,
     check_in,
+    slow_lookup,
 ]

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +183,11 @@ async def test_travel_sample_answers_and_every_model_call_is_a_billed_kvflow_ste
     assert all(e.task_queue.name.startswith("kvflow.gpu.gpu.") for e in infers)
     tools = [e for e in events if e.activity_type.name == "find_flights"]
     assert len(tools) == 1 and tools[0].task_queue.name == stack.task_queue
+    # The activity tool is held to the task's deadline, not only to its own timeout.
+    assert task.spec.latency_budget_s is not None
+    assert tools[0].schedule_to_close_timeout.ToTimedelta() <= timedelta(
+        seconds=task.spec.latency_budget_s
+    )
     assert not [e for e in events if "invoke_model" in e.activity_type.name]
 
     # The ledger: one row per model attempt, each named after the agent, and the task row;

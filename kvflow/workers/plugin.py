@@ -10,8 +10,9 @@ One plugin class plays three roles, chosen by what it is given:
 - **workflow worker** (`KvflowPlugin(fleet)`): on a `Worker` it registers the control plane's
   activities (placement, observation, ledger task rows, the context store), runs the fleet's
   scheduler with its telemetry for as long as the worker runs, makes sure kvflow's search
-  attributes exist before the first task, and lets workflow code import `kvflow` inside the
-  sandbox. The worker hosts any number of the user's workflows.
+  attributes exist before the first task, lets workflow code import `kvflow` inside the
+  sandbox, and holds every activity a task starts to the task's deadline
+  (`kvflow.workflows.deadline`). The worker hosts any number of the user's workflows.
 - **GPU worker** (`KvflowPlugin(fleet, replica="h100/0")`): on a `Worker` polling that replica's
   task queue (`kvflow.gpu.<pool>.<index>`, see `task_queue_for`) it registers the inference
   activity bound to the replica's vLLM server and checks that the server answers before the
@@ -48,6 +49,7 @@ from kvflow.workers.config import FleetConfig, load_fleet
 from kvflow.workers.control_plane import ControlPlane
 from kvflow.workers.replica import check_endpoint, resolve_replica
 from kvflow.workers.search_attributes import ensure_search_attributes
+from kvflow.workflows.deadline import TaskDeadlineInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +169,12 @@ class KvflowPlugin(SimplePlugin):
         super().__init__(
             PLUGIN_NAME,
             data_converter=claim_check_converter(store, claim_check_bytes),
-            interceptors=[TracingInterceptor()] if tracing else None,
+            interceptors=[
+                *([TracingInterceptor()] if tracing else []),
+                # Workflow workers: activities a task starts end by its deadline.
+                *([TaskDeadlineInterceptor()] if self.control_plane is not None else []),
+            ]
+            or None,
             activities=activities,
             workflow_runner=_sandbox_passes_kvflow if self.control_plane else None,
             run_context=self._running if activities else None,
@@ -177,8 +184,12 @@ class KvflowPlugin(SimplePlugin):
         """Register this role's activities; a GPU worker must poll its replica's queue."""
         self._client = config["client"]
         client_interceptors = self._client.config(active_config=True).get("interceptors", [])
-        if any(isinstance(i, TracingInterceptor) for i in client_interceptors):
-            self.interceptors = None  # the client traces already: one span per operation
+        if self.interceptors is not None and any(
+            isinstance(i, TracingInterceptor) for i in client_interceptors
+        ):
+            # The client traces already: one span per operation.
+            kept = [i for i in self.interceptors if not isinstance(i, TracingInterceptor)]
+            self.interceptors = kept or None
         if self.inference is not None:
             queue = config.get("task_queue")
             if queue != self.task_queue:

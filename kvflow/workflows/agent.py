@@ -334,6 +334,7 @@ class Agent:
         self._published_at: datetime | None = None
         self._entered: Token[Agent | None] | None = None
         """Undoes `Agent.current()` when the `async with` block ends."""
+        self._compensating = False
 
     # ---- the task's bracket ------------------------------------------------------------------
 
@@ -345,6 +346,14 @@ class Agent:
         model calls of an agent run inside the block.
         """
         return _CURRENT.get()
+
+    def activity_deadline(self) -> datetime | None:
+        """When activities the task starts must end (`TaskDeadlineInterceptor`); None: never.
+
+        The task's deadline, except while compensations run: they undo what the task did and
+        must finish even when the task ran out of time.
+        """
+        return None if self._compensating else self._deadline
 
     async def __aenter__(self) -> Agent:
         self._entered = _CURRENT.set(self)
@@ -1004,6 +1013,15 @@ class Agent:
     async def compensate(self) -> bool:
         """Run the registered compensations newest first; True if there were any."""
         ran = bool(self._compensations)
+        self._compensating = True
+        try:
+            await self._run_compensations()
+        finally:
+            self._compensating = False
+        self._publish()
+        return ran
+
+    async def _run_compensations(self) -> None:
         while self._compensations:
             name, compensation, arg = self._compensations.pop()
             record = StepSpend(index=len(self.steps) + 1, name=f"undo {name}", kind="compensation")
@@ -1021,8 +1039,6 @@ class Agent:
                 # Keep undoing the rest; the failed compensation is on the record for an operator.
                 record.outcome = f"failed: {err.cause}"
                 workflow.logger.error("compensation for %s failed: %s", name, err.cause)
-        self._publish()
-        return ran
 
     # ---- context -----------------------------------------------------------------------------
 
