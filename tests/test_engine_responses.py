@@ -42,6 +42,7 @@ with workflow.unsafe.imports_passed_through():
         InferenceRequest,
         InferenceResult,
         Sampling,
+        ToolSpec,
     )
     from kvflow.ledger.records import AttemptRecord
     from kvflow.scheduler.builtin_tokenizer import Tokenizer as BuiltinTokenizer
@@ -251,13 +252,14 @@ class BrokenReplica:
             client, binding, ledger=self.attempts, heartbeat_interval_s=0.2, spool_dir=None
         )
 
-    async def call(self, script: Script) -> CallOutcome:
+    async def call(self, script: Script, *, tools: list[ToolSpec] | None = None) -> CallOutcome:
         self.engine.script = script
         request = InferenceRequest(
             model=MODEL,
             messages=[ChatMessage(role="user", content=PROMPT)],
             max_tokens=MAX_TOKENS,
             sampling=Sampling(seed=7),
+            tools=tools,
             tenant="acme",
             step="test",
         )
@@ -269,9 +271,9 @@ class BrokenReplica:
         )
 
     def estimated_prompt_tokens(self) -> int:
-        """The built-in tokenizer's count of the prompt the engine was sent."""
+        """The built-in tokenizer's count of the prompt the engine was sent, tools included."""
         sent = self.engine.bodies[-1]
-        return len(BuiltinTokenizer().encode_chat(sent["messages"]))
+        return len(BuiltinTokenizer().encode_chat(sent["messages"], tools=sent.get("tools")))
 
 
 @pytest.fixture(scope="module")
@@ -486,6 +488,24 @@ async def test_stream_cut_without_any_usage_bills_the_prompt_it_answered(replica
         prompt=replica.estimated_prompt_tokens(),
         completion=2,
     )
+
+
+async def test_a_prompt_whose_size_is_estimated_counts_its_tools(replica: BrokenReplica):
+    # The engine renders the tools into the prompt, so they are billed as prompt tokens.
+    tools = [
+        ToolSpec(
+            name="read_file",
+            description="Read a file of the project.",
+            parameters={"type": "object", "properties": {"path": {"type": "string"}}},
+        )
+    ]
+    events = answer("Step", " one", " two", per_chunk_usage=False)[:3]
+    outcome = await replica.call(lambda: sse(*events, cut=True), tools=tools)
+    sent = replica.engine.bodies[-1]
+    assert sent["tools"] == [tool.to_api() for tool in tools]
+    estimated = replica.estimated_prompt_tokens()
+    assert estimated > len(BuiltinTokenizer().encode_chat(sent["messages"])) + 10
+    billed(replica, outcome, error_type="StreamCut", prompt=estimated, completion=2)
 
 
 async def test_stream_cut_before_any_chunk_bills_nothing(replica: BrokenReplica):

@@ -22,7 +22,8 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from kvflow.activities.control_plane import ControlPlaneActivities
 from kvflow.activities.tokenize import FleetTokenizers, TokenizeUnavailable, VllmTokenize
-from kvflow.activities.wire import PlaceInput
+from kvflow.activities.wire import ChatMessage, PlaceInput, ToolCall, ToolSpec
+from kvflow.scheduler.blocks import block_hashes
 from kvflow.scheduler.builtin_tokenizer import Tokenizer as BuiltinTokenizer
 from kvflow.scheduler.builtin_tokenizer import apply_chat_template
 from kvflow.scheduler.core import Scheduler
@@ -60,6 +61,54 @@ MESSAGES: list[dict[str, Any]] = [
     {"role": "system", "content": "You plan tool calls."},
     {"role": "user", "content": [{"type": "text", "text": "Read file a.txt"}, "then b.txt"]},
 ]
+
+# A template that renders tools the way tool-using models' templates do: the tools' JSON
+# (`tojson`), each call's name and its arguments, iterated as an object, and the id a tool
+# result answers.
+TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}\n"
+    "{{ '<|system|>\\n# Tools\\n' }}{% for tool in tools %}\n"
+    "{{ tool | tojson }}{{ '\\n' }}{% endfor %}\n"
+    "{{ eos_token + '\\n' }}{% endif %}\n"
+    "{% for message in messages %}\n"
+    "{{ '<|' + message['role'] + '|>\\n' }}{% if message['role'] == 'tool' %}\n"
+    "{{ '[' + message['tool_call_id'] + '] ' }}{% endif %}\n"
+    "{{ message['content'] }}{% for call in message['tool_calls'] or [] %}\n"
+    "{{ '<tool_call>' + call['function']['name'] + '(' }}"
+    "{% for key, value in call['function']['arguments'].items() %}\n"
+    "{{ key + '=' }}{{ value | tojson }}{% if not loop.last %}{{ ', ' }}{% endif %}{% endfor %}\n"
+    "{{ ')</tool_call>' }}{% endfor %}\n"
+    "{{ eos_token + '\\n' }}{% endfor %}\n"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+TOOL_SPECS = [
+    ToolSpec(
+        name="read_file",
+        description="Read a file.",
+        parameters={"type": "object", "properties": {"path": {"type": "string"}}},
+    ),
+    ToolSpec(name="list_dir"),
+]
+TOOL_CHAT = [
+    ChatMessage(role="system", content="You plan tool calls."),
+    ChatMessage(role="user", content="Read file a.txt"),
+    ChatMessage(
+        role="assistant",
+        tool_calls=[
+            ToolCall(id="call-1", name="read_file", arguments='{"path": "a.txt", "lines": 2}'),
+            ToolCall(id="call-2", name="list_dir", arguments="not json"),
+        ],
+    ),
+    ChatMessage(role="tool", content="plan a step", tool_call_id="call-1"),
+]
+"""A conversation with an earlier tool call (the second one's arguments malformed) and its
+result, as the step API sends it."""
+
+
+def tool_chat_api() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """`TOOL_CHAT` and `TOOL_SPECS` as the API (and the tokenizers) take them."""
+    messages = [m.to_api(m.content) for m in TOOL_CHAT if isinstance(m.content, str)]
+    return messages, [t.to_api() for t in TOOL_SPECS]
 
 
 def _corpus() -> list[str]:
@@ -291,3 +340,123 @@ async def test_vllm_tokenize_says_which_replicas_failed() -> None:
         source = VllmTokenize(["http://a:1", "http://b:2"], "m", client=client)
         with pytest.raises(TokenizeUnavailable, match=r"http://a:1: HTTP 503; http://b:2"):
             await source.encode("x")
+
+
+async def test_the_model_tokenizer_renders_tools_and_tool_calls_as_vllm_hands_them_over(
+    tmp_path: Path,
+) -> None:
+    folder = save_model_folder(tmp_path / "model", template=TOOLS_TEMPLATE)
+    tokenizer = HfTokenizer.from_path(folder)
+    messages, tools = tool_chat_api()
+    rendered = tokenizer.render_chat(messages, tools=tools)
+    # Tools as vLLM's request model writes them back (description and parameters always);
+    # each call's arguments parsed into an object, malformed ones an empty object.
+    assert rendered == (
+        "<|bos|><|system|>\n# Tools\n"
+        '{"type": "function", "function": {"name": "read_file", "description": "Read a file.", '
+        '"parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}\n'
+        '{"type": "function", "function": {"name": "list_dir", "description": null, '
+        '"parameters": {"type": "object", "properties": {}}}}\n'
+        "<|eos|>\n"
+        "<|system|>\nYou plan tool calls.<|eos|>\n"
+        "<|user|>\nRead file a.txt<|eos|>\n"
+        '<|assistant|>\n<tool_call>read_file(path="a.txt", lines=2)</tool_call>'
+        "<tool_call>list_dir()</tool_call><|eos|>\n"
+        "<|tool|>\n[call-1] plan a step<|eos|>\n"
+        "<|assistant|>\n"
+    )
+    raw = RustTokenizer.from_file(str(folder / "tokenizer.json"))
+    expected = raw.encode(rendered, add_special_tokens=False).ids
+    assert tokenizer.encode_chat(messages, tools=tools) == expected
+    # No tools: the template's tools block is left out, as for a request without `tools`.
+    assert tokenizer.render_chat(messages, tools=[]) == tokenizer.render_chat(messages)
+    assert "# Tools" not in tokenizer.render_chat(messages)
+
+    # The place activity sizes the call with the same ids.
+    fleet = fleet_with_tokenizer(str(folder))
+    activities = ControlPlaneActivities(Scheduler(fleet), fleet=fleet, block_size=16)
+    request = PlacementRequest(
+        model="m", prompt_tokens=0, max_output_tokens=8, tenant="acme", workflow_id="wf"
+    )
+    place = PlaceInput(request=request, messages=TOOL_CHAT, tools=TOOL_SPECS)
+    assert await activities.prompt_tokens(place) == expected
+
+    with pytest.raises(ValueError, match=r"messages\[0\]\.tool_calls\[0\] must be a function"):
+        tokenizer.render_chat(
+            [{"role": "assistant", "content": "", "tool_calls": [{"type": "custom"}]}]
+        )
+    with pytest.raises(ValueError, match=r"tools\[0\] must be"):
+        tokenizer.render_chat(messages, tools=[{"type": "function"}])
+
+
+@pytest.mark.parametrize("tokenizer", ["builtin", "vllm"])
+async def test_place_counts_a_tool_using_chat_as_the_simulated_engine_does(
+    sim_server: ServedModel, tokenizer: str
+) -> None:
+    fleet = one_pool_fleet(
+        sim_server.model, endpoints=[sim_server.base_url], context_length=sim_server.max_model_len
+    )
+    data = fleet.model_dump(mode="json")
+    data["models"][0]["tokenizer"] = tokenizer  # "vllm": ask the simulator's /tokenize
+    fleet = Fleet.model_validate(data)
+    activities = ControlPlaneActivities(
+        Scheduler(fleet), fleet=fleet, block_size=sim_server.block_size
+    )
+    request = PlacementRequest(
+        model=sim_server.model,
+        prompt_tokens=0,
+        max_output_tokens=4,
+        tenant="acme",
+        workflow_id="wf",
+    )
+    place = PlaceInput(request=request, messages=TOOL_CHAT, tools=TOOL_SPECS)
+    messages, tools = tool_chat_api()
+    try:
+        async with httpx.AsyncClient(base_url=sim_server.base_url, timeout=30) as http:
+            # What the GPU worker sends for the same call.
+            response = await http.post(
+                "/v1/chat/completions",
+                json={
+                    "model": sim_server.model,
+                    "messages": messages,
+                    "tools": tools,
+                    "max_tokens": 1,
+                },
+            )
+            assert response.status_code == 200, response.text
+            engine_count = response.json()["usage"]["prompt_tokens"]
+            response = await http.post(
+                "/tokenize",
+                json={"model": sim_server.model, "messages": messages, "tools": tools},
+            )
+            engine_ids = response.json()["tokens"]
+            assert len(engine_ids) == engine_count
+            # Each tokenizer renders the tools itself, once.
+            assert BuiltinTokenizer().encode_chat(messages, tools=tools) == engine_ids
+            remote = VllmTokenize([sim_server.base_url], sim_server.model)
+            try:
+                assert await remote.encode_chat(messages, tools=tools) == engine_ids
+            finally:
+                await remote.aclose()
+            answer = await activities.place(place)
+            assert answer.prompt_tokens == engine_count
+            ids = await activities.prompt_tokens(place)
+            assert block_hashes(ids, sim_server.block_size) == block_hashes(
+                engine_ids, sim_server.block_size
+            )
+
+            # A resume continues the same prompt: the partial answer follows it.
+            resumed = place.model_copy(update={"checkpoint_text": "First read"})
+            response = await http.post(
+                "/tokenize",
+                json={
+                    "model": sim_server.model,
+                    "messages": [*messages, {"role": "assistant", "content": "First read"}],
+                    "tools": tools,
+                    "add_generation_prompt": False,
+                    "continue_final_message": True,
+                },
+            )
+            assert await activities.prompt_tokens(resumed) == response.json()["tokens"]
+    finally:
+        await activities.tokenizers.aclose()

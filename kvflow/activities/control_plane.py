@@ -45,7 +45,6 @@ from kvflow.scheduler.placement import (
     PlacementRequest,
     Refusal,
 )
-from kvflow.scheduler.tokens import render_tools
 
 log = logging.getLogger(__name__)
 
@@ -204,12 +203,13 @@ class ControlPlaneActivities:
             partial = partial.rstrip()
             if partial:
                 messages.append({"role": "assistant", "content": partial})
-            # Tools, and earlier tool calls, are part of the prompt the engine caches.
-            messages = render_tools(messages, [tool.to_api() for tool in place.tools or ()])
+            # Tools, and earlier tool calls, are part of the prompt the engine caches: each
+            # tokenizer renders them the way its engine does.
             return await tokenizer.encode_chat(
                 messages,
                 add_generation_prompt=not partial,
                 continue_final_message=bool(partial),
+                tools=[tool.to_api() for tool in place.tools or ()],
             )
         assert place.prompt is not None
         return await tokenizer.encode(await self._text(place.prompt) + partial)

@@ -867,7 +867,7 @@ def _apply_usage(raw: Any, progress: Progress, bounds: UsageBounds, replica: str
 
 
 def _estimated_prompt_tokens(body: dict[str, Any]) -> int:
-    """The prompt's tokens by the built-in tokenizer (exact for the simulator's models)."""
+    """The prompt's tokens, tools included, by the built-in tokenizer (exact for the simulator)."""
     tokenizer = BuiltinTokenizer()
     messages = body.get("messages")
     if messages is not None:
@@ -876,6 +876,7 @@ def _estimated_prompt_tokens(body: dict[str, Any]) -> int:
                 messages,
                 add_generation_prompt=bool(body.get("add_generation_prompt", True)),
                 continue_final_message=bool(body.get("continue_final_message", False)),
+                tools=body.get("tools"),
             )
         )
     return len(tokenizer.encode(str(body.get("prompt") or "")))

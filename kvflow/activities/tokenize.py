@@ -17,7 +17,7 @@ import hashlib
 import json
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -29,6 +29,7 @@ from kvflow.scheduler.tokens import (
     VLLM,
     AsyncTokenizer,
     ChatMessages,
+    ChatTools,
     HfTokenizer,
     InThread,
     message_text,
@@ -82,21 +83,24 @@ class VllmTokenize:
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: ChatTools | None = None,
     ) -> list[int]:
-        """Ids of chat `messages`, rendered by vLLM with the model's chat template."""
-        return await self._tokenize(
-            {
-                "model": self.model,
-                "messages": [
-                    {"role": str(m.get("role", "user")), "content": message_text(m.get("content"))}
-                    for m in messages
-                ],
-                "add_generation_prompt": add_generation_prompt,
-                "continue_final_message": continue_final_message,
-                # The chat template writes the special tokens; vLLM's chat default too.
-                "add_special_tokens": False,
-            }
-        )
+        """Ids of chat `messages` and `tools`, rendered by vLLM with the model's chat template.
+
+        vLLM's `/tokenize` takes a chat request's `tools` and the messages' tool fields, and
+        renders them as its chat completions do.
+        """
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": [_tokenize_message(m) for m in messages],
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            # The chat template writes the special tokens; vLLM's chat default too.
+            "add_special_tokens": False,
+        }
+        if tools:  # a call without tools is sent to the engine without the key
+            body["tools"] = [dict(tool) for tool in tools]
+        return await self._tokenize(body)
 
     async def aclose(self) -> None:
         """Close the HTTP client if this object made it."""
@@ -147,6 +151,22 @@ class VllmTokenize:
         raise TokenizeUnavailable(
             f"no replica serving {self.model} answered /tokenize: {'; '.join(failures)}"
         )
+
+
+_TOOL_FIELDS = ("tool_calls", "tool_call_id", "name")
+
+
+def _tokenize_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    # The text of the content (kvflow places text prompts only) and the fields a chat template
+    # renders tools with; vLLM validates them as its chat completions do.
+    body: dict[str, Any] = {
+        "role": str(message.get("role", "user")),
+        "content": message_text(message.get("content")),
+    }
+    for key in _TOOL_FIELDS:
+        if message.get(key) is not None:
+            body[key] = message[key]
+    return body
 
 
 class FleetTokenizers:

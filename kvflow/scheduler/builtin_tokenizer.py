@@ -25,6 +25,10 @@ Chat template (fixed; one line per part)::
 With `continue_final_message` the last message is left open (no `<|end|>\n`) so the model
 continues it: the prompt of a resumed answer is the prompt of the original request followed
 by the partial answer, token for token.
+
+Tools and tool calls are written into the messages first, as text
+(`kvflow.scheduler.tokens.render_tools`): the simulated server renders a request's `tools`
+this way, so the placement counts and hashes the prompt the simulated engine caches.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import re
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 
-from kvflow.scheduler.tokens import ChatMessages, message_text
+from kvflow.scheduler.tokens import ChatMessages, ChatTools, message_text, render_tools
 from kvflow.scheduler.vocab import PUNCTUATION, WORDS
 
 BOS = "<|bos|>"
@@ -141,12 +145,17 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: ChatTools | None = None,
     ) -> list[int]:
-        """Ids of `messages` rendered with the simulator's chat template (`apply_chat_template`)."""
+        """Ids of `messages` and `tools` rendered with the simulator's chat template.
+
+        The text is `apply_chat_template`'s; a malformed `tool_calls` entry raises `ValueError`.
+        """
         text = apply_chat_template(
             messages,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            tools=tools,
         )
         return self.encode(text, add_special_tokens=False)
 
@@ -214,13 +223,18 @@ def apply_chat_template(
     *,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    tools: ChatTools | None = None,
 ) -> str:
-    """Render `messages` with the simulator's fixed chat template (see the module docstring)."""
+    """Render `messages` with the simulator's fixed chat template (see the module docstring).
+
+    `tools`, and the messages' `tool_calls`, are written in as text first (`render_tools`).
+    """
+    rendered = render_tools(messages, tools or ())
     parts = [BOS]
-    for index, message in enumerate(messages):
+    for index, message in enumerate(rendered):
         role = str(message.get("role", "user"))
         text = message_text(message.get("content"))
-        if continue_final_message and index == len(messages) - 1:
+        if continue_final_message and index == len(rendered) - 1:
             parts.append(f"<|{role}|>\n{text}")
         else:
             parts.append(f"<|{role}|>\n{text}{END}\n")

@@ -8,10 +8,10 @@ served model's own tokenizer and chat template, not from an approximation.
 Two small protocols, with the same two methods:
 
 - `Tokenizer`: ids computed in this process (`encode` for a completion prompt, `encode_chat`
-  for chat messages). The built-in tokenizer of the simulator's models is one
-  (`kvflow.scheduler.builtin_tokenizer.Tokenizer`); `HfTokenizer` is another: a model's
-  `tokenizer.json`, read with the `tokenizers` library, and its chat template, rendered with
-  jinja2 the way `transformers` renders it for vLLM.
+  for chat messages and the tools the engine renders into the prompt with them). The built-in
+  tokenizer of the simulator's models is one (`kvflow.scheduler.builtin_tokenizer.Tokenizer`);
+  `HfTokenizer` is another: a model's `tokenizer.json`, read with the `tokenizers` library,
+  and its chat template, rendered with jinja2 the way `transformers` renders it for vLLM.
 - `AsyncTokenizer`: what the `place` activity awaits. `InThread` runs a `Tokenizer` off the
   event loop; `kvflow.activities.tokenize.VllmTokenize` asks a replica's `POST /tokenize`.
 
@@ -35,7 +35,10 @@ if TYPE_CHECKING:
     import tokenizers
 
 ChatMessages = Sequence[Mapping[str, Any]]
-"""OpenAI-style chat messages: `{"role": ..., "content": str | [{"type": "text", ...}]}`."""
+"""OpenAI-style chat messages: `{"role": ..., "content": str | [{"type": "text", ...}]}`, an
+assistant's with its `tool_calls`, a `tool` message with its `tool_call_id`."""
+ChatTools = Sequence[Mapping[str, Any]]
+"""OpenAI function tools as the API takes them: `{"type": "function", "function": {...}}`."""
 
 
 class Tokenizer(Protocol):
@@ -51,10 +54,13 @@ class Tokenizer(Protocol):
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: ChatTools | None = None,
     ) -> list[int]:
         """Ids of chat `messages` rendered with the model's chat template.
 
         With `continue_final_message` the last message is left open, so the model continues it.
+        `tools` are rendered into the prompt as the engine renders a request's `tools`; None or
+        an empty list: a request without tools.
         """
         ...
 
@@ -72,8 +78,9 @@ class AsyncTokenizer(Protocol):
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: ChatTools | None = None,
     ) -> list[int]:
-        """Ids of chat `messages` (see `Tokenizer.encode_chat`)."""
+        """Ids of chat `messages` and `tools` (see `Tokenizer.encode_chat`)."""
         ...
 
 
@@ -97,13 +104,15 @@ class InThread:
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: ChatTools | None = None,
     ) -> list[int]:
-        """Ids of chat `messages` (see `Tokenizer.encode_chat`)."""
+        """Ids of chat `messages` and `tools` (see `Tokenizer.encode_chat`)."""
         return await asyncio.to_thread(
             lambda: self.tokenizer.encode_chat(
                 messages,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                tools=tools,
             )
         )
 
@@ -170,8 +179,17 @@ class HfTokenizer:
     template writes them. `transformers` itself is not needed: it is a large dependency for a
     control plane, and rendering its way takes a page of code.
 
-    Not covered: multimodal content, tool schemas, and vLLM's rewriting of a `developer` role
-    to `system` for templates that do not know it.
+    Tools reach the template as vLLM 0.32 hands them over: `tools` as its request model writes
+    them back (`description` and `parameters` always present, null when not given), an
+    assistant's `tool_calls` with each call's JSON `arguments` parsed into an object (an empty
+    object for empty, malformed or non-object arguments, as vLLM does), a tool message's
+    `tool_call_id`, and any message's `name`.
+
+    Not covered: multimodal content, templates that take content as a list of parts (vLLM's
+    "openai" content format), a model's named `tool_use` template, vLLM's rewriting of a
+    `developer` role to `system` for templates that do not know it, and a server started with
+    `--exclude-tools-when-tool-choice-none` (it drops the tools of a `tool_choice: "none"`
+    request; these ids keep them).
     """
 
     def __init__(
@@ -211,12 +229,14 @@ class HfTokenizer:
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: ChatTools | None = None,
     ) -> list[int]:
-        """Ids of chat `messages` rendered with the model's chat template."""
+        """Ids of chat `messages` and `tools` rendered with the model's chat template."""
         text = self.render_chat(
             messages,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            tools=tools,
         )
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
         return ids
@@ -227,8 +247,12 @@ class HfTokenizer:
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: ChatTools | None = None,
     ) -> str:
-        """The chat template's text for `messages` (what `encode_chat` encodes)."""
+        """The chat template's text for `messages` and `tools` (what `encode_chat` encodes).
+
+        A malformed `tools` or `tool_calls` entry raises `ValueError` naming it.
+        """
         if self._template is None:
             raise TokenizerFileError(
                 f"{self.source or 'this tokenizer'} has no chat template: add "
@@ -236,17 +260,15 @@ class HfTokenizer:
             )
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt are not compatible")
-        chat = [
-            {"role": str(m.get("role", "user")), "content": message_text(m.get("content"))}
-            for m in messages
-        ]
+        chat = [_engine_message(index, m) for index, m in enumerate(messages)]
         if continue_final_message:
             if not chat:
                 raise ValueError("continue_final_message needs a final message to continue")
             chat[-1]["content"] += _CONTINUE_TAG
         rendered = self._template.render(
             messages=chat,
-            tools=None,
+            # A call without tools is sent to the engine without the key: None, not [].
+            tools=[_engine_tool(index, t) for index, t in enumerate(tools)] if tools else None,
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **self.special_tokens,
@@ -260,6 +282,100 @@ class HfTokenizer:
             else:  # the template stripped the message's trailing space
                 rendered = rendered[:cut].rstrip()
         return rendered
+
+
+def _engine_message(index: int, message: Mapping[str, Any]) -> dict[str, Any]:
+    # The fields vLLM's chat parsing keeps of a message, in its order; text parts are joined
+    # as its default "string" content format does.
+    role = str(message.get("role", "user"))
+    chat: dict[str, Any] = {"role": role, "content": message_text(message.get("content"))}
+    if role == "assistant":
+        calls = message.get("tool_calls")
+        if calls is not None and not isinstance(calls, list):
+            raise ValueError(f"messages[{index}].tool_calls must be a list")
+        if calls:  # vLLM drops an empty list, so templates take the plain assistant path
+            chat["tool_calls"] = [
+                _engine_tool_call(f"messages[{index}].tool_calls[{number}]", call)
+                for number, call in enumerate(calls)
+            ]
+    elif role == "tool" and "tool_call_id" in message:
+        chat["tool_call_id"] = message["tool_call_id"]
+    if isinstance(message.get("name"), str):
+        chat["name"] = message["name"]
+    return chat
+
+
+def _engine_tool_call(where: str, call: Any) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if (
+        not isinstance(call, Mapping)
+        or call.get("type", "function") != "function"
+        or not isinstance(function, Mapping)
+        or not isinstance(function.get("name"), str)
+    ):
+        raise ValueError(
+            f"{where} must be a function call: "
+            '{"id": ..., "type": "function", "function": {"name": ..., "arguments": ...}}'
+        )
+    # vLLM's request model gives a call's known fields in this order, then any others; a
+    # template that writes `tool_call | tojson` shows the order.
+    parsed: dict[str, Any] = {
+        "arguments": _call_arguments(function.get("arguments")),
+        "name": function["name"],
+        **{k: v for k, v in function.items() if k not in ("arguments", "name")},
+    }
+    entry: dict[str, Any] = {"id": call["id"]} if "id" in call else {}
+    entry["function"] = parsed
+    entry["type"] = "function"
+    entry.update((k, v) for k, v in call.items() if k not in ("id", "function", "type"))
+    return entry
+
+
+def _call_arguments(arguments: Any) -> Any:
+    # Templates iterate over a call's arguments, so vLLM parses the JSON text into an object
+    # and makes anything else (empty, malformed, not an object) an empty one rather than
+    # fail every later turn of the conversation.
+    if not arguments:
+        return {}
+    if isinstance(arguments, Mapping):
+        return dict(arguments)
+    parsed = arguments
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except json.JSONDecodeError:
+            return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def _engine_tool(index: int, tool: Mapping[str, Any]) -> dict[str, Any]:
+    function = tool.get("function")
+    if (
+        tool.get("type", "function") != "function"
+        or not isinstance(function, Mapping)
+        or not isinstance(function.get("name"), str)
+    ):
+        raise ValueError(
+            f'tools[{index}] must be {{"type": "function", "function": {{"name": ...}}}}'
+        )
+    # What vLLM's request model writes back (`model_dump()`): description and parameters
+    # always, null when absent; strict and defer_loading only when set; nothing unknown.
+    deferred = function.get("defer_loading")
+    if deferred is None:
+        deferred = tool.get("defer_loading")
+    written: dict[str, Any] = {
+        "name": function["name"],
+        "description": function.get("description"),
+        "parameters": function.get("parameters"),
+    }
+    if function.get("strict") is not None:
+        written["strict"] = function["strict"]
+    if deferred is not None:
+        written["defer_loading"] = deferred
+    entry: dict[str, Any] = {"type": "function", "function": written}
+    if tool.get("defer_loading") is not None:
+        entry["defer_loading"] = tool["defer_loading"]
+    return entry
 
 
 def _tokenizer_file(path: Path) -> Path:
@@ -429,9 +545,10 @@ def check_tokenizer_setting(value: str) -> str:
 def render_tools(
     messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = ()
 ) -> list[dict[str, Any]]:
-    r"""A conversation as the chat template renders it, tools written in as text.
+    r"""A conversation as the simulator's chat template renders it, tools written in as text.
 
-    vLLM renders tools into the chat template; the simulator writes them the way Hermes-style
+    vLLM renders tools into the chat template; the simulator's built-in tokenizer
+    (`kvflow.scheduler.builtin_tokenizer`) writes them with this, the way Hermes-style
     templates do, so that they count as prompt tokens and share a cached prefix:
 
     - the tools' JSON, one per line between `<tools>` and `</tools>` after a `# Tools` heading,
@@ -441,9 +558,9 @@ def render_tools(
       `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`;
     - a `tool` message stays a message of role `tool` whose content is the result.
 
-    Real models' templates write tools their own way (vLLM passes them to the template); for
-    them this is an approximation of the prompt's size and prefix. `tools` are the API's
-    entries (`{"type": "function", "function": {...}}`). A malformed `tool_calls` entry raises
+    Real models' templates write tools their own way (vLLM passes them to the template, and
+    so does `HfTokenizer`); for them this is an approximation. `tools` are the API's entries
+    (`{"type": "function", "function": {...}}`). A malformed `tool_calls` entry raises
     `ValueError`.
     """
     rendered = [_template_message(index, m) for index, m in enumerate(messages)]

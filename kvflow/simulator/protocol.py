@@ -18,8 +18,6 @@ from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kvflow.scheduler.tokens import render_tools
-
 _ERROR_TYPES = {
     400: "BadRequestError",
     404: "NotFoundError",
@@ -300,13 +298,11 @@ class DetokenizeBody(_Body):
     tokens: list[int]
 
 
-def template_messages(
-    messages: list[dict[str, Any]], tools: list[ChatTool] | None
-) -> list[dict[str, Any]]:
-    """A conversation as the chat template renders it, tools written in as text.
+def template_tools(tools: list[ChatTool] | None) -> list[dict[str, Any]]:
+    """A request's `tools` as the chat template takes them (none: an empty list).
 
-    The rendering is `kvflow.scheduler.tokens.render_tools`, which the scheduler uses as well,
-    so that a placement hashes the prompt the simulated engine caches. A malformed
-    `tool_calls` entry raises `ValueError` (the server answers 400).
+    The built-in tokenizer writes them into the prompt with
+    `kvflow.scheduler.tokens.render_tools`, as it does for the scheduler's placements, so that
+    a placement hashes the prompt the simulated engine caches.
     """
-    return render_tools(messages, [tool.model_dump(exclude_none=True) for tool in tools or ()])
+    return [tool.model_dump(exclude_none=True) for tool in tools or ()]

@@ -9,7 +9,7 @@ vLLM (`kvflow.simulator.protocol`); faults come from the server's settings and t
 `x-kvflow-fault` header (`kvflow.simulator.faults`).
 
 Function calling answers as vLLM started with `--enable-auto-tool-choice --tool-call-parser`
-does. `tools` are rendered into the prompt (`kvflow.simulator.protocol.template_messages`), so
+does. `tools` are rendered into the prompt (the built-in tokenizer's `encode_chat`), so
 they are prompt tokens; whether the answer is a tool call follows `generation.calls_tool`. A
 tool call's arguments are an instance of the tool's `parameters` schema, made like a
 `response_format` document and generated token by token, so they are the completion tokens
@@ -105,7 +105,7 @@ from kvflow.simulator.protocol import (
     ParameterError,
     SamplingBody,
     TokenizeBody,
-    template_messages,
+    template_tools,
     validation_error,
 )
 
@@ -471,9 +471,10 @@ class SimulatedVllm:
                 # The template writes <|bos|> itself: add_special_tokens adds no second one.
                 try:
                     ids = self.tokenizer.encode_chat(
-                        template_messages(body.messages, body.tools),
+                        body.messages,
                         add_generation_prompt=body.add_generation_prompt,
                         continue_final_message=body.continue_final_message,
+                        tools=template_tools(body.tools),
                     )
                 except ValueError as exc:
                     raise ApiError(str(exc), param="messages") from None
@@ -582,12 +583,13 @@ class SimulatedVllm:
                     f"messages[{index}] needs a `role` string, got {message.get('role')!r}",
                     param="messages",
                 )
+        tools = template_tools(body.tools)
         try:
-            messages = template_messages(body.messages, body.tools)
             prompt_ids = self.tokenizer.encode_chat(
-                messages,
+                body.messages,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
+                tools=tools,
             )
         except ValueError as exc:
             raise ApiError(str(exc), param="messages") from None
@@ -597,7 +599,7 @@ class SimulatedVllm:
             last = body.messages[-1]
             if last.get("role") == "assistant":
                 partial = message_text(last.get("content"))
-                base_ids = self.tokenizer.encode_chat(messages[:-1])
+                base_ids = self.tokenizer.encode_chat(body.messages[:-1], tools=tools)
         # `is None`, not `or`: a max_completion_tokens of 0 is refused, not ignored.
         max_tokens = (
             body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
