@@ -33,6 +33,7 @@ from kvflow.scheduler.tokens import (
     HfTokenizer,
     InThread,
     Tokenizer,
+    check_tokenizer_setting,
     message_text,
 )
 from kvflow.workers.config import FleetConfigError, load_fleet
@@ -200,6 +201,22 @@ def test_the_template_can_refuse_a_conversation(model_dir: Path) -> None:
 
 def test_loads_are_remembered_and_a_tokenizer_json_path_works_too(model_dir: Path) -> None:
     assert HfTokenizer.from_path(model_dir) is HfTokenizer.from_path(model_dir / "tokenizer.json")
+
+
+def test_a_folder_of_links_reads_the_files_beside_the_links(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    # A Hugging Face cache snapshot: each file is a link to a blob named by its hash.
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "rev"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    for number, file in enumerate(sorted(model_dir.iterdir())):
+        blob = blobs / f"blob{number}"
+        blob.write_bytes(file.read_bytes())
+        (snapshot / file.name).symlink_to(blob)
+    tokenizer = HfTokenizer.from_path(snapshot)
+    assert tokenizer.render_chat(MESSAGES) == HfTokenizer.from_path(model_dir).render_chat(MESSAGES)
+    assert check_tokenizer_setting(str(snapshot)) == str(snapshot)
 
 
 def test_the_simulator_tokenizer_is_one_implementation_of_the_protocol() -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -216,7 +217,9 @@ class HfTokenizer:
         missing and what to point at instead.
         """
         file = _tokenizer_file(Path(path))
-        return _load(str(file.resolve()), file.stat().st_mtime_ns)
+        # Not `resolve()`: the folder's files may be links into another folder (a Hugging Face
+        # cache snapshot links each file to a blob), and the template beside the link counts.
+        return _load(os.path.abspath(file), file.stat().st_mtime_ns)
 
     def encode(self, text: str) -> list[int]:
         """Ids of a completion prompt, with the special tokens the tokenizer adds."""
