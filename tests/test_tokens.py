@@ -219,6 +219,36 @@ def test_a_folder_of_links_reads_the_files_beside_the_links(
     assert check_tokenizer_setting(str(snapshot)) == str(snapshot)
 
 
+@pytest.mark.parametrize("layout", ["config", "files"])
+def test_a_request_with_tools_is_rendered_with_the_models_tool_use_template(
+    tmp_path: Path, layout: str
+) -> None:
+    folder = save_model_folder(tmp_path / "model", template=None)
+    if layout == "config":  # named templates in tokenizer_config.json
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config["chat_template"] = [
+            {"name": "default", "template": CHAT_TEMPLATE},
+            {"name": "tool_use", "template": TOOLS_TEMPLATE},
+        ]
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    else:  # as transformers saves them
+        (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+        (folder / "additional_chat_templates").mkdir()
+        (folder / "additional_chat_templates" / "tool_use.jinja").write_text(TOOLS_TEMPLATE)
+    tokenizer = HfTokenizer.from_path(folder)
+    only_tools = HfTokenizer.from_path(
+        save_model_folder(tmp_path / "tools-model", template=TOOLS_TEMPLATE)
+    )
+    messages, tools = tool_chat_api()
+    assert tokenizer.render_chat(messages, tools=tools) == only_tools.render_chat(
+        messages, tools=tools
+    )
+    # Without tools: the default template.
+    assert tokenizer.render_chat(MESSAGES) == HfTokenizer.from_path(
+        save_model_folder(tmp_path / "default-model")
+    ).render_chat(MESSAGES)
+
+
 def test_the_simulator_tokenizer_is_one_implementation_of_the_protocol() -> None:
     builtin: Tokenizer = BuiltinTokenizer()
     messages = [{"role": "user", "content": "hello"}]

@@ -152,6 +152,7 @@ TOKENIZER_FILE = "tokenizer.json"
 _CONFIG_FILE = "tokenizer_config.json"
 _SPECIAL_TOKENS_FILE = "special_tokens_map.json"
 _TEMPLATE_FILE = "chat_template.jinja"
+_TEMPLATES_DIR = "additional_chat_templates"
 # The special tokens transformers passes to every chat template by name (its
 # SPECIAL_TOKENS_ATTRIBUTES); templates write `{{ bos_token }}`, `{{ eos_token }}`.
 _SPECIAL_TOKEN_KEYS = (
@@ -186,9 +187,13 @@ class HfTokenizer:
     object for empty, malformed or non-object arguments, as vLLM does), a tool message's
     `tool_call_id`, and any message's `name`.
 
+    A request with tools is rendered with the model's `tool_use` template when it has one (a
+    template of that name in `tokenizer_config.json` or `additional_chat_templates/`), as
+    `transformers` picks it for vLLM.
+
     Not covered: multimodal content, templates that take content as a list of parts (vLLM's
-    "openai" content format), a model's named `tool_use` template, vLLM's rewriting of a
-    `developer` role to `system` for templates that do not know it, and a server started with
+    "openai" content format), vLLM's rewriting of a `developer` role to `system` for
+    templates that do not know it, a server's own `--chat-template`, and a server started with
     `--exclude-tools-when-tool-choice-none` (it drops the tools of a `tool_choice: "none"`
     request; these ids keep them).
     """
@@ -200,19 +205,26 @@ class HfTokenizer:
         special_tokens: Mapping[str, str] | None = None,
         *,
         source: str = "",
+        tool_template: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.tool_template = tool_template
+        """The template of requests with tools, if the model has its own for them."""
         self.special_tokens = dict(special_tokens or {})
         self.source = source
         self._template = _compile_template(chat_template) if chat_template is not None else None
+        self._tool_template = (
+            _compile_template(tool_template) if tool_template is not None else self._template
+        )
 
     @classmethod
     def from_path(cls, path: Path | str) -> HfTokenizer:
         """Load a model folder (with `tokenizer.json`) or a `tokenizer.json` file.
 
-        The chat template and the special tokens are read from the same folder:
-        `chat_template.jinja`, else `tokenizer_config.json`'s `chat_template`. Loads are
+        The chat templates and the special tokens are read from the same folder, as
+        `transformers` reads them: `chat_template.jinja` and `additional_chat_templates/*.jinja`,
+        else `tokenizer_config.json`'s `chat_template` (one, or named ones). Loads are
         remembered per file and modification time. Raises `TokenizerFileError` saying what is
         missing and what to point at instead.
         """
@@ -256,7 +268,8 @@ class HfTokenizer:
 
         A malformed `tools` or `tool_calls` entry raises `ValueError` naming it.
         """
-        if self._template is None:
+        template = self._tool_template if tools else self._template
+        if template is None:
             raise TokenizerFileError(
                 f"{self.source or 'this tokenizer'} has no chat template: add "
                 f"{_TEMPLATE_FILE} beside it, or a chat_template in {_CONFIG_FILE}"
@@ -268,7 +281,7 @@ class HfTokenizer:
             if not chat:
                 raise ValueError("continue_final_message needs a final message to continue")
             chat[-1]["content"] += _CONTINUE_TAG
-        rendered = self._template.render(
+        rendered = template.render(
             messages=chat,
             # A call without tools is sent to the engine without the key: None, not [].
             tools=[_engine_tool(index, t) for index, t in enumerate(tools)] if tools else None,
@@ -430,13 +443,37 @@ def _load(file: str, mtime_ns: int) -> HfTokenizer:
     special_tokens = {
         key: text for key in _SPECIAL_TOKEN_KEYS if (text := _token_text(special.get(key)))
     }
-    template_file = path.parent / _TEMPLATE_FILE
-    template = (
-        template_file.read_text(encoding="utf-8")
-        if template_file.is_file()
-        else _config_template(config.get("chat_template"))
+    templates = _chat_templates(path.parent, config.get("chat_template"))
+    return HfTokenizer(
+        tokenizer,
+        templates.get("default"),
+        special_tokens,
+        source=str(path),
+        tool_template=templates.get("tool_use"),
     )
-    return HfTokenizer(tokenizer, template, special_tokens, source=str(path))
+
+
+def _chat_templates(folder: Path, configured: Any) -> dict[str, str]:
+    # transformers' order: template files, if there are any, replace the config's templates.
+    # It renders a request with tools with the "tool_use" template, any other with
+    # "default" (a single template is the default).
+    templates: dict[str, str] = {}
+    default = folder / _TEMPLATE_FILE
+    if default.is_file():
+        templates["default"] = default.read_text(encoding="utf-8")
+    for file in sorted((folder / _TEMPLATES_DIR).glob("*.jinja")):
+        templates[file.name.removesuffix(".jinja")] = file.read_text(encoding="utf-8")
+    if templates:
+        return templates
+    if isinstance(configured, str):
+        return {"default": configured}
+    if isinstance(configured, list):
+        return {
+            str(entry["name"]): str(entry["template"])
+            for entry in configured
+            if isinstance(entry, Mapping) and "name" in entry and "template" in entry
+        }
+    return {}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -457,17 +494,6 @@ def _token_text(value: Any) -> str | None:
         return value
     if isinstance(value, Mapping) and isinstance(value.get("content"), str):
         return str(value["content"])
-    return None
-
-
-def _config_template(value: Any) -> str | None:
-    # tokenizer_config.json holds one template, or named ones of which vLLM uses "default".
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        for entry in value:
-            if isinstance(entry, Mapping) and entry.get("name") == "default":
-                return str(entry["template"])
     return None
 
 
