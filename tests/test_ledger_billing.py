@@ -101,10 +101,19 @@ def test_attempt_ending_while_reconcile_sums_is_counted_in_the_reconciled_row(
     task = ledger.task("wf-late", "run-1")
     assert task is not None and task.attempts == 3
     assert task.spend_micros == sum(a.cost_micros for a in ledger.attempts_for("wf-late", "run-1"))
-    # A workflow's own row is its own count, whatever the attempt rows say.
+    # A workflow's own row keeps its own count as its view at the close; the ledger's figure
+    # is its attempt rows, which for this run have not arrived.
     own = task_record("wf-own", attempts=1, spend_micros=first.cost_micros)
     assert ledger.record_task(own)
-    assert ledger.task("wf-own", "run-1") == own
+    book = ledger.task("wf-own", "run-1")
+    assert book is not None and book.as_written() == own
+    assert (book.spend_micros, book.attempts) == (0, 0)
+    # Both moved after their close: wf-late by the two attempts reconcile did not sum.
+    moved = {t.workflow_id: t.moved_micros for t in ledger.tasks_moved()}
+    assert moved == {
+        "wf-late": streaming.cost_micros + last.cost_micros,
+        "wf-own": -first.cost_micros,
+    }
 
 
 async def test_lost_attempt_activity_writes_an_estimate_the_worker_supersedes(

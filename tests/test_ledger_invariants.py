@@ -23,7 +23,7 @@ from typing import Any
 
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 
-from kvflow.ledger.records import TaskOutcome, TaskRecord
+from kvflow.ledger.records import TaskBook, TaskOutcome
 from kvflow.workers.reconcile import reconcile
 from kvflow.workflows import search_attributes
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
@@ -49,7 +49,7 @@ async def _settled(handle: WorkflowHandle[Any, Any]) -> None:
         pass  # failed, cancelled and timed-out tasks are part of the point
 
 
-async def assert_books_balance(s: Stack, handle: WorkflowHandle[Any, Any]) -> TaskRecord:
+async def assert_books_balance(s: Stack, handle: WorkflowHandle[Any, Any]) -> TaskBook:
     description = await handle.describe()
     run_id = description.run_id or ""
     task = await s.ledger.task(handle.id, run_id)
@@ -63,7 +63,9 @@ async def assert_books_balance(s: Stack, handle: WorkflowHandle[Any, Any]) -> Ta
         assert row.cost_micros == exact, (row.activity_id, row.cost_micros, exact)
     assert task.spend_micros == sum(row.cost_micros for row in attempts)
     if task.source == "workflow":
-        # The workflow's own books: the query, the search attribute and the row agree.
+        # The workflow's own books at the close agree with the ledger's: the query, the
+        # search attribute and the task row's figure at the close.
+        assert task.spend_at_close_micros == task.spend_micros, task
         breakdown = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
         made = [a for step in breakdown.steps for a in step.attempts]
         assert len(made) == len(attempts), (handle.id, made, attempts)

@@ -140,7 +140,8 @@ async def test_terminated_and_timed_out_workflows_get_task_rows_from_their_attem
     assert late is not None
     assert (late.outcome, late.attempts, late.steps) == (TaskOutcome.TIMED_OUT, 1, 0)
     assert late.spend_micros == spent[2].cost_micros
-    assert ledger.task(completed.id, completed.result_run_id or "") == own_row
+    own = ledger.task(completed.id, completed.result_run_id or "")
+    assert own is not None and own.as_written() == own_row
     assert ledger.task(not_kvflow.id, not_kvflow.result_run_id or "") is None
 
     # Now the report counts the terminated and timed-out spend as wasted, to the micro-dollar.

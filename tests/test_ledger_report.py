@@ -155,7 +155,7 @@ GLOBEX = {
 
 def _json_rows(report) -> list[dict[str, object]]:
     document = json.loads(report_json(report))
-    assert list(document) == ["rows"]
+    assert list(document) == ["rows", "moved_tasks"]
     rows: list[dict[str, object]] = document["rows"]
     return rows
 

@@ -92,7 +92,10 @@ def test_retried_task_write_changes_nothing(ledger: Ledger) -> None:
 
     assert ledger.record_task(task) is True
     assert ledger.record_task(task.model_copy(update={"outcome": TaskOutcome.SUCCEEDED})) is False
-    assert ledger.task("wf-1", "run-1") == task
+    book = ledger.task("wf-1", "run-1")
+    assert book is not None and book.as_written() == task
+    # The task has no attempt rows: the ledger books nothing, whatever the writer said.
+    assert (book.spend_micros, book.spend_at_close_micros, book.moved_micros) == (0, 4000, -4000)
     assert ledger.task("wf-1", "other-run") is None
 
 

@@ -15,21 +15,22 @@ lost on the way to Temporal) it writes a *provisional* row from the last heartbe
 row wins whichever comes first: it replaces a provisional row, a provisional row never replaces
 it.
 
-The task row's spend is the sum of the task's attempt rows. The workflow writes it from its
-spend meter, in which every attempt is billed at its row's figures: an answer and a failure
-carry the cost the worker computed for its row, and a lost attempt is billed at its row as read
-back from the ledger when the workflow bills it and again just before it closes. The meter,
-rather than a sum the task-row write would take from the ledger, is what the row records: an
-answer whose row is still in a GPU worker's spool when the task closes (the ledger was down) is
-counted all the same, and the books add up once the spool is replayed. The `kvflow_spend` query
-and the `KvflowSpendMicros` search attribute show the same figures.
+The ledger is the book of record
+--------------------------------
+A task's spend, attempt count and wasted spend are the sum of its attempt rows as they stand
+when they are read (`Ledger.task` returns a `TaskBook`; the report sums the same rows). No row
+is ever patched into a total, so a row counts the same whichever order it arrives in: before or
+after the task row, straight away or replayed from a spool, an exact row replacing an estimate,
+an attempt of a timed-out run that ends after `kvflow ledger reconcile` wrote its row. A resumed
+mark (`mark_resumed`) is a fact of its own, kept in `resumed_attempts`: a `failed` row of a
+marked attempt is stored as `resumed_elsewhere` whenever it arrives, and no later row undoes it.
 
-Rows that arrive after the task row keep it the sum, in the transaction that writes them: an
-exact row that replaces an estimate moves the task's spend by the difference, and a new row is
-added to a row `kvflow ledger reconcile` summed without it. What stays apart is only a lost
-attempt whose provisional row could not be written for the whole retry window and whose worker
-row arrives later (the workflow logs the failed write), and a row written in the moment between
-`reconcile` reading a task's attempts and writing its task row.
+The task row keeps what its writer saw at the close (`spend_at_close_micros`,
+`attempts_at_close`): the workflow's spend meter, which is also its `kvflow_spend` query and its
+`KvflowSpendMicros` search attribute, or the rows reconcile found. Where the ledger moved after
+that (a row that was still in a spool when the task closed), `Ledger.tasks_moved` lists the
+task, `kvflow report` flags it with the difference and `kvflow ledger reconcile` lists it. The
+ledger's figure is the one finance bills.
 """
 
 from kvflow.ledger.errors import (

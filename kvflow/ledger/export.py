@@ -38,11 +38,25 @@ def _json_value(value: str | int | Decimal | None) -> CellValue:
 
 
 def report_json(report: Report) -> str:
-    """The report as `{"rows": [...]}` (see the module docstring for the value types)."""
+    """The report as `{"rows": [...], "moved_tasks": [...]}` (value types: module docstring).
+
+    `moved_tasks` lists the tasks whose ledger spend moved after they closed
+    (`Report.moved`), with both figures.
+    """
     rows = [
         {name: _json_value(value) for name, value in row_values(row).items()} for row in report.rows
     ]
-    return json.dumps({"rows": rows}, indent=2) + "\n"
+    moved = [
+        {
+            "workflow_id": task.workflow_id,
+            "run_id": task.run_id,
+            "tenant": task.tenant,
+            "spend_at_close_usd": format_usd(task.spend_at_close_micros),
+            "ledger_spend_usd": format_usd(task.spend_micros),
+        }
+        for task in report.moved
+    ]
+    return json.dumps({"rows": rows, "moved_tasks": moved}, indent=2) + "\n"
 
 
 def cell_text(value: str | int | Decimal | None) -> str:
@@ -222,6 +236,15 @@ def report_notes(report: Report) -> list[str]:
             f"${format_usd(report.unclosed_spend_micros)} belong to tasks with no task row "
             "(still running, or closed without one: run `kvflow ledger reconcile`); they are "
             "not in this report."
+        )
+    if report.moved:
+        moved = sum(task.moved_micros for task in report.moved)
+        sign = "+" if moved >= 0 else "-"
+        notes.append(
+            f"{len(report.moved)} task(s) had rows arrive or change after they closed (a "
+            f"spool replayed, an estimate replaced): their ledger spend differs from what "
+            f"they showed at the close by {sign}${format_usd(abs(moved))} in all. The figures "
+            "above are the ledger's; `kvflow ledger reconcile` lists the tasks."
         )
     return notes
 

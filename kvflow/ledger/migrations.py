@@ -102,6 +102,30 @@ MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE attempts ADD COLUMN provisional BOOLEAN NOT NULL DEFAULT FALSE",
         ),
     ),
+    Migration(
+        4,
+        "a task's spend is the sum of its attempt rows; resumed marks are facts of their own",
+        (
+            # What the task row held is the writer's figure when the task closed; the ledger's
+            # figures are summed from the attempt rows on every read (`Ledger.task`).
+            "ALTER TABLE tasks RENAME COLUMN spend_micros TO spend_at_close_micros",
+            "ALTER TABLE tasks RENAME COLUMN attempts TO attempts_at_close",
+            """
+            CREATE TABLE resumed_attempts (
+                workflow_id TEXT NOT NULL,
+                run_id TEXT NOT NULL,
+                activity_id TEXT NOT NULL,
+                recorded_at {timestamp} NOT NULL,
+                PRIMARY KEY (workflow_id, run_id, activity_id)
+            )
+            """,
+            """
+            INSERT INTO resumed_attempts (workflow_id, run_id, activity_id, recorded_at)
+            SELECT workflow_id, run_id, activity_id, MIN(recorded_at) FROM attempts
+            WHERE outcome = 'resumed_elsewhere' GROUP BY workflow_id, run_id, activity_id
+            """,
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

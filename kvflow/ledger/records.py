@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Literal, Self
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvflow.scheduler.fleet import TokenPrices
 
@@ -58,6 +58,15 @@ TaskSource = Literal["workflow", "reconcile"]
 class _Record(BaseModel):
     # Unknown fields are bugs in the writer; refusing them keeps the wire type stable.
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_nul(cls, value: object) -> object:
+        # PostgreSQL's text cannot hold NUL, and a row the ledger refuses for good would be
+        # a bill lost: a NUL in a name (a step called "a\x00b") is kept visible instead.
+        if isinstance(value, str) and "\x00" in value:
+            return value.replace("\x00", "\ufffd")
+        return value
 
 
 class AttemptRecord(_Record):
@@ -115,13 +124,14 @@ class AttemptRecord(_Record):
 
 
 class TaskRecord(_Record):
-    """One task (one workflow run) once it has closed.
+    """One task (one workflow run) once it has closed, as its writer saw it.
 
-    Key: `(workflow_id, run_id)`. `spend_micros` is the sum of the task's attempt rows (see
-    "Every attempt is billed exactly once" in `kvflow.ledger`); the report recomputes every
-    figure from the attempt rows, so both agree to the micro-dollar. `compensation_micros` is
-    the part of that spend made by saga compensations (informational: it is already inside
-    `spend_micros`).
+    Key: `(workflow_id, run_id)`. `spend_micros` and `attempts` are the writer's figures at the
+    close: the workflow's spend meter, or the attempt rows `kvflow ledger reconcile` found.
+    The ledger keeps them as `spend_at_close_micros` and `attempts_at_close`; the task's
+    spend itself is always the sum of its attempt rows (`TaskBook`, from `Ledger.task`), so a
+    row that arrives after the close counts without any special case. `compensation_micros`
+    is the part of the spend made by saga compensations (informational).
     """
 
     workflow_id: str = Field(min_length=1)
@@ -131,7 +141,9 @@ class TaskRecord(_Record):
     started_at: AwareDatetime
     closed_at: AwareDatetime
     outcome: TaskOutcome
-    steps: int = Field(ge=0, description="model and tool calls that completed")
+    steps: int = Field(
+        ge=0, description="model and tool calls that completed (compensations not included)"
+    )
     attempts: int = Field(ge=0, description="model call attempts, failed ones included")
     spend_micros: int = Field(ge=0)
     compensation_micros: int = Field(default=0, ge=0)
@@ -149,6 +161,45 @@ class TaskRecord(_Record):
     def key(self) -> tuple[str, str]:
         """The idempotency key `(workflow_id, run_id)`."""
         return (self.workflow_id, self.run_id)
+
+
+class TaskBook(TaskRecord):
+    """A task as the ledger books it: its row, with spend and attempts summed from its attempts.
+
+    `spend_micros` and `attempts` are the sum and count of the task's attempt rows as they
+    stand now, whatever order they arrived in (late, spooled and replayed, an exact row that
+    replaced an estimate). `spend_at_close_micros` and `attempts_at_close` are what the
+    writer of the task row saw; `moved_micros` is how far the ledger moved since.
+    """
+
+    spend_at_close_micros: int = Field(ge=0, description="the writer's spend at the close")
+    attempts_at_close: int = Field(ge=0, description="the writer's attempt count at the close")
+    wasted_micros: int = Field(
+        ge=0,
+        description="cost of the task's failed and cancelled attempt rows; a resumed one is "
+        "not waste (the report counts all of a failed task's spend as wasted)",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        # Overrides TaskRecord's: the compensation figure is the writer's, of its own spend at
+        # the close, which the ledger's sum may not have reached yet.
+        if self.closed_at < self.started_at:
+            raise ValueError("closed_at is before started_at")
+        return self
+
+    @property
+    def moved_micros(self) -> int:
+        """Ledger spend minus the spend at the close: rows that came or changed after it."""
+        return self.spend_micros - self.spend_at_close_micros
+
+    def as_written(self) -> TaskRecord:
+        """The task row as its writer wrote it, with its figures at the close."""
+        values = self.model_dump(
+            exclude={"spend_at_close_micros", "attempts_at_close", "wasted_micros"}
+        )
+        values.update(spend_micros=self.spend_at_close_micros, attempts=self.attempts_at_close)
+        return TaskRecord.model_validate(values)
 
 
 def utc(moment: datetime) -> datetime:

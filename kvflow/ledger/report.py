@@ -25,6 +25,10 @@ Definitions (per group of the report):
 - **tokens_saved_by_resume** = the sum of the attempts' `reused_tokens`: output tokens that a
   resumed attempt did not have to decode again.
 - **day** is the UTC day of the task's `closed_at`.
+- **moved tasks**: tasks whose ledger spend (the sum of their attempt rows, what every figure
+  above uses) differs from the spend their task row's writer saw at the close: a row spooled
+  and replayed after it, an exact row that replaced an estimate. They are listed, with the
+  difference, so a figure read at the close can be told from a mistake.
 
 Grouping by `model` or `pool` is attempt-level: a task counts in every model/pool group it
 touched, with its spend in that group being its attempts' spend there (so the task counts of
@@ -194,11 +198,30 @@ class TaskFacts:
     workflow_type: str
     closed_at: datetime
     outcome: TaskOutcome
+    spend_at_close_micros: int = 0
+    """What the task row's writer saw the task spend when it closed."""
 
     @property
     def key(self) -> tuple[str, str]:
         """`(workflow_id, run_id)`."""
         return (self.workflow_id, self.run_id)
+
+
+@dataclass(frozen=True, slots=True)
+class MovedTask:
+    """A task whose ledger spend moved after it closed: rows came or changed since."""
+
+    workflow_id: str
+    run_id: str
+    tenant: str
+    spend_at_close_micros: int
+    spend_micros: int
+    """The ledger's spend now: the sum of the task's attempt rows."""
+
+    @property
+    def moved_micros(self) -> int:
+        """Ledger spend minus spend at the close."""
+        return self.spend_micros - self.spend_at_close_micros
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,6 +318,13 @@ class Report:
     unclosed_attempts: int = 0
     """Attempts started in range whose task has no task row (running, or to reconcile)."""
     unclosed_spend_micros: int = 0
+    moved: tuple[MovedTask, ...] = ()
+    """Tasks in range whose ledger spend differs from what their writer saw at the close.
+
+    The report's figures are the ledger's (the sum of attempt rows); these are flagged so
+    that a figure read earlier (the workflow's `KvflowSpendMicros`, an earlier report) can be
+    told apart from a mistake.
+    """
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -362,6 +392,19 @@ def build_report(
     for part in attempts:
         by_task[(part.workflow_id, part.run_id)].append(part)
     totals = _group(tasks, by_task, ())
+    moved = []
+    for task in tasks:
+        spend = sum(part.spend_micros for part in by_task.get(task.key, []))
+        if spend != task.spend_at_close_micros:
+            moved.append(
+                MovedTask(
+                    workflow_id=task.workflow_id,
+                    run_id=task.run_id,
+                    tenant=task.tenant,
+                    spend_at_close_micros=task.spend_at_close_micros,
+                    spend_micros=spend,
+                )
+            )
     return Report(
         query=query,
         rows=tuple(_group(tasks, by_task, query.group_by)),
@@ -369,4 +412,5 @@ def build_report(
         daily_by_tenant=tuple(_group(tasks, by_task, (GroupField.TENANT, GroupField.DAY))),
         unclosed_attempts=unclosed_attempts,
         unclosed_spend_micros=unclosed_spend_micros,
+        moved=tuple(moved),
     )

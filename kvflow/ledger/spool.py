@@ -14,9 +14,11 @@ again from its error while the answer it paid for is thrown away.
 
 When the spool itself cannot be written (the worker's disk is full or failing), the row is
 kept in memory and retried with every replay, into the ledger first and the spool second.
-Only a row still held when the worker stops, with neither the ledger nor the disk back, is
-lost; it is logged at CRITICAL with its key and cost, and the workflow's estimate from the
-attempt's last heartbeat (if its completion was lost too) stands in for it.
+A row the ledger refuses for good (it answers, but not for this row) is set aside in the spool
+with the reason, logged at CRITICAL, and tried again when the worker restarts: it never stops
+the rows behind it. Only a row still held when the worker stops, with neither the ledger nor
+the disk back, is lost; it is logged at CRITICAL with its key and cost, and the workflow's
+estimate from the attempt's last heartbeat (if its completion was lost too) stands in for it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Protocol, Self
 
+from kvflow.ledger.errors import LedgerError, LedgerUnavailable
 from kvflow.ledger.records import AttemptRecord
 
 log = logging.getLogger(__name__)
@@ -61,6 +64,12 @@ class AttemptSpool:
             "CREATE TABLE IF NOT EXISTS spooled (key TEXT PRIMARY KEY, record TEXT NOT NULL, "
             "spooled_at TEXT NOT NULL)"
         )
+        # Rows the ledger refused for good (not "unavailable": the row itself), kept aside so
+        # that they do not stop the rows behind them, and tried again when the worker starts.
+        self._conn.execute(
+            "CREATE TABLE IF NOT EXISTS refused (key TEXT PRIMARY KEY, record TEXT NOT NULL, "
+            "reason TEXT NOT NULL, refused_at TEXT NOT NULL)"
+        )
 
     @staticmethod
     def _key(record: AttemptRecord) -> str:
@@ -81,6 +90,33 @@ class AttemptSpool:
                 "SELECT record FROM spooled ORDER BY spooled_at LIMIT ?", (limit,)
             ).fetchall()
         return [AttemptRecord.model_validate_json(row[0]) for row in rows]
+
+    def refuse(self, record: AttemptRecord, reason: str) -> None:
+        """Set `record` aside: the ledger refused it for good (see `requeue_refused`)."""
+        key = self._key(record)
+        with self._lock, self._conn:
+            self._conn.execute(
+                "INSERT OR REPLACE INTO refused (key, record, reason, refused_at) "
+                "VALUES (?, ?, ?, ?)",
+                (key, record.model_dump_json(), reason, datetime.now(UTC).isoformat()),
+            )
+            self._conn.execute("DELETE FROM spooled WHERE key = ?", (key,))
+
+    def refused(self) -> list[AttemptRecord]:
+        """The rows set aside because the ledger refused them."""
+        with self._lock:
+            rows = self._conn.execute("SELECT record FROM refused ORDER BY refused_at").fetchall()
+        return [AttemptRecord.model_validate_json(row[0]) for row in rows]
+
+    def requeue_refused(self) -> int:
+        """Put the refused rows back in line (a fixed ledger may take them now)."""
+        with self._lock, self._conn:
+            self._conn.execute(
+                "INSERT OR IGNORE INTO spooled (key, record, spooled_at) "
+                "SELECT key, record, refused_at FROM refused"
+            )
+            count = self._conn.execute("DELETE FROM refused").rowcount
+        return int(count)
 
     def remove(self, record: AttemptRecord) -> None:
         """Forget `record`: the ledger holds it now."""
@@ -215,8 +251,11 @@ class SpooledAttemptWriter:
                     try:
                         await self.ledger.record_attempt(record)
                     except Exception as exc:
-                        log.info("spool replay stopped, the ledger still fails: %s", exc)
-                        return replayed
+                        if not _refused_for_good(exc):
+                            log.info("spool replay stopped, the ledger still fails: %s", exc)
+                            return replayed
+                        await self._set_aside(record, exc)
+                        continue
                     replayed += 1
                     try:
                         await asyncio.to_thread(self.spool.remove, record)
@@ -227,6 +266,21 @@ class SpooledAttemptWriter:
         if replayed:
             log.info("replayed %d spooled attempt rows into the ledger", replayed)
         return replayed
+
+    async def _set_aside(self, record: AttemptRecord, exc: Exception) -> None:
+        """Keep a row the ledger refused out of the way of the rows behind it."""
+        log.critical(
+            "the ledger refused attempt %s (%d micro-dollars) for good: %s; it is kept in "
+            "the spool %s and tried again when the worker restarts",
+            record.key,
+            record.cost_micros,
+            exc,
+            self.spool.path,
+        )
+        try:
+            await asyncio.to_thread(self.spool.refuse, record, str(exc))
+        except Exception:
+            log.warning("could not set %s aside in the spool", record.key, exc_info=True)
 
     async def _spool_held(self, record: AttemptRecord) -> bool:
         """Spool a held row; False (quietly: it was logged when held) if the disk still fails."""
@@ -244,7 +298,12 @@ class SpooledAttemptWriter:
                 await self.replay()
 
     async def __aenter__(self) -> Self:
-        """Replay what an earlier run of the worker spooled, then keep replaying meanwhile."""
+        """Replay what an earlier run of the worker spooled, then keep replaying meanwhile.
+
+        Rows the ledger refused for good before are tried once more: the ledger may have
+        been fixed (a migration, a constraint) since.
+        """
+        await asyncio.to_thread(self.spool.requeue_refused)
         await self.replay()
         self._replaying_task = asyncio.create_task(self.replay_every(self.replay_interval_s))
         return self
@@ -270,6 +329,11 @@ class SpooledAttemptWriter:
                 self.spool.path,
             )
         self.spool.close()
+
+
+def _refused_for_good(exc: Exception) -> bool:
+    """Whether the ledger refused the row itself, rather than being unreachable."""
+    return isinstance(exc, LedgerError) and not isinstance(exc, LedgerUnavailable)
 
 
 def spooled_writer(ledger: AttemptTarget, spool_dir: Path, replica: str) -> SpooledAttemptWriter:

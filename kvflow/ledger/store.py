@@ -30,7 +30,13 @@ from opentelemetry.metrics import Meter
 from kvflow.ledger.errors import LedgerSchemaError, LedgerUrlError
 from kvflow.ledger.metrics import LedgerMetrics
 from kvflow.ledger.migrations import LATEST_VERSION, MIGRATIONS, SCHEMA_VERSION_TABLE
-from kvflow.ledger.records import AttemptOutcome, AttemptRecord, TaskOutcome, TaskRecord
+from kvflow.ledger.records import (
+    AttemptOutcome,
+    AttemptRecord,
+    TaskBook,
+    TaskOutcome,
+    TaskRecord,
+)
 from kvflow.ledger.report import AttemptTotals, Report, ReportQuery, TaskFacts, build_report
 from kvflow.scheduler.fleet import TokenPrices
 from kvflow.scheduler.redact import redact_url
@@ -84,6 +90,11 @@ _TASK_COLUMNS = (
     "spend_micros",
     "compensation_micros",
     "source",
+)
+# How each TaskRecord field is stored: the writer's figures are kept as what it saw at close.
+_TASK_STORED_COLUMNS = tuple(
+    {"spend_micros": "spend_at_close_micros", "attempts": "attempts_at_close"}.get(c, c)
+    for c in _TASK_COLUMNS
 )
 _WASTED_ATTEMPT_OUTCOMES = (AttemptOutcome.FAILED.value, AttemptOutcome.CANCELLED.value)
 # Keeps `IN (...)` lists well under SQLite's and PostgreSQL's parameter limits.
@@ -235,10 +246,10 @@ class Ledger(ABC):
         returns True: the GPU worker's bill wins over the workflow's estimate from the last
         heartbeat, whichever was written first. A provisional row never replaces anything.
 
-        A row that comes after its task's row (see the package docstring) keeps the task row
-        the sum of its attempt rows, in the same transaction: an exact row replacing an
-        estimate moves the task's spend by the difference; a new row adds itself to a row
-        `kvflow ledger reconcile` summed from the attempts it found.
+        Nothing else is touched: a task's spend is summed from its attempt rows when it is
+        read (`task`, `report`), so a row that comes after its task row counts as any other.
+        A `failed` row whose attempt was marked resumed (`mark_resumed`, before or after the
+        row came) is stored as `resumed_elsewhere`, in the same transaction.
         """
         prices = record.prices
         values: tuple[object, ...] = (
@@ -273,12 +284,10 @@ class Ledger(ABC):
                 written = self._insert(
                     "attempts", _ATTEMPT_COLUMNS, values, ", ".join(_ATTEMPT_KEY)
                 )
-                if written:
-                    self._serialize_task(record.workflow_id, record.run_id)
-                    self._add_late_row(record)
-                elif not record.provisional:
-                    self._serialize_task(record.workflow_id, record.run_id)
+                if not written and not record.provisional:
                     estimate = self._supersede(record, values)
+                if written or estimate is not None:
+                    self._apply_resumed_mark(record)
             # Counted once committed: a rolled-back write is retried and counted then.
             if written:
                 self._metrics.attempt_written(record)
@@ -292,7 +301,6 @@ class Ledger(ABC):
         """Replace the provisional row under `record`'s key with `record`.
 
         Returns the estimate's cost, or None when there was no provisional row to replace.
-        A task row that counted the estimate is moved to the exact cost.
         """
         key = " AND ".join(f"{name} = ?" for name in _ATTEMPT_KEY)
         _, rows = self._execute(
@@ -311,37 +319,33 @@ class Ledger(ABC):
         )
         if count != 1:
             return None
-        estimate = int(rows[0][0])
-        if record.cost_micros != estimate:
-            # Whoever wrote the task row counted the estimate (the workflow billed the lost
-            # attempt from it, reconcile summed it): the row now counts the bill instead.
-            self._execute(
-                "UPDATE tasks SET spend_micros = spend_micros + ? "
-                "WHERE workflow_id = ? AND run_id = ?",
-                (record.cost_micros - estimate, record.workflow_id, record.run_id),
-            )
-        return estimate
+        return int(rows[0][0])
 
-    def _add_late_row(self, record: AttemptRecord) -> None:
-        """Count a new attempt row in its task's row if reconcile summed that without it.
-
-        A workflow's own task row counts every attempt it made from the attempt's result,
-        error or stored row, so a row of it that arrives after the close (a spool replayed)
-        is already in it; a reconciled row counts only the rows there were when it ran.
-        """
+    def _apply_resumed_mark(self, record: AttemptRecord) -> None:
+        """Store a failed row as `resumed_elsewhere` if its attempt is marked resumed."""
+        if record.outcome is not AttemptOutcome.FAILED:
+            return
         self._execute(
-            "UPDATE tasks SET spend_micros = spend_micros + ?, attempts = attempts + 1 "
-            "WHERE workflow_id = ? AND run_id = ? AND source = ?",
-            (record.cost_micros, record.workflow_id, record.run_id, "reconcile"),
+            "UPDATE attempts SET outcome = ? WHERE workflow_id = ? AND run_id = ? "
+            "AND activity_id = ? AND attempt = ? AND outcome = ? AND EXISTS ("
+            "SELECT 1 FROM resumed_attempts r WHERE r.workflow_id = ? AND r.run_id = ? "
+            "AND r.activity_id = ?)",
+            (
+                AttemptOutcome.RESUMED_ELSEWHERE.value,
+                *record.key,
+                AttemptOutcome.FAILED.value,
+                record.workflow_id,
+                record.run_id,
+                record.activity_id,
+            ),
         )
 
     def record_task(self, record: TaskRecord) -> bool:
         """Write one task row; True if written now, False if its key was already there.
 
-        A reconciled row (`source = "reconcile"`) takes its attempts and spend from the attempt
-        rows as they stand when it is written, in the same transaction: an attempt that ended
-        while reconcile was summing (its workflow timed out with the call still streaming) is
-        counted here or, if it commits later, adds itself (`record_attempt`), never neither.
+        The row keeps its writer's spend and attempt count as `spend_at_close_micros` and
+        `attempts_at_close`; the task's own figures are summed from its attempt rows on
+        every read, so no row that arrives later needs to move it.
         """
         values: tuple[object, ...] = (
             record.workflow_id,
@@ -358,41 +362,40 @@ class Ledger(ABC):
             record.source,
         )
         with self._lock, self._write_transaction():
-            written = self._insert("tasks", _TASK_COLUMNS, values, "workflow_id, run_id")
-            if written and record.source == "reconcile":
-                self._serialize_task(record.workflow_id, record.run_id)
-                of_run = "workflow_id = ? AND run_id = ?"
-                self._execute(
-                    "UPDATE tasks SET "
-                    f"attempts = (SELECT COUNT(*) FROM attempts WHERE {of_run}), "
-                    "spend_micros = "
-                    f"(SELECT COALESCE(SUM(cost_micros), 0) FROM attempts WHERE {of_run}) "
-                    f"WHERE {of_run}",
-                    (record.workflow_id, record.run_id) * 3,
-                )
+            written = self._insert("tasks", _TASK_STORED_COLUMNS, values, "workflow_id, run_id")
         if written:
             self._metrics.task_written(record)
         return written
 
     def mark_resumed(self, workflow_id: str, run_id: str, activity_ids: Sequence[str]) -> int:
-        """Mark those `failed` attempts of one run whose partial output the next one reused.
+        """Mark those attempts of one run whose partial output the next attempt reused.
 
-        They become `resumed_elsewhere`, which the report does not count as wasted. Idempotent:
-        rows already marked, or that did not fail, are left alone. Returns the rows changed.
+        The mark is a fact of its own: a `failed` row of a marked attempt becomes
+        `resumed_elsewhere` (not wasted, in the report) now or whenever it arrives, and no
+        later row (an exact row replacing an estimate) undoes it. Idempotent. Returns the
+        rows changed now.
         """
         if not activity_ids:
             return 0
-        count, _ = self._execute(
-            "UPDATE attempts SET outcome = ? WHERE workflow_id = ? AND run_id = ? "
-            f"AND outcome = ? AND activity_id IN ({', '.join('?' for _ in activity_ids)})",
-            (
-                AttemptOutcome.RESUMED_ELSEWHERE.value,
-                workflow_id,
-                run_id,
-                AttemptOutcome.FAILED.value,
-                *activity_ids,
-            ),
-        )
+        marks = ", ".join("?" for _ in activity_ids)
+        with self._lock, self._write_transaction():
+            for activity_id in dict.fromkeys(activity_ids):
+                self._execute(
+                    "INSERT INTO resumed_attempts (workflow_id, run_id, activity_id, recorded_at) "
+                    "VALUES (?, ?, ?, ?) ON CONFLICT (workflow_id, run_id, activity_id) DO NOTHING",
+                    (workflow_id, run_id, activity_id, self._time_in(datetime.now(UTC))),
+                )
+            count, _ = self._execute(
+                "UPDATE attempts SET outcome = ? WHERE workflow_id = ? AND run_id = ? "
+                f"AND outcome = ? AND activity_id IN ({marks})",
+                (
+                    AttemptOutcome.RESUMED_ELSEWHERE.value,
+                    workflow_id,
+                    run_id,
+                    AttemptOutcome.FAILED.value,
+                    *activity_ids,
+                ),
+            )
         return count
 
     def _insert(
@@ -442,18 +445,64 @@ class Ledger(ABC):
         # PostgreSQL sums BIGINT as NUMERIC (Decimal); int() makes both backends alike.
         return {str(tenant): int(total or 0) for tenant, total in rows}
 
-    def task(self, workflow_id: str, run_id: str) -> TaskRecord | None:
-        """The task row of one workflow run, or None if it has none yet."""
-        _, rows = self._execute(
-            f"SELECT {', '.join(_TASK_COLUMNS)} FROM tasks WHERE workflow_id = ? AND run_id = ?",
-            (workflow_id, run_id),
+    def task(self, workflow_id: str, run_id: str) -> TaskBook | None:
+        """The task of one workflow run as the ledger books it, or None without a task row.
+
+        Its spend, attempts and wasted spend are summed from its attempt rows now; what the
+        task row's writer saw at the close is kept beside them (`TaskBook`).
+        """
+        with self._lock, self._snapshot():
+            _, rows = self._execute(
+                f"SELECT {self._task_book_columns('t')} FROM tasks t "
+                "WHERE t.workflow_id = ? AND t.run_id = ?",
+                (*_WASTED_ATTEMPT_OUTCOMES, workflow_id, run_id),
+            )
+        return self._task_book(rows[0]) if rows else None
+
+    def tasks_moved(self, closed_since: datetime | None = None) -> list[TaskBook]:
+        """Tasks whose ledger spend differs from their spend at the close, oldest close first.
+
+        Rows that arrived or changed after the task closed: a spool replayed, an exact row
+        that replaced the workflow's estimate, the attempt of a timed-out run that ended
+        after `kvflow ledger reconcile` summed it. The ledger's figure is the one to bill.
+        """
+        since = "" if closed_since is None else "AND t.closed_at >= ? "
+        params: tuple[object, ...] = () if closed_since is None else (self._time_in(closed_since),)
+        with self._lock, self._snapshot():
+            _, rows = self._execute(
+                f"SELECT {self._task_book_columns('t')} FROM tasks t WHERE "
+                "t.spend_at_close_micros <> (SELECT COALESCE(SUM(a.cost_micros), 0) "
+                "FROM attempts a WHERE a.workflow_id = t.workflow_id AND a.run_id = t.run_id) "
+                f"{since}ORDER BY t.closed_at, t.workflow_id, t.run_id",
+                (*_WASTED_ATTEMPT_OUTCOMES, *params),
+            )
+        return [self._task_book(row) for row in rows]
+
+    @staticmethod
+    def _task_book_columns(alias: str) -> str:
+        """The task row's columns, then its attempts' count, sum and wasted sum (two `?`)."""
+        of_task = (
+            f"FROM attempts a WHERE a.workflow_id = {alias}.workflow_id "
+            f"AND a.run_id = {alias}.run_id"
         )
-        if not rows:
-            return None
-        values = dict(zip(_TASK_COLUMNS, rows[0], strict=True))
+        stored = ", ".join(f"{alias}.{column}" for column in _TASK_STORED_COLUMNS)
+        return (
+            f"{stored}, (SELECT COUNT(*) {of_task}), "
+            f"(SELECT COALESCE(SUM(a.cost_micros), 0) {of_task}), "
+            "(SELECT COALESCE(SUM(CASE WHEN a.outcome IN (?, ?) THEN a.cost_micros ELSE 0 END), "
+            f"0) {of_task})"
+        )
+
+    def _task_book(self, row: Row) -> TaskBook:
+        stored = len(_TASK_STORED_COLUMNS)
+        values = dict(zip(_TASK_STORED_COLUMNS, row[:stored], strict=True))
         values["started_at"] = self._time_out(values["started_at"])
         values["closed_at"] = self._time_out(values["closed_at"])
-        return TaskRecord.model_validate(values)
+        # PostgreSQL sums BIGINT as NUMERIC (Decimal); int() makes both backends alike.
+        attempts, spend, wasted = (int(value) for value in row[stored:])
+        return TaskBook.model_validate(
+            {**values, "attempts": attempts, "spend_micros": spend, "wasted_micros": wasted}
+        )
 
     def tasks_missing(self, keys: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
         """Those `(workflow_id, run_id)` keys that have no task row, in the order given."""
@@ -479,7 +528,7 @@ class Ledger(ABC):
         with self._lock, self._snapshot():
             _, task_rows = self._execute(
                 "SELECT t.workflow_id, t.run_id, t.tenant, t.workflow_type, t.closed_at, "
-                f"t.outcome FROM tasks t WHERE {task_filter}",
+                f"t.outcome, t.spend_at_close_micros FROM tasks t WHERE {task_filter}",
                 params,
             )
             _, attempt_rows = self._execute(
@@ -505,6 +554,7 @@ class Ledger(ABC):
                 workflow_type=str(r[3]),
                 closed_at=self._time_out(r[4]),
                 outcome=TaskOutcome(r[5]),
+                spend_at_close_micros=int(r[6]),
             )
             for r in task_rows
         ]
@@ -670,9 +720,13 @@ class AsyncLedger:
         """See `Ledger.spend_by_tenant`."""
         return await asyncio.to_thread(self.ledger.spend_by_tenant, since, until)
 
-    async def task(self, workflow_id: str, run_id: str) -> TaskRecord | None:
+    async def task(self, workflow_id: str, run_id: str) -> TaskBook | None:
         """See `Ledger.task`."""
         return await asyncio.to_thread(self.ledger.task, workflow_id, run_id)
+
+    async def tasks_moved(self, closed_since: datetime | None = None) -> list[TaskBook]:
+        """See `Ledger.tasks_moved`."""
+        return await asyncio.to_thread(self.ledger.tasks_moved, closed_since)
 
     async def tasks_missing(self, keys: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
         """See `Ledger.tasks_missing`."""

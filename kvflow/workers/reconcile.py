@@ -11,7 +11,11 @@ row, writes one from its attempt rows (`source = "reconcile"`):
 - tenant: the `KvflowTenant` search attribute, else the tenant of its attempts; a workflow with
   neither is not a kvflow task and is skipped;
 - steps: the `KvflowSteps` search attribute, else the number of activities with an `ok` attempt;
-- attempts and spend: counted and summed from its attempt rows.
+- attempts and spend: counted and summed from its attempt rows (the ledger sums them again on
+  every read, so an attempt that ends after the pass counts too).
+
+It also lists the tasks whose ledger spend moved after they closed (`Ledger.tasks_moved`):
+rows that arrived or changed since, which a figure read at the close does not show.
 
 Runs that continued as new are skipped: their task goes on in the next run. Running it twice
 writes nothing the second time.
@@ -25,7 +29,7 @@ from datetime import UTC, datetime
 
 from temporalio.client import Client, WorkflowExecution, WorkflowExecutionStatus
 
-from kvflow.ledger.records import AttemptOutcome, TaskOutcome, TaskRecord
+from kvflow.ledger.records import AttemptOutcome, TaskBook, TaskOutcome, TaskRecord
 from kvflow.ledger.store import AsyncLedger
 from kvflow.workflows import search_attributes
 
@@ -58,6 +62,9 @@ class ReconcileResult:
     """Runs that are not kvflow tasks (no tenant, no attempts) or continued as new."""
     written: list[TaskRecord] = field(default_factory=list)
     """Task rows written by this pass."""
+    moved: list[TaskBook] = field(default_factory=list)
+    """Tasks whose ledger spend differs from their spend at the close (closed since
+    `closed_since`, when given)."""
 
 
 def closed_query(extra: str | None = None, closed_since: datetime | None = None) -> str:
@@ -141,7 +148,7 @@ async def reconcile(
                 result.skipped += 1
                 continue
             if await ledger.record_task(task):
-                # As written: the ledger counts attempts that ended since they were summed.
+                # As booked: the ledger counts attempts that ended since they were summed.
                 task = await ledger.task(task.workflow_id, task.run_id) or task
                 result.written.append(task)
                 log.info(
@@ -164,4 +171,5 @@ async def reconcile(
             await flush()
     if batch:
         await flush()
+    result.moved = await ledger.tasks_moved(closed_since)
     return result
