@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -253,24 +255,38 @@ def _request() -> PlacementRequest:
     return PlacementRequest(model="m", prompt_tokens=100, max_output_tokens=10, tenant="acme")
 
 
+NOON = datetime(2031, 3, 14, 12, tzinfo=UTC)
+"""The day the budget test runs on, whatever the time of day it really runs at."""
+
+
+def _noon_clock() -> Callable[[], float]:
+    """A clock that starts at `NOON` and runs at the speed of real time."""
+    started = time.monotonic()
+    return lambda: NOON.timestamp() + time.monotonic() - started
+
+
 def _spend_today(micros: int, activity_id: str) -> AttemptRecord:
-    record = attempt_record(
-        activity_id=activity_id, started_at=datetime.now(UTC) - timedelta(seconds=5)
-    )
+    record = attempt_record(activity_id=activity_id, started_at=NOON - timedelta(seconds=5))
     return record.model_copy(update={"cost_micros": micros})
 
 
+@pytest.mark.timeout(60)
 async def test_tenant_budget_holds_across_a_restart_and_two_control_planes(
     ledger_url: str,
 ) -> None:
     fleet = _budget_fleet()
     endpoints = {"cpu/0": "http://127.0.0.1:9"}  # up as far as placement is concerned
+    clock = _noon_clock()
     async with AsyncLedger(open_ledger(ledger_url, migrate=True)) as ledger:
         # Yesterday's spend does not count against today.
-        yesterday = attempt_record(activity_id="0", started_at=datetime.now(UTC) - timedelta(1))
+        yesterday = attempt_record(activity_id="0", started_at=NOON - timedelta(1))
         await ledger.record_attempt(yesterday.model_copy(update={"cost_micros": 50_000}))
-        first = ControlPlane(fleet, endpoints=endpoints, ledger=ledger, spend_refresh_s=0.1)
-        second = ControlPlane(fleet, endpoints=endpoints, ledger=ledger, spend_refresh_s=0.1)
+        first = ControlPlane(
+            fleet, endpoints=endpoints, ledger=ledger, spend_refresh_s=0.1, clock=clock
+        )
+        second = ControlPlane(
+            fleet, endpoints=endpoints, ledger=ledger, spend_refresh_s=0.1, clock=clock
+        )
         first.scraper.scrape_once = _no_scrape  # type: ignore[method-assign,assignment]
         second.scraper.scrape_once = _no_scrape  # type: ignore[method-assign,assignment]
         async with first, second:
@@ -286,7 +302,7 @@ async def test_tenant_budget_holds_across_a_restart_and_two_control_planes(
                 assert refusal.reason is RefusalReason.TENANT_OVER_QUOTA
 
         # A restarted control plane knows the day's spend before its first placement.
-        restarted = ControlPlane(fleet, endpoints=endpoints, ledger=ledger)
+        restarted = ControlPlane(fleet, endpoints=endpoints, ledger=ledger, clock=clock)
         restarted.scraper.scrape_once = _no_scrape  # type: ignore[method-assign,assignment]
         async with restarted:
             refusal = restarted.scheduler.place(_request())

@@ -43,7 +43,7 @@ import math
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from kvflow.scheduler import reasons
 from kvflow.scheduler.axes import PoolPrices, configured_axes, kv_capacity_blocks
@@ -318,6 +318,28 @@ class Scheduler:
         with self._lock:
             self._settle()
             return self._tenants.spend_today(tenant, self._clock())
+
+    def utc_day(self) -> int:
+        """Today by the scheduler's clock, as whole UTC days since the epoch."""
+        return int(self._clock() // SECONDS_PER_DAY)
+
+    def merge_tenant_spend(self, spent: Mapping[str, int], day: int) -> bool:
+        """Raise each tenant's spend to what a ledger read for UTC `day` found.
+
+        The day is the read's, not the merge's: a read that began before midnight and ends
+        after it counts yesterday, which must not be carried into today. Such a result is
+        dropped whole (False). Otherwise each tenant keeps the larger of the ledger's figure
+        and its own count (the latter may include calls not yet written to the ledger).
+        """
+        with self._lock:
+            self._settle()
+            now = self._clock()
+            if int(now // SECONDS_PER_DAY) != day:
+                return False
+            for tenant, micros in spent.items():
+                known = self._tenants.spend_today(tenant, now)
+                self._tenants.set_spend_today(tenant, max(micros, known), now)
+            return True
 
     # ------------------------------------------------------------------ status out
 

@@ -39,7 +39,7 @@ from temporalio.service import RPCError
 from kvflow.activities.context_store import DirectoryContextStore
 from kvflow.activities.control_plane import ControlPlaneActivities, LedgerSink
 from kvflow.scheduler.config import LivenessConfig, SchedulerConfig
-from kvflow.scheduler.core import Scheduler
+from kvflow.scheduler.core import Clock, Scheduler
 from kvflow.scheduler.fleet import Fleet, task_queue_for
 from kvflow.scheduler.kv_events import KvEventSubscriber
 from kvflow.scheduler.placement import Observation
@@ -204,7 +204,8 @@ class ControlPlane:
 
     `endpoints` maps replica names (`pool/index`) to vLLM base URLs for the replicas whose pool
     says "simulated" (the embedded stack knows them only once it started the simulators);
-    pools with real endpoints are taken from the fleet.
+    pools with real endpoints are taken from the fleet. `clock` is the scheduler's: the UTC
+    day of tenants' budgets follows it.
     """
 
     def __init__(
@@ -218,8 +219,9 @@ class ControlPlane:
         scrape_interval_s: float = 1.0,
         spend_refresh_s: float = 5.0,
         client: Client | None = None,
+        clock: Clock = time.time,
     ) -> None:
-        self.scheduler = Scheduler(fleet, config)
+        self.scheduler = Scheduler(fleet, config, clock=clock)
         self.fleet = fleet
         self.spend_source = ledger if isinstance(ledger, TenantSpendSource) else None
         """Where tenants' spend today is read from; None when the ledger cannot say."""
@@ -340,22 +342,24 @@ class ControlPlane:
         """Set each tenant's spend today from the ledger; False (logged) when it fails.
 
         The ledger's figure covers every worker's calls; a worker's own count can be ahead of
-        it only by rows not yet written (spooled), so the larger of the two is kept.
+        it only by rows not yet written (spooled), so the larger of the two is kept. A read
+        that ends on another UTC day than it began (midnight fell during it) counted the day
+        before: it is dropped, and today's spend read instead.
         """
         if self.spend_source is None:
             return False
-        now = time.time()
-        since = datetime.fromtimestamp(now // SECONDS_PER_DAY * SECONDS_PER_DAY, UTC)
-        try:
-            spent = await self.spend_source.spend_by_tenant(since, since + timedelta(days=1))
-        except Exception as exc:
-            log.warning("could not read tenants' spend today from the ledger: %s", exc)
-            return False
-        for tenant, micros in spent.items():
-            # No await between the read and the write: an observation cannot slip in between.
-            known = self.scheduler.tenant_spend_today(tenant)
-            self.scheduler.set_tenant_spend_today(tenant, max(micros, known))
-        return True
+        for _ in range(2):  # midnight passes during one read at most
+            day = self.scheduler.utc_day()
+            since = datetime.fromtimestamp(day * SECONDS_PER_DAY, UTC)
+            try:
+                spent = await self.spend_source.spend_by_tenant(since, since + timedelta(days=1))
+            except Exception as exc:
+                log.warning("could not read tenants' spend today from the ledger: %s", exc)
+                return False
+            if self.scheduler.merge_tenant_spend(spent, day):
+                return True
+            log.info("midnight UTC passed while tenants' spend was read; reading today's")
+        return False
 
     async def _refresh_tenant_spend_forever(self) -> None:
         while True:
