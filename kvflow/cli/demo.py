@@ -15,6 +15,7 @@ from typing import Annotated
 
 import typer
 
+from kvflow.cli.url_options import fail_without_secrets, http_url_or_exit, url_list_option
 from kvflow.workers.config import EXAMPLE_FLEET
 from kvflow.workers.console import (
     PortOption,
@@ -89,6 +90,7 @@ def demo(
         str | None,
         typer.Option(
             "--endpoints",
+            callback=url_list_option,
             help="URL[,URL...]: vLLM servers that already run, one replica each",
         ),
     ] = None,
@@ -155,11 +157,13 @@ def demo(
     if endpoints is not None:
         try:
             urls = parse_endpoints(endpoints)
+            for url in urls:
+                http_url_or_exit("--endpoints", url)
             names = [m.name for m in config.models]
             served = check_endpoints(urls, sample_models(loaded), names_to_serve=names)
             config = fleet_on_endpoints(config, served)
         except EndpointError as exc:
-            fail(str(exc))
+            fail_without_secrets(str(exc), *urls, *endpoints.split(","))
     install = vllm_install()
     if engine is Engine.VLLM:
         assert model is not None

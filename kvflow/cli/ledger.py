@@ -23,6 +23,7 @@ from rich.table import Table
 from temporalio.client import Client
 from temporalio.service import RPCError
 
+from kvflow.cli.url_options import fail_without_secrets, url_option
 from kvflow.ledger.errors import LedgerError
 from kvflow.ledger.export import (
     report_csv,
@@ -65,6 +66,7 @@ DbOption = Annotated[
     typer.Option(
         "--db",
         envvar=LEDGER_URL_ENV,
+        callback=url_option,
         help="ledger URL: sqlite:///path/to/ledger.db or postgresql://user@host:5432/db",
     ),
 ]
@@ -104,7 +106,7 @@ def report_command(
         with open_ledger(db) as ledger:
             report = ledger.report(query)
     except LedgerError as exc:
-        fail(str(exc))
+        fail_without_secrets(str(exc), db)
 
     if output_format is ReportFormat.TABLE:
         if output is None:
@@ -189,7 +191,7 @@ def migrate_command(db: DbOption = DEFAULT_LEDGER_URL) -> None:
         with connect_ledger(db, create=True) as ledger:
             applied = ledger.migrate()
     except LedgerError as exc:
-        fail(str(exc))
+        fail_without_secrets(str(exc), db)
     if applied:
         versions = ", ".join(str(v) for v in applied)
         out.print(
@@ -262,7 +264,7 @@ def reconcile_command(
     try:
         ledger = open_ledger(db)
     except LedgerError as exc:
-        fail(str(exc))
+        fail_without_secrets(str(exc), db)
 
     async def run() -> ReconcileResult:
         try:
@@ -277,7 +279,7 @@ def reconcile_command(
     try:
         result = asyncio.run(run())
     except LedgerError as exc:
-        fail(str(exc), code=1)
+        fail_without_secrets(str(exc), db, code=1)
     finally:
         ledger.close()
     _print_reconcile(result)

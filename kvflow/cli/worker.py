@@ -11,10 +11,11 @@ from typing import Annotated
 import typer
 
 from kvflow.activities.context_store import DEFAULT_CONTEXT_DIR, DirectoryContextStore
+from kvflow.cli.url_options import fail_without_secrets, http_url_or_exit, url_option
 from kvflow.ledger.errors import LedgerError
-from kvflow.ledger.store import open_async_ledger
+from kvflow.ledger.store import default_ledger_url, open_async_ledger
 from kvflow.scheduler.build import scheduler_build
-from kvflow.scheduler.redact import redact_url
+from kvflow.scheduler.redact import encode_password, redact_url
 from kvflow.workers.config import FleetConfig
 from kvflow.workers.console import fail, load_fleet_or_exit, out
 from kvflow.workers.control_plane import ControlPlane
@@ -26,6 +27,12 @@ from kvflow.workers.tracing import TRACES_ENV, TraceExport, TracingError, config
 from kvflow.workers.workflow_worker import DEFAULT_WORKFLOW_QUEUE, workflow_worker
 
 worker_app = typer.Typer(help="Run kvflow's worker processes.", no_args_is_help=True)
+
+
+LedgerOption = Annotated[
+    str | None,
+    typer.Option("--ledger", callback=url_option, help="ledger URL (default: $KVFLOW_LEDGER_URL)"),
+]
 
 
 TracesOption = Annotated[
@@ -63,14 +70,16 @@ def gpu(
     fleet: Annotated[Path, typer.Option("--fleet", help="fleet file")] = Path("fleet.toml"),
     endpoint: Annotated[
         str | None,
-        typer.Option("--endpoint", help="vLLM base URL (default: the pool's endpoints entry)"),
+        typer.Option(
+            "--endpoint",
+            callback=url_option,
+            help="vLLM base URL (default: the pool's endpoints entry)",
+        ),
     ] = None,
     graceful_shutdown_s: Annotated[
         float, typer.Option("--graceful-shutdown", help="seconds in-flight calls may finish")
     ] = 10.0,
-    ledger_url: Annotated[
-        str | None, typer.Option("--ledger", help="ledger URL (default: $KVFLOW_LEDGER_URL)")
-    ] = None,
+    ledger_url: LedgerOption = None,
     context_dir: Annotated[
         Path, typer.Option("--context-dir", help="the context store shared with the workflows")
     ] = DEFAULT_CONTEXT_DIR,
@@ -79,10 +88,12 @@ def gpu(
     """Serve one vLLM replica's task queue until Ctrl-C / SIGTERM."""
     config = load_fleet_or_exit(fleet)
     _tracing(traces, "kvflow-gpu-worker")
+    ledger_url = encode_password(ledger_url or default_ledger_url())
     try:
         binding = resolve_replica(config, replica, endpoint)
     except GpuWorkerError as exc:
-        fail(str(exc))
+        fail_without_secrets(str(exc), endpoint)
+    http_url_or_exit("--endpoint" if endpoint else f"{binding.name}'s endpoint", binding.base_url)
 
     async def serve() -> None:
         client = await connect(config, context_dir)
@@ -108,11 +119,34 @@ def gpu(
     try:
         asyncio.run(serve())
     except (GpuWorkerError, LedgerError) as exc:
-        fail(str(exc), code=1)
+        fail_without_secrets(str(exc), ledger_url, binding.base_url, code=1)
     except RuntimeError as exc:
         # Client.connect raises RuntimeError when the Temporal server cannot be reached.
-        fail(_unreachable(config, exc), code=1)
+        fail_without_secrets(_unreachable(config, exc), ledger_url, binding.base_url, code=1)
     out.print(f"GPU worker for {binding.name} stopped.")
+
+
+def _replica_endpoints(config: FleetConfig, items: list[str]) -> dict[str, str]:
+    """`--endpoint REPLICA=URL` options as a map; exit 2, password masked, on a bad one."""
+    replicas = {name for pool in config.pools for name in pool.replica_names()}
+    endpoints: dict[str, str] = {}
+    for item in items:
+        name, _, url = item.partition("=")
+        url = encode_password(url.strip())
+        if not url.startswith(("http://", "https://")):
+            fail_without_secrets(
+                f"--endpoint {name}={redact_url(url)}: write REPLICA=URL, "
+                "e.g. h100/0=http://10.0.0.5:8000",
+                url,
+            )
+        if name not in replicas:
+            fail_without_secrets(
+                f"--endpoint {name}={redact_url(url)}: the fleet has no replica {name!r}; "
+                f"its replicas: {', '.join(sorted(replicas))}",
+                url,
+            )
+        endpoints[name] = http_url_or_exit(f"--endpoint {name}=", url)
+    return endpoints
 
 
 DEFAULT_MODULES = [
@@ -138,9 +172,7 @@ def workflow_command(
         typer.Option("--endpoint", help="REPLICA=URL for a simulated pool's replica (repeatable)"),
     ] = None,
     task_queue: Annotated[str, typer.Option("--task-queue")] = DEFAULT_WORKFLOW_QUEUE,
-    ledger_url: Annotated[
-        str | None, typer.Option("--ledger", help="ledger URL (default: $KVFLOW_LEDGER_URL)")
-    ] = None,
+    ledger_url: LedgerOption = None,
     context_dir: Annotated[
         Path, typer.Option("--context-dir", help="the context store shared with GPU workers")
     ] = DEFAULT_CONTEXT_DIR,
@@ -149,12 +181,9 @@ def workflow_command(
     """Run agent workflows and the control plane (scheduler, ledger, context store)."""
     config = load_fleet_or_exit(fleet)
     _tracing(traces, "kvflow-workflow-worker")
-    endpoints: dict[str, str] = {}
-    for item in endpoint or []:
-        name, _, url = item.partition("=")
-        if not url.startswith(("http://", "https://")):
-            fail(f"--endpoint {item!r}: write REPLICA=URL, e.g. h100/0=http://10.0.0.5:8000")
-        endpoints[name] = url
+    ledger_url = encode_password(ledger_url or default_ledger_url())
+    endpoints = _replica_endpoints(config, endpoint or [])
+    secret_urls = [ledger_url, *endpoints.values()]
     try:
         workflows, activities = load_worker_modules(module or DEFAULT_MODULES)
     except WorkerModuleError as exc:
@@ -195,7 +224,7 @@ def workflow_command(
     try:
         asyncio.run(serve())
     except (SearchAttributesMissing, LedgerError, ValueError) as exc:
-        fail(str(exc), code=1)
+        fail_without_secrets(str(exc), *secret_urls, code=1)
     except RuntimeError as exc:
-        fail(_unreachable(config, exc), code=1)
+        fail_without_secrets(_unreachable(config, exc), *secret_urls, code=1)
     out.print("workflow worker stopped.")

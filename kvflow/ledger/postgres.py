@@ -26,6 +26,7 @@ from psycopg import pq, sql
 from kvflow.ledger.errors import LedgerError, LedgerNotFound, LedgerUnavailable
 from kvflow.ledger.records import utc
 from kvflow.ledger.store import Ledger, Row
+from kvflow.scheduler.redact import encode_password, scrub_secrets
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,11 @@ class PostgresLedger(Ledger):
         self, url: str, conninfo: str, *, schema: str | None = None, meter: Meter | None = None
     ) -> None:
         super().__init__(url, meter)
-        self._conninfo = conninfo
+        # A password written unencoded (`S3cr%t!pw`, `a/b#c`) is encoded as libpq reads URLs,
+        # so that libpq neither refuses it nor connects elsewhere, quoting it in its error.
+        self._conninfo = encode_password(conninfo)
+        self._secret_urls = (url, conninfo)
+        """What to scrub from a driver's message: libpq quotes parts of the URL it was given."""
         self.schema = schema
         """The schema the tables live in (None: the connection's search_path)."""
         with self._driver_errors():
@@ -61,7 +66,7 @@ class PostgresLedger(Ledger):
                 application_name=APPLICATION_NAME,
             )
         except psycopg.OperationalError as exc:
-            message = str(exc).strip()
+            message = self._scrubbed(exc)
             if "does not exist" in message:
                 raise LedgerNotFound(
                     f"cannot open the ledger at {self.url}: {message}; create the database "
@@ -89,9 +94,13 @@ class PostgresLedger(Ledger):
         try:
             yield
         except psycopg.OperationalError as exc:
-            raise LedgerUnavailable(f"ledger {self.url}: {exc}") from exc
+            raise LedgerUnavailable(f"ledger {self.url}: {self._scrubbed(exc)}") from None
         except psycopg.Error as exc:
-            raise LedgerError(f"ledger {self.url}: {exc}") from exc
+            raise LedgerError(f"ledger {self.url}: {self._scrubbed(exc)}") from None
+
+    def _scrubbed(self, exc: psycopg.Error) -> str:
+        """The driver's message without the ledger URL's password, in any form."""
+        return scrub_secrets(str(exc).strip(), *self._secret_urls)
 
     def _execute(self, sql_text: str, params: Sequence[object] = ()) -> tuple[int, list[Row]]:
         # The shared SQL uses `?`; none of it contains a literal `?` or `%`.
