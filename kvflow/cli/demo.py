@@ -91,14 +91,14 @@ def demo(
         typer.Option(
             "--endpoints",
             callback=url_list_option,
-            help="URL[,URL...]: vLLM servers that already run, one replica each",
+            help="URL\\[,URL...]: vLLM servers that already run, one replica each",
         ),
     ] = None,
     samples: Annotated[
         str | None,
         typer.Option(
             "--samples",
-            help="NAME[,NAME...] or all: the samples whose tasks the workload mixes "
+            help="NAME\\[,NAME...] or all: the samples whose tasks the workload mixes "
             "(research_assistant, support_triage, code_review, openai_agents_travel, "
             "pydantic_ai_support; default: the first three)",
         ),

@@ -97,9 +97,9 @@ def report_command(
         Path | None, typer.Option("--output", "-o", help="write to this file instead of stdout")
     ] = None,
 ) -> None:
-    """Cost per successful task, with every failed attempt and retry counted.
+    r"""Cost per successful task, with every failed attempt and retry counted.
 
-    Tasks are selected by when they closed. Money is in US dollars; JSON is {"rows": [...]}.
+    Tasks are selected by when they closed. Money is in US dollars; JSON is {"rows": \[...]}.
     """
     query = _report_query(group_by, since, until, tenant)
     try:
@@ -250,9 +250,9 @@ def reconcile_command(
         typer.Option("--since", help="only runs closed at or after this (ISO date or date-time)"),
     ] = None,
 ) -> None:
-    """Write task rows for closed workflows that have none (terminated, timed out).
+    r"""Write task rows for closed workflows that have none (terminated, timed out).
 
-    The Temporal connection is the fleet file's [temporal] table (or 127.0.0.1:7233, namespace
+    The Temporal connection is the fleet file's \[temporal] table (or 127.0.0.1:7233, namespace
     default), then TEMPORAL_ADDRESS / TEMPORAL_NAMESPACE, then --address / --namespace.
     """
     connection = load_fleet_or_exit(fleet).temporal if fleet is not None else TemporalConnection()
