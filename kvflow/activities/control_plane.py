@@ -19,6 +19,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from kvflow.activities.context_store import ContextNotFound, DirectoryContextStore
+from kvflow.activities.errors import capped
 from kvflow.activities.inference import AttemptSink
 from kvflow.activities.tokenize import FleetTokenizers
 from kvflow.activities.wire import (
@@ -78,7 +79,10 @@ def permanent_errors_fail_at_once() -> Iterator[None]:
     except PERMANENT_ERRORS as exc:
         # KeyError's str() quotes its message; the message is its first argument.
         message = str(exc.args[0]) if exc.args else type(exc).__name__
-        raise ApplicationError(message, type=type(exc).__name__, non_retryable=True) from exc
+        # Not chained: Temporal would record the cause, with its message uncapped, in history.
+        raise ApplicationError(
+            capped(message), type=type(exc).__name__, non_retryable=True
+        ) from None
 
 
 def check_servable(fleet: Fleet, request: PlacementRequest) -> None:

@@ -3,7 +3,8 @@
 The hierarchy says what is retryable. The control plane (the workflow's step API) retries a
 retryable failure by re-placing the call on another replica; Temporal itself never retries an
 inference activity (`maximum_attempts=1`), so paid calls are never multiplied by stacked
-retries. HTTP statuses and transport errors are mapped here and nowhere else.
+retries. HTTP statuses and transport errors are mapped here and nowhere else, and every text
+they carry is capped (`ENGINE_TEXT_LIMIT`, `MESSAGE_LIMIT_BYTES`): Temporal records it.
 
     InferenceError
     ├── RetryableInferenceError          the replica failed; another may succeed
@@ -32,6 +33,7 @@ import httpx
 from temporalio.exceptions import ApplicationError
 
 from kvflow.activities.wire import AttemptProgress
+from kvflow.scheduler.redact import scrub_secrets
 
 
 class InferenceError(Exception):
@@ -53,7 +55,9 @@ class InferenceError(Exception):
         """What the attempt produced and cost before it failed; the activity fills it in."""
         where = f"replica {replica}: " if replica else ""
         code = f"HTTP {status}: " if status else ""
-        super().__init__(f"{where}{code}{message}")
+        # Capped here, not only in `to_application_error`: Temporal records an error's cause
+        # (`raise ... from exc`) in history too, with this message.
+        super().__init__(capped(f"{where}{code}{message}"))
 
     @property
     def error_type(self) -> str:
@@ -64,7 +68,8 @@ class InferenceError(Exception):
         """The Temporal error the activity raises; `details[0]` is its `AttemptProgress`.
 
         Details travel as plain JSON, so any payload converter encodes them; the workflow
-        reads them back with `AttemptProgress.from_details`.
+        reads them back with `AttemptProgress.from_details`. The message is `capped` (at
+        construction).
         """
         details = [] if self.details is None else [self.details.model_dump(mode="json")]
         return ApplicationError(
@@ -158,20 +163,55 @@ RETRYABLE_TYPES: frozenset[str] = frozenset(
 """`ApplicationError.type` values that the step API re-places on another replica."""
 
 
+ENGINE_TEXT_LIMIT = 500
+"""Characters kept of any text an engine or a transport error supplies.
+
+vLLM's own messages fit (a context-length error with its numbers is about 200); what does not
+is an echo of the request, e.g. a 400 that quotes the prompt or a validation
+error's `input`. That would put the conversation, kept out of history by the context store,
+back into the failure Temporal records."""
+
+MESSAGE_LIMIT_BYTES = 1024
+"""UTF-8 bytes of an `ApplicationError` message an activity raises, whatever built it.
+
+Temporal writes the message to history. Content over `INLINE_LIMIT_BYTES` (2 KiB) travels by
+reference, so no text in history is longer than that; half of it leaves room for what a
+workflow adds when it quotes the message in the task's own failure."""
+
+
+def capped(text: str, limit_bytes: int = MESSAGE_LIMIT_BYTES) -> str:
+    """`text`, or its start and the count of characters cut, in at most `limit_bytes` bytes."""
+    if len(text.encode("utf-8")) <= limit_bytes:
+        return text
+    suffix = f"... ({len(text):,} characters, cut)"
+    room = limit_bytes - len(suffix.encode("utf-8"))
+    head = text.encode("utf-8")[: max(room, 0)].decode("utf-8", "ignore")
+    return head + suffix
+
+
+def engine_text(text: str) -> str:
+    """Text from an engine or a transport error, stripped and cut to `ENGINE_TEXT_LIMIT`."""
+    text = text.strip()
+    return text if len(text) <= ENGINE_TEXT_LIMIT else text[:ENGINE_TEXT_LIMIT] + "..."
+
+
 def vllm_error_text(body: bytes | str) -> str:
-    """The message of a vLLM error body (`{"error": {"message": ...}}`), or the raw text."""
+    """The message of a vLLM error body (`{"error": {"message": ...}}`), or the raw text.
+
+    Either way at most `ENGINE_TEXT_LIMIT` characters: a message may quote the request.
+    """
     text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
     try:
         parsed = json.loads(text)
     except ValueError:
-        return text.strip()[:500] or "(empty body)"
+        return engine_text(text) or "(empty body)"
     if isinstance(parsed, dict):
         error = parsed.get("error", parsed)
         if isinstance(error, dict) and "message" in error:
-            return str(error["message"])
+            return engine_text(str(error["message"]))
         if "detail" in parsed:
-            return str(parsed["detail"])
-    return text.strip()[:500]
+            return engine_text(str(parsed["detail"]))
+    return engine_text(text)
 
 
 def from_status(status: int, body: bytes | str, *, replica: str) -> InferenceError:
@@ -221,7 +261,7 @@ def from_error_body(error: Mapping[str, Any], *, replica: str) -> InferenceError
     one; an error that says neither is taken for the replica's own fault (500, retryable).
     """
     status = _status_of(error)
-    message = str(error.get("message") or error.get("type") or "(no message)")[:500]
+    message = engine_text(str(error.get("message") or error.get("type") or "(no message)"))
     return _error_class(status, message)(
         f"error in a 200 answer (code {status}): {message}", replica=replica
     )
@@ -258,11 +298,23 @@ def _error_class(status: int, message: str) -> type[InferenceError]:
 
 
 def from_transport(exc: httpx.TransportError, *, replica: str) -> InferenceError:
-    """Map an httpx transport failure (no HTTP answer, or a broken stream) to its error."""
-    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    """Map an httpx transport failure (no HTTP answer, or a broken stream) to its error.
+
+    Its text is `engine_text`, and holds no secret of the URL it was sent to: some errors
+    quote the URL, or a piece of a password they could not parse.
+    """
+    text = engine_text(scrub_secrets(str(exc), _request_url(exc)))
+    text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
     if isinstance(exc, httpx.TimeoutException):
         return ReplicaTimeout(text, replica=replica)
     if isinstance(exc, httpx.ConnectError):
         return ReplicaUnreachable(text, replica=replica)
     # RemoteProtocolError, ReadError: the server went away in the middle of an answer.
     return StreamCut(text, replica=replica)
+
+
+def _request_url(exc: httpx.TransportError) -> str | None:
+    try:
+        return str(exc.request.url)
+    except RuntimeError:  # raised without a request (httpx sets it on every transport error)
+        return None
