@@ -13,7 +13,10 @@
   tasks only.
 
 That a prompt above the claim-check threshold never enters history in full is proven by
-`tests/test_claim_check.py::test_large_prompt_and_structured_answer_stay_out_of_history`.
+`tests/test_claim_check.py::test_large_prompt_and_structured_answer_stay_out_of_history`; that
+an engine's error cannot bring it back, by `tests/test_engine_error_text_capped.py`; that a
+ledger or endpoint password, whatever characters it holds, shows in no command's output or
+log, by `tests/test_cli_url_passwords.py`.
 """
 
 from __future__ import annotations
