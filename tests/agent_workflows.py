@@ -413,8 +413,28 @@ class RawActivityInBlock:
             )
 
 
+@workflow.defn
+class BugAfterRefund:
+    """A refund (with its compensation) and a model call, then a bug in the workflow's code."""
+
+    @workflow.run
+    async def run(self, task: RefundInput) -> str:
+        agent = Agent(task.spec)
+        async with agent:
+            await agent.tool(issue_refund, task.refund, compensation=reverse_refund, step="refund")
+            reply = await agent.infer(
+                [ChatMessage(role="user", content="Draft the reply to the customer.")],
+                model=task.model,
+                max_tokens=task.max_tokens,
+                step="reply",
+            )
+            answer = {"reply": reply.text}
+            return answer["text"]  # the bug: a KeyError, which Temporal retries as a task
+
+
 ALL_WORKFLOWS = [
     MultiStepAgent,
+    BugAfterRefund,
     RefundThenReply,
     StructuredVerdict,
     LongReport,

@@ -47,6 +47,7 @@ from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown, TaskSpec
 from tests import agent_workflows as wf
 from tests.history import wait_until_streaming
 from tests.test_workflows import MODEL, PoolPlan, cheap_pool_that_crashes, stack
+from tests.waiting import eventually
 
 DATA = Path(__file__).parent / "data"
 PLACE_HISTORY = DATA / "history_one_step_placed.json"
@@ -454,3 +455,50 @@ async def test_a_busy_fleet_makes_the_lower_tier_wait_while_tier_1_is_admitted(
             if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
         )
         assert tier1_placed < tier3_placed
+
+
+@pytest.mark.timeout(120)
+async def test_bug_in_workflow_code_closes_nothing_and_undoes_nothing(
+    temporal_client: Client, tmp_path: Path
+) -> None:
+    """Only the end of a workflow closes its task: a workflow-task failure is retried."""
+    wf.REFUNDS.clear()
+    wf.REVERSED.clear()
+    async with stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
+        refund = wf.Refund(account="C-1", amount_cents=5)
+        handle = await s.start(
+            wf.BugAfterRefund.run,
+            wf.RefundInput(spec=_spec(expected_steps=1), model=MODEL, refund=refund),
+        )
+        await eventually(
+            lambda: _has_event(handle, EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED),
+            within=30,
+            what="the workflow task fails on the bug",
+        )
+        description = await handle.describe()
+        run_id = description.run_id or ""
+        assert description.status is WorkflowExecutionStatus.RUNNING
+        assert await s.ledger.task(handle.id, run_id) is None
+        assert description.typed_search_attributes.get(search_attributes.OUTCOME) == "running"
+        assert [refund] == wf.REFUNDS and wf.REVERSED == [], "undone for a task still running"
+        # An operator ends it; reconcile then writes its one row from its attempt rows.
+        await handle.terminate("the deploy with the fix is not out yet")
+        closed = f"WorkflowId = '{handle.id}' AND ExecutionStatus != 'Running'"
+
+        async def listed_closed() -> bool:
+            return (await s.client.count_workflows(closed)).count == 1
+
+        await eventually(
+            listed_closed,
+            within=30,
+            what="visibility lists the run as closed",
+        )
+        await reconcile(s.ledger, s.client, query=f"WorkflowId = '{handle.id}'")
+        task = await s.ledger.task(handle.id, run_id)
+        assert task is not None and task.outcome is TaskOutcome.TERMINATED
+        assert task.spend_micros > 0 and task.attempts == 1
+
+
+async def _has_event(handle: WorkflowHandle[Any, Any], event: EventType.ValueType) -> bool:
+    history = await handle.fetch_history()
+    return any(e.event_type == event for e in history.events)

@@ -29,7 +29,10 @@ One `infer` call does what the control plane needs, durably:
    times when the answer does not match the schema.
 
 `async with agent:` brackets the task: on success it records the task as succeeded; on failure
-or cancellation it runs the saga's compensations in reverse and records the outcome. Every
+or cancellation it runs the saga's compensations in reverse and records the outcome. An
+exception that does not end the workflow (a bug in workflow code: Temporal fails the workflow
+task and retries it) records nothing and undoes nothing. The money path (`TaskSpend`) lives in
+`kvflow.workflows.spend`. Every
 attempt's cost is summed (failed ones included); after each step the search attributes and the
 workflow's current details show spend, steps and retries, and the `kvflow_spend` query returns
 the whole breakdown.
@@ -38,7 +41,7 @@ the whole breakdown.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -51,7 +54,6 @@ from temporalio.common import Priority, RetryPolicy, SearchAttributeUpdate
 from temporalio.exceptions import (
     ActivityError,
     ApplicationError,
-    CancelledError,
     FailureError,
     RetryState,
     TimeoutError,
@@ -61,25 +63,31 @@ from temporalio.workflow import ActivityCancellationType
 
 from kvflow.workflows import errors
 from kvflow.workflows import search_attributes as attrs
+from kvflow.workflows.calls import (
+    LOCAL_RETRY,
+    LOCAL_SCHEDULE_TO_CLOSE,
+    bounded_local,
+    uncancellable,
+)
+from kvflow.workflows.calls import is_cancellation as _is_cancellation
+from kvflow.workflows.spend import (
+    AttemptSpend,
+    SpendBreakdown,
+    StepSpend,
+    TaskSpend,
+)
 
 with workflow.unsafe.imports_passed_through():
     from kvflow.activities.control_plane import (
-        ATTEMPT_BILL_ACTIVITY,
         CONTEXT_GET_ACTIVITY,
         CONTEXT_PUT_ACTIVITY,
-        MARK_RESUMED_ACTIVITY,
         OBSERVE_ACTIVITY,
-        PERMANENT_ERRORS,
         PLACE_ACTIVITY,
-        RECORD_LOST_ATTEMPT_ACTIVITY,
-        RECORD_TASK_ACTIVITY,
     )
     from kvflow.activities.errors import RETRYABLE_TYPES
     from kvflow.activities.inference import INFER_ACTIVITY
     from kvflow.activities.wire import (
         CONVERSATION,
-        AttemptBill,
-        AttemptKey,
         AttemptProgress,
         ChatMessage,
         Checkpoint,
@@ -88,20 +96,17 @@ with workflow.unsafe.imports_passed_through():
         ContextRef,
         InferenceRequest,
         InferenceResult,
-        LostAttempt,
         PlaceAnswer,
         PlaceInput,
-        ResumedAttempts,
         Sampling,
         ToolChoice,
         ToolSpec,
-        UnreadableDetails,
         call_input_problem,
         digest_of,
         first_error,
         needs_store,
     )
-    from kvflow.ledger.records import TaskOutcome, TaskRecord
+    from kvflow.ledger.records import TaskOutcome
     from kvflow.scheduler.fleet import format_usd
     from kvflow.scheduler.placement import (
         Observation,
@@ -122,28 +127,6 @@ SEARCH_ATTRIBUTE_INTERVAL = timedelta(seconds=2)
 """A running task upserts its spend, steps and re-placements at most this often."""
 DEFAULT_CALL_TIMEOUT = timedelta(minutes=10)
 """The start-to-close limit of a call when the task has no latency budget."""
-LOCAL_TIMEOUT = timedelta(seconds=10)
-"""The start-to-close limit of one try of a control-plane local activity."""
-LOCAL_RETRY = RetryPolicy(
-    initial_interval=timedelta(milliseconds=200),
-    maximum_interval=timedelta(seconds=2),
-    maximum_attempts=5,
-    non_retryable_error_types=[e.__name__ for e in PERMANENT_ERRORS],
-)
-"""Control-plane local activities (place, observe, context store) retry a transient error a
-few times; an error no retry can fix (unknown tenant, model or replica; missing context) runs
-once and fails the task with its own type."""
-LOCAL_SCHEDULE_TO_CLOSE = timedelta(seconds=30)
-"""All tries of one control-plane local activity together."""
-LEDGER_RETRY = RetryPolicy(
-    initial_interval=timedelta(milliseconds=500),
-    maximum_interval=timedelta(seconds=10),
-    maximum_attempts=10,
-    non_retryable_error_types=[e.__name__ for e in PERMANENT_ERRORS],
-)
-"""Ledger writes from the workflow (task row, lost attempt, resumed marks) ride out a busy or
-restarting database for about a minute."""
-LEDGER_SCHEDULE_TO_CLOSE = timedelta(minutes=2)
 TOOL_START_TO_CLOSE = timedelta(seconds=60)
 """The start-to-close limit of one attempt of a tool call (`Agent.tool`)."""
 TOOL_RETRY = RetryPolicy(
@@ -163,9 +146,6 @@ KEEP_INLINE_MESSAGES = 2
 """The newest messages of a conversation sent inline; earlier ones travel as one reference."""
 SPEND_QUERY = "kvflow_spend"
 """The query that returns the task's `SpendBreakdown`."""
-LOST_ATTEMPT_PATCH = "kvflow-lost-attempt-billed-from-ledger"
-"""The patch under which a lost attempt is billed at its ledger row's figures: runs started
-before it replay without the ledger reads it added."""
 
 
 MAX_LATENCY_BUDGET_S = 30 * 86_400
@@ -215,55 +195,6 @@ class TaskSpec(BaseModel):
         le=MAX_BUDGET_MICROS,
         description="the most the task may spend, in micro-dollars; None: no cap",
     )
-
-
-class AttemptSpend(BaseModel):
-    """One attempt of one step, as the spend meter saw it."""
-
-    replica: str
-    model: str = ""
-    """The model the attempt ran (the fallback when the scheduler degraded the call)."""
-    outcome: str
-    """`ok`, an error type (`StreamCut`, `ReplicaServerError`...), or `ScheduleToStart`."""
-    cost_micros: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    reused_tokens: int = 0
-    activity_id: str = ""
-    """The inference activity's id: with the run, the key of the attempt's ledger row."""
-
-
-class StepSpend(BaseModel):
-    """One step of the task: a model call, a tool call or a compensation."""
-
-    index: int
-    name: str
-    kind: str
-    """`infer`, `tool` or `compensation`."""
-    model: str | None = None
-    reason: str | None = None
-    """The placement's reason, for model calls."""
-    outcome: str = "running"
-    attempts: list[AttemptSpend] = Field(default_factory=list)
-    admission_waits: int = 0
-    """Times the scheduler said "not now" (fleet saturated for this tier) and the step waited."""
-
-    @property
-    def cost_micros(self) -> int:
-        """Everything this step spent, failed attempts included."""
-        return sum(a.cost_micros for a in self.attempts)
-
-
-class SpendBreakdown(BaseModel):
-    """What the `kvflow_spend` query returns."""
-
-    tenant: str
-    outcome: str
-    spend_micros: int
-    steps: list[StepSpend]
-    retries: int
-    attempts: int
 
 
 @dataclass
@@ -317,14 +248,14 @@ class Agent:
             if spec.latency_budget_s
             else None
         )
-        self.steps: list[StepSpend] = []
+        self.spend = TaskSpend(spec.tenant)
+        """The task's spend meter and the ledger rows the workflow writes."""
+        self.steps: list[StepSpend] = self.spend.steps
         self.retries = 0
         self.outcome = "running"
         self._compensations: list[tuple[str, Callable[..., Any] | str, Any]] = []
         self._refs: dict[str, ContextRef] = {}
         self._last_replica: str | None = None
-        self._lost: list[AttemptSpend] = []
-        """Attempts whose GPU worker went silent, billed from the ledger (see `_record_task`)."""
         workflow.set_query_handler(SPEND_QUERY, self.breakdown)
         workflow.upsert_search_attributes(
             [attrs.TENANT.value_set(spec.tenant), attrs.OUTCOME.value_set("running")]
@@ -371,11 +302,13 @@ class Agent:
         if exc is None:
             await self._close(TaskOutcome.SUCCEEDED)
             return
-        if isinstance(exc, UnreadableDetails):
-            # Not the task's failure but a version mismatch between workers: the workflow
-            # task fails and Temporal retries it, so nothing may be undone or recorded here.
-            return
         cancelled = _is_cancellation(exc)
+        if not cancelled and not workflow.is_failure_exception(exc):
+            # Not the task's end: a bug (a KeyError), a version mismatch between workers
+            # (`UnreadableDetails`), a non-determinism error: the workflow task fails and
+            # Temporal retries it, so nothing may be undone or recorded here. The run that
+            # gets past it (fixed code) closes the task; only the end of a workflow does.
+            return
         compensated = await self.compensate()
         if cancelled:
             outcome = TaskOutcome.CANCELLED
@@ -522,9 +455,16 @@ class Agent:
             remaining = self._remaining_s()
             record.reason = placement.reason
             record.model = placement.model
+            try:
+                messages = await self._compact(call.chat)
+            except BaseException:
+                # The call never left: the replica's in-flight count, raised by the
+                # placement, must drop before the task fails.
+                await self._not_dispatched(placement)
+                raise
             request = InferenceRequest(
                 model=placement.model,
-                **(await self._compact(call.chat)),
+                **messages,
                 prompt=call.prompt,
                 max_tokens=call.max_tokens,
                 sampling=call.sampling,
@@ -571,7 +511,12 @@ class Agent:
                     await self._cancelled(err, call, placement, failure, dispatched_at)
                     raise asyncio.CancelledError("the task was cancelled") from err
                 if _worker_went_silent(err):
-                    await self._record_lost_attempt(err, call, placement, failure, dispatched_at)
+                    await self.spend.bill_lost_attempt(
+                        failure.attempt,
+                        step=record.name,
+                        error_type=failure.error_type,
+                        dispatched_at=dispatched_at,
+                    )
                 verdict = await self._observe(placement, failure, dispatched_at=dispatched_at)
                 self._publish()
                 if not failure.retryable:
@@ -624,7 +569,7 @@ class Agent:
             )
             await self._observe(placement, None, result, dispatched_at=dispatched_at)
             if result.reused_tokens and call.carried:
-                await self._mark_resumed(call.carried)
+                await self.spend.mark_resumed(call.carried)
             self._last_replica = result.replica
             return result
 
@@ -693,78 +638,6 @@ class Agent:
                 error_type, record, refusal.message, refusal=refusal.model_dump(mode="json")
             )
 
-    async def _record_lost_attempt(
-        self,
-        err: ActivityError,
-        call: _Call,
-        placement: Placement,
-        failure: _Failure,
-        dispatched_at: datetime,
-    ) -> None:
-        """Bill an attempt whose GPU worker went silent, at its ledger row's figures.
-
-        The worker may have died before writing its row, or after (its completion lost on the
-        way to Temporal, by a crash or a server outage). The workflow writes a provisional
-        row from the last heartbeat, which an exact row under the same key beats whenever it
-        arrives, then bills the attempt at whichever row the ledger holds: never the estimate
-        next to the worker's real bill, never both.
-        """
-        info = workflow.info()
-        spent = failure.attempt
-        await self._ledger_write(
-            RECORD_LOST_ATTEMPT_ACTIVITY,
-            LostAttempt(
-                workflow_id=info.workflow_id,
-                run_id=info.run_id,
-                activity_id=err.activity_id or "",
-                attempt=1,
-                workflow_type=info.workflow_type,
-                step=call.record.name,
-                tenant=self.spec.tenant,
-                model=placement.model,
-                replica=placement.replica,
-                started_at=dispatched_at,
-                ended_at=workflow.now(),
-                prompt_tokens=spent.prompt_tokens,
-                cached_tokens=spent.cached_tokens,
-                completion_tokens=spent.completion_tokens,
-                cost_micros=spent.cost_micros,
-                error_type=failure.error_type,
-            ),
-            f"ledger: attempt lost on {placement.replica}",
-        )
-        self._lost.append(spent)
-        await self._bill_from_ledger(spent)
-
-    async def _bill_from_ledger(self, spent: AttemptSpend) -> None:
-        """Set `spent`'s cost and usage to its ledger row's, when the ledger can say."""
-        if not workflow.patched(LOST_ATTEMPT_PATCH):
-            return
-        bill = await self._stored_bill(spent.activity_id)
-        if bill is not None:
-            _charge(spent, bill)
-
-    async def _stored_bill(self, activity_id: str) -> AttemptBill | None:
-        """The attempt's bill as its ledger row holds it; None without a row or a ledger.
-
-        A ledger that stays unreachable leaves the workflow's own figure standing (logged):
-        bookkeeping never changes how the task ends.
-        """
-        info = workflow.info()
-        key = AttemptKey(workflow_id=info.workflow_id, run_id=info.run_id, activity_id=activity_id)
-        try:
-            bill: AttemptBill | None = await _uncancellable(
-                _bounded_local(ATTEMPT_BILL_ACTIVITY, key, AttemptBill)
-            )
-        except FailureError as err:
-            if _is_cancellation(err):
-                raise
-            workflow.logger.warning(
-                "ledger: no bill for attempt %s, its own figure stands: %s", activity_id, err
-            )
-            return None
-        return bill
-
     async def _cancelled(
         self,
         err: ActivityError,
@@ -777,49 +650,16 @@ class Agent:
         failure.attempt.outcome = "cancelled"
         if _worker_went_silent(err):
             # The worker died while the cancellation was on its way: bill its last heartbeat.
-            await self._record_lost_attempt(err, call, placement, failure, dispatched_at)
+            await self.spend.bill_lost_attempt(
+                failure.attempt,
+                step=call.record.name,
+                error_type=failure.error_type,
+                dispatched_at=dispatched_at,
+            )
         else:
-            bill = await self._stored_bill(err.activity_id or "")
-            if bill is not None:
-                _charge(failure.attempt, bill)
+            await self.spend.bill_cancelled(failure.attempt)
         await self._observe(placement, failure, dispatched_at=dispatched_at)
         self._publish()
-
-    async def _mark_resumed(self, activity_ids: list[str]) -> None:
-        """Tell the ledger that these cut attempts' output was continued, not wasted."""
-        info = workflow.info()
-        await self._ledger_write(
-            MARK_RESUMED_ACTIVITY,
-            ResumedAttempts(
-                workflow_id=info.workflow_id, run_id=info.run_id, activity_ids=activity_ids
-            ),
-            f"ledger: {len(activity_ids)} cut attempt(s) resumed",
-        )
-
-    async def _ledger_write(self, activity: str, arg: Any, summary: str) -> bool:
-        """Run a ledger-writing activity to its end; False (logged) if it failed for good.
-
-        Bookkeeping never changes how the task ends: a row that could not be written is one
-        `kvflow ledger reconcile` (task rows) or an operator (the log names it) can restore.
-        It also runs to its end when the task is cancelled meanwhile (then re-raises).
-        """
-        try:
-            await _uncancellable(
-                workflow.execute_activity(
-                    activity,
-                    arg,
-                    start_to_close_timeout=timedelta(seconds=30),
-                    schedule_to_close_timeout=LEDGER_SCHEDULE_TO_CLOSE,
-                    retry_policy=LEDGER_RETRY,
-                    summary=summary,
-                )
-            )
-        except ActivityError as err:
-            if _is_cancellation(err):
-                raise
-            workflow.logger.error("%s failed for good: %s", summary, err.cause)
-            return False
-        return True
 
     async def _local(
         self, activity: str, arg: Any, result_type: type[R], record: StepSpend | None
@@ -832,7 +672,7 @@ class Agent:
         workflow task forever.
         """
         try:
-            result: R = await _bounded_local(activity, arg, result_type)
+            result: R = await bounded_local(activity, arg, result_type)
         except FailureError as err:
             # A local activity's failure arrives as its cause, not wrapped in an ActivityError.
             if _is_cancellation(err):
@@ -859,6 +699,29 @@ class Agent:
             record.outcome = error_type
             return self._error(error_type, record, what, cause=kind)
         return errors.task_error(error_type, what, cause=kind, spend_micros=self.spend_micros)
+
+    async def _not_dispatched(self, placement: Placement) -> None:
+        """Tell the scheduler a placed call was never sent (the replica is not at fault)."""
+        now = workflow.now().timestamp()
+        observation = Observation(
+            replica=placement.replica,
+            model=placement.model,
+            tenant=self.spec.tenant,
+            ok=False,
+            replica_fault=False,
+            error="NotDispatched",
+            probe=placement.probe,
+            cold_start=placement.cold_start,
+            dispatched_at=now,
+            ended_at=now,
+        )
+        try:
+            await uncancellable(
+                self._local(OBSERVE_ACTIVITY, observation, ObservationVerdict, None)
+            )
+        except ApplicationError as err:
+            # The task already fails for its own reason, which this must not replace.
+            workflow.logger.warning("scheduler: could not release %s: %s", placement.replica, err)
 
     async def _observe(
         self,
@@ -913,7 +776,7 @@ class Agent:
                 ended_at=ended,
             )
         # The scheduler must hear how the call ended (its in-flight count), cancelled or not.
-        verdict: ObservationVerdict | None = await _uncancellable(
+        verdict: ObservationVerdict | None = await uncancellable(
             self._local(OBSERVE_ACTIVITY, observation, ObservationVerdict, None)
         )
         # A history recorded before `observe` answered holds None.
@@ -1099,23 +962,16 @@ class Agent:
     @property
     def spend_micros(self) -> int:
         """Everything the task has spent so far, failed attempts included."""
-        return sum(step.cost_micros for step in self.steps)
+        return self.spend.spend_micros
 
     @property
     def attempts(self) -> int:
-        """Model call attempts so far, failed ones included."""
-        return sum(len(step.attempts) for step in self.steps)
+        """Model call attempts that ran somewhere so far, failed ones included."""
+        return self.spend.attempts
 
     def breakdown(self) -> SpendBreakdown:
         """The full spend breakdown (also the `kvflow_spend` query)."""
-        return SpendBreakdown(
-            tenant=self.spec.tenant,
-            outcome=self.outcome,
-            spend_micros=self.spend_micros,
-            steps=self.steps,
-            retries=self.retries,
-            attempts=self.attempts,
-        )
+        return self.spend.breakdown(outcome=self.outcome, retries=self.retries)
 
     def _step_done(self, record: StepSpend, result: InferenceResult) -> InferenceResult:
         record.outcome = "ok"
@@ -1205,42 +1061,13 @@ class Agent:
         error, the attribute says so, and `kvflow ledger reconcile` writes the row from it.
         """
         self.outcome = outcome.value
-        closing = asyncio.ensure_future(self._record_task(outcome))
+        closing = asyncio.ensure_future(self.spend.close(outcome, started_at=self._started_at))
         try:
             await asyncio.shield(closing)
         except asyncio.CancelledError:
             # Cancelled while closing: the task's work is over and its outcome stands.
             await closing
         self._publish()
-
-    async def _record_task(self, outcome: TaskOutcome) -> None:
-        """Write the task row: its spend is the sum of the task's attempt rows.
-
-        Every attempt is billed at its row's figures: the result's or the error's (the GPU
-        worker computed both from the same count) or, for a lost attempt, the row read back
-        from the ledger. A lost attempt's exact row may have come after the workflow billed
-        it (a spool replayed, a cut-off worker that finished), so it is read once more here.
-        """
-        if self._lost and workflow.patched(LOST_ATTEMPT_PATCH):
-            for spent in self._lost:
-                await self._bill_from_ledger(spent)
-        info = workflow.info()
-        compensation_micros = sum(s.cost_micros for s in self.steps if s.kind == "compensation")
-        record = TaskRecord(
-            workflow_id=info.workflow_id,
-            run_id=info.run_id,
-            tenant=self.spec.tenant,
-            workflow_type=info.workflow_type,
-            started_at=self._started_at,
-            closed_at=workflow.now(),
-            outcome=outcome,
-            steps=sum(1 for s in self.steps if s.outcome == "ok"),
-            attempts=self.attempts,
-            spend_micros=self.spend_micros,
-            compensation_micros=compensation_micros,
-            source="workflow",
-        )
-        await self._ledger_write(RECORD_TASK_ACTIVITY, record, f"ledger: task {outcome.value}")
 
 
 _CONTROL_PLANE_FIXES: dict[str, tuple[errors.TaskErrorType, str]] = {
@@ -1254,51 +1081,12 @@ _CONTROL_PLANE_FIXES: dict[str, tuple[errors.TaskErrorType, str]] = {
 """Permanent control-plane errors: the task error each becomes and what would fix it."""
 
 
-async def _uncancellable(operation: Awaitable[R]) -> R:
-    """Run `operation` to its end even if the task is cancelled meanwhile, then re-raise.
-
-    Bookkeeping that follows a call (tell the scheduler, write the ledger) must not be cut
-    short by a cancellation that arrives while it runs.
-    """
-    task = asyncio.ensure_future(operation)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        await task
-        raise
-
-
 def _worker_went_silent(err: ActivityError) -> bool:
     """The call started but its GPU worker stopped heartbeating or answering (it died)."""
     cause = err.cause
     return isinstance(cause, TimeoutError) and cause.type in (
         TimeoutType.HEARTBEAT,
         TimeoutType.START_TO_CLOSE,
-    )
-
-
-def _is_cancellation(exc: BaseException) -> bool:
-    """Whether `exc` is, or was caused by, the cancellation of the task."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, asyncio.CancelledError | CancelledError):
-            return True
-        seen = seen.cause if isinstance(seen, ActivityError) else seen.__cause__
-    return False
-
-
-def _bounded_local(activity: str, arg: Any, result_type: type[R]) -> Awaitable[R]:
-    """A control-plane local activity, bounded as every one of them is.
-
-    `LOCAL_TIMEOUT` per try, retried within `LOCAL_RETRY` and `LOCAL_SCHEDULE_TO_CLOSE`.
-    """
-    return workflow.execute_local_activity(
-        activity,
-        arg,
-        result_type=result_type,
-        start_to_close_timeout=LOCAL_TIMEOUT,
-        schedule_to_close_timeout=LOCAL_SCHEDULE_TO_CLOSE,
-        retry_policy=LOCAL_RETRY,
     )
 
 
@@ -1326,14 +1114,6 @@ def _task_started_at(info: workflow.Info) -> datetime:
     if info.cron_schedule or info.attempt > 1:
         return info.start_time
     return info.workflow_start_time
-
-
-def _charge(spent: AttemptSpend, bill: AttemptBill) -> None:
-    """Bill `spent` at `bill`, its ledger row's figures."""
-    spent.cost_micros = bill.cost_micros
-    spent.prompt_tokens = bill.usage.prompt_tokens
-    spent.cached_tokens = bill.usage.cached_tokens
-    spent.completion_tokens = bill.usage.completion_tokens
 
 
 def _usd(micros: int) -> str:
