@@ -27,12 +27,14 @@ from typing import Any, ClassVar, Protocol, TypeVar
 import httpx
 from opentelemetry import trace
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 
 from kvflow.activities.context_store import DirectoryContextStore
 from kvflow.activities.errors import (
     InferenceError,
     InvalidUsage,
     MalformedResponse,
+    ReplicaServerError,
     ReplicaShuttingDown,
     StreamCut,
     error_of,
@@ -161,6 +163,10 @@ class PartialOutput:
         self._stored_bytes = size
         return self._stored
 
+    def last_stored(self) -> Checkpoint:
+        """The last checkpoint stored (possibly shorter than the output), or an empty one."""
+        return self._stored or Checkpoint()
+
 
 YIELD_EVERY_CHUNKS = 32
 """The stream hands the event loop to other tasks (heartbeats) at least this often."""
@@ -237,9 +243,11 @@ class InferenceActivities:
         """Run one model call on this replica, streaming, heartbeating and billing it.
 
         Heartbeats run from the start until the activity returns: through the stream, and
-        through the ledger and context-store writes after it, so a slow write (SQLite busy,
+        through the context-store and ledger writes after it, so a slow write (SQLite busy,
         PostgreSQL reconnecting) never lets the heartbeat timeout throw a finished answer
-        away. Those writes never fail the call (see `SpooledAttemptWriter`).
+        away. The ledger write never fails the call (see `SpooledAttemptWriter`). A context
+        store that cannot take the answer fails the attempt, retryably, before it is billed
+        as `ok`; every failure carries the attempt's bill in its details, as its row has it.
         """
         info = activity.info()
         checkpoint = request.checkpoint or _checkpoint_from_heartbeat(info)
@@ -275,6 +283,7 @@ class InferenceActivities:
         sent = time.monotonic()
         outcome = AttemptOutcome.FAILED
         error_type: str | None = None
+        text_ref: ContextRef | None = None
         with tracer.start_as_current_span(
             "kvflow.infer",
             attributes={
@@ -286,6 +295,9 @@ class InferenceActivities:
         ) as span:
             try:
                 await self._stream(request, resumed, progress)
+                # Stored before the row is written: an answer the store refused is a failed
+                # attempt in the ledger as in the workflow, and is placed again.
+                text_ref = await self._store_answer(progress.text, request.tenant)
                 outcome = AttemptOutcome.OK
             except asyncio.CancelledError:
                 if not activity.is_worker_shutdown():
@@ -307,6 +319,15 @@ class InferenceActivities:
                 # the next attempt continues from their text.
                 exc.details = await self._report(progress, partial, final=True)
                 raise exc.to_application_error() from exc
+            except Exception as exc:
+                # Unforeseen (content missing from the store, a bug): typed by its class as
+                # Temporal would type it, and still carrying the bill its row holds.
+                error_type = type(exc).__name__
+                span.record_exception(exc)
+                report = await self._report(progress, partial, final=True)
+                raise ApplicationError(
+                    str(exc), report.model_dump(mode="json"), type=error_type
+                ) from exc
             finally:
                 usage = progress.usage()
                 cost = self._cost(usage)
@@ -348,12 +369,8 @@ class InferenceActivities:
                         )
                     )
                 )
-        text, text_ref = progress.text, None
-        if needs_store(text):
-            text_ref = await _finish(self.store.aput(text, request.tenant))
-            text = text_ref.preview
         return InferenceResult(
-            text=text,
+            text=progress.text if text_ref is None else text_ref.preview,
             text_ref=text_ref,
             finish_reason=progress.finish_reason or "stop",
             usage=usage,
@@ -400,12 +417,41 @@ class InferenceActivities:
             usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens
         )
 
+    async def _store_answer(self, text: str, tenant: str) -> ContextRef | None:
+        """Store an answer too large to travel inline; None when it travels inline.
+
+        A store that cannot take it (disk full, read-only, unreachable volume) is this GPU
+        worker's fault, not the request's: `ReplicaServerError`, retryable, so the workflow
+        places the call again and bills this attempt from the error's details.
+        """
+        if not needs_store(text):
+            return None
+        try:
+            return await _finish(self.store.aput(text, tenant))
+        except OSError as exc:
+            raise ReplicaServerError(
+                f"the GPU worker could not store the answer ({len(text.encode('utf-8'))} "
+                f"bytes) in the context store {self.store.root}: {exc}",
+                replica=self.replica.name,
+            ) from exc
+
     async def _report(
         self, progress: Progress, partial: PartialOutput, *, final: bool
     ) -> AttemptProgress:
-        """The attempt so far, as heartbeats and failures carry it to the workflow."""
+        """The attempt so far, as heartbeats and failures carry it to the workflow.
+
+        The bill is always there: when the output cannot be stored, the report carries the
+        last checkpoint stored (or none, so the next attempt starts over) instead of failing,
+        so a failed call keeps its typed error and the workflow still bills the attempt.
+        """
         usage = progress.usage()
-        checkpoint = await partial.checkpoint(progress, exact=final)
+        try:
+            checkpoint = await partial.checkpoint(progress, exact=final)
+        except Exception:
+            log.warning(
+                "could not store the partial output of %s", self.replica.name, exc_info=True
+            )
+            checkpoint = partial.last_stored()
         return AttemptProgress(
             **checkpoint.model_dump(),
             replica=self.replica.name,
@@ -416,15 +462,10 @@ class InferenceActivities:
     async def _heartbeat(self, progress: Progress, partial: PartialOutput) -> None:
         # Heartbeats deliver cancellation too, so they run even before the first token.
         while True:
-            try:
-                report = await self._report(progress, partial, final=False)
-            except Exception:
-                # The store failing must not stop the heartbeats that keep the call alive.
-                log.warning("could not store the partial output for a heartbeat", exc_info=True)
-                activity.heartbeat()
-            else:
-                # Plain JSON, so any payload converter encodes it; read by `from_details`.
-                activity.heartbeat(report.model_dump(mode="json"))
+            # A store that fails does not stop them: the report then carries the bill alone.
+            report = await self._report(progress, partial, final=False)
+            # Plain JSON, so any payload converter encodes it; read by `from_details`.
+            activity.heartbeat(report.model_dump(mode="json"))
             await asyncio.sleep(self.heartbeat_interval_s)
 
     async def _stream(self, request: InferenceRequest, resumed: str, progress: Progress) -> None:
