@@ -1,29 +1,42 @@
 """The claim-check codec: payloads over the offload threshold never enter history in full.
 
 End to end on the real Temporal dev server and the simulated fleet, with a client connected
-through `KvflowPlugin` on the same context store as the workers; and the codec alone.
+through `KvflowPlugin` on the same context store as the workers; and the codec alone. A
+claim-checked payload opens in its own workflow only: not in another tenant's task through
+`Agent.read`, the store's API or a reference copied into its history; and never damaged.
 """
 
 from __future__ import annotations
 
+import asyncio
+import secrets
+import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
-from temporalio.api.common.v1 import Payload
+from temporalio.api.common.v1 import Payload, Payloads, WorkflowType
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import StartWorkflowExecutionRequest
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle, WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.converter import WorkflowSerializationContext
+from temporalio.exceptions import ApplicationError
 from temporalio.worker import Replayer
 
 from kvflow.activities.claim_check import (
     CLAIM_CHECK_ENCODING,
+    SCOPE_METADATA,
     ClaimCheckCodec,
     ClaimCheckMissing,
+    ClaimCheckRefused,
     is_claim_check,
 )
-from kvflow.activities.context_store import DirectoryContextStore
-from kvflow.activities.wire import INLINE_LIMIT_BYTES, InferenceResult
+from kvflow.activities.context_store import ContextNotFound, DirectoryContextStore
+from kvflow.activities.wire import INLINE_LIMIT_BYTES, ContextRef, InferenceResult
 from kvflow.workers.plugin import KvflowPlugin
+from kvflow.workflows import errors
 from tests import agent_workflows as wf
 from tests.history import payloads_in
 from tests.test_workflows import MODEL, PoolPlan, _spec, stack
@@ -124,3 +137,145 @@ async def test_missing_blob_names_the_store(tmp_path: Path):
     message = str(missing.value)
     assert str(tmp_path / "elsewhere") in message
     assert "every process must use the same context store" in message
+
+
+def _workflow(workflow_id: str) -> WorkflowSerializationContext:
+    return WorkflowSerializationContext(namespace="default", workflow_id=workflow_id)
+
+
+async def test_a_reference_opens_in_its_own_workflow_only(tmp_path: Path):
+    codec = ClaimCheckCodec(DirectoryContextStore(tmp_path / "context"))
+    large = _payload(10_000)
+    [reference] = await codec.with_context(_workflow("globex-task")).encode([large])
+    assert await codec.with_context(_workflow("globex-task")).decode([reference]) == [large]
+    # Copied into another workflow's history, it is refused, and says why.
+    with pytest.raises(ClaimCheckRefused, match="belongs to another workflow"):
+        await codec.with_context(_workflow("acme-task")).decode([reference])
+    # Without the scope it names, it names nothing: the payload is not among unscoped ones.
+    unscoped = Payload(metadata={"encoding": CLAIM_CHECK_ENCODING}, data=reference.data)
+    with pytest.raises(ClaimCheckMissing, match="is not in"):
+        await codec.with_context(_workflow("acme-task")).decode([unscoped])
+    # A tool outside any workflow (a fetched history's reader) follows the scope it names.
+    assert await codec.decode([reference]) == [large]
+
+
+async def test_a_payload_damaged_on_disk_is_refused_not_decoded(tmp_path: Path):
+    store = DirectoryContextStore(tmp_path / "context")
+    codec = ClaimCheckCodec(store).with_context(_workflow("task-1"))
+    [reference] = await codec.encode([_payload(10_000)])
+    digest = reference.data.decode()
+    [path] = (tmp_path / "context").rglob(digest)
+    # One character of the JSON changed: still a well-formed payload, no longer the one stored.
+    path.write_bytes(path.read_bytes().replace(b"xxxx", b"xxyx", 1))
+    with pytest.raises(ContextNotFound, match=f"content {digest[:12]}… in .* is corrupt"):
+        store.get_bytes(digest, codec.scope)
+    with pytest.raises(ClaimCheckMissing, match="is corrupt"):
+        await codec.decode([reference])
+
+
+async def _failure(handle: WorkflowHandle[Any, Any]) -> ApplicationError:
+    try:
+        await handle.result()
+    except WorkflowFailureError as failure:
+        assert isinstance(failure.cause, ApplicationError), failure.cause
+        return failure.cause
+    raise AssertionError(f"{handle.id} did not fail")
+
+
+async def _history_once(
+    client: Client, workflow_id: str, event: EventType.ValueType
+) -> WorkflowHistory:
+    """The workflow's history as soon as it holds an `event` (bounded: 20 s)."""
+    for _ in range(200):
+        history = await client.get_workflow_handle(workflow_id).fetch_history()
+        if any(e.event_type == event for e in history.events):
+            return history
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{workflow_id} never recorded {EventType.Name(event)}")
+
+
+def _stored_as_text(task: wf.StepsInput) -> wf.StepsInput:
+    """`task`, padded until its serialized payload is valid UTF-8, as a payload of some sizes
+    is: read as text, what the store keeps would then come back whole, not fail to decode."""
+    while True:
+        [payload] = pydantic_data_converter.payload_converter.to_payloads([task])
+        try:
+            payload.SerializeToString().decode("utf-8")
+        except UnicodeDecodeError:
+            task = task.model_copy(update={"context": task.context + " "})
+        else:
+            return task
+
+
+@pytest.mark.timeout(180)
+async def test_a_tenants_claim_checked_input_opens_for_no_other_tenant(
+    temporal_client: Client, tmp_path: Path
+):
+    client = await _client(temporal_client, tmp_path / "context")  # the stack's store
+    marker = f"globex-private-{secrets.token_hex(8)}"
+    async with stack(client, tmp_path, [PoolPlan("solo")]) as s:
+        secret = wf.StepsInput(
+            spec=_spec(tenant="globex", expected_steps=1),
+            model=MODEL,
+            steps=0,  # no model call: the input is what matters
+            context=f"{marker} merger terms " * 370,
+        )
+        globex = await s.start(wf.MultiStepAgent.run, _stored_as_text(secret))
+        await globex.result()
+        # What anyone who sees globex's history sees: a reference to the task's input.
+        [started] = [
+            e.workflow_execution_started_event_attributes
+            for e in (await globex.fetch_history()).events
+            if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED
+        ]
+        [reference] = started.input.payloads
+        assert is_claim_check(reference) and SCOPE_METADATA in reference.metadata
+        digest = reference.data.decode()
+        refs = [ContextRef(digest=digest, size=1, tenant=t) for t in (None, "globex", "acme")]
+
+        # The store's API: no reference made of the digest opens it for acme.
+        store = DirectoryContextStore(tmp_path / "context")
+        for ref in refs:
+            with pytest.raises(ContextNotFound):
+                store.get(ref, tenant="acme")
+        with pytest.raises(ContextNotFound):
+            store.get_bytes(digest)
+
+        # `Agent.read` in acme's tasks, through the workflow worker's context-get activity.
+        reads = [
+            await s.start(
+                wf.ReadContext.run,
+                wf.ReadInput(spec=_spec(tenant="acme", expected_steps=1), ref=ref),
+            )
+            for ref in refs
+        ]
+        causes = [await _failure(handle) for handle in reads]
+        assert all(c.type == errors.TaskErrorType.CONTEXT_NOT_FOUND for c in causes), causes
+
+        # The reference itself, put in acme's own task as its input (by a client that sends
+        # payloads as they are): the workflow worker's codec refuses to open it.
+        forged = f"task-{uuid.uuid4()}"
+        await temporal_client.workflow_service.start_workflow_execution(
+            StartWorkflowExecutionRequest(
+                namespace=temporal_client.namespace,
+                workflow_id=forged,
+                workflow_type=WorkflowType(name="MultiStepAgent"),
+                task_queue=TaskQueue(name=s.task_queue),
+                input=Payloads(payloads=[reference]),
+                request_id=str(uuid.uuid4()),
+            )
+        )
+        refused = await _history_once(
+            temporal_client, forged, EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED
+        )
+        await temporal_client.get_workflow_handle(forged).terminate("refused input")
+        histories = [(await h.fetch_history()).to_json() for h in reads]
+
+    [task_failed] = [
+        e.workflow_task_failed_event_attributes
+        for e in refused.events
+        if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED
+    ][:1]
+    assert "belongs to another workflow" in task_failed.failure.message
+    for history in [*histories, refused.to_json()]:
+        assert marker not in history

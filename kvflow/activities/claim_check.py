@@ -8,27 +8,48 @@ original payload's serialized bytes) after storing those bytes in the context st
 fetches and restores the original. Workflow code never sees the references: the codec runs in
 the worker and the client, outside the sandbox.
 
-The codec has no task context, so what it stores lives in the store's shared area (no tenant):
-the reference in history is the only way to name it. Every process that decodes (clients,
-workflow workers, GPU workers, replayers) must use the same context store.
+Each payload is stored under the scope of the workflow it belongs to: Temporal hands the codec
+the payload's workflow id (its serialization context) wherever it encodes or decodes one for a
+workflow, in clients, workflow workers, GPU workers and replayers alike. The reference names
+its scope (`kvflow-scope` metadata), and a codec that knows its workflow opens references of
+that workflow only: a digest copied from one task's history into another's (or read through
+`Agent.read`, which reads text, never payloads) opens nothing. A codec without a workflow (a
+tool decoding a fetched history) follows the scope the reference names. Every process that
+decodes must use the same context store.
+
+Payloads encoded outside any workflow, and those of earlier versions, carry no scope: any
+workflow's codec resolves them, from the payloads of no workflow. Workflows started by a
+schedule are encoded under the schedule's workflow-id prefix, not their own id, so they do
+not open their large inputs; give them inputs under the threshold.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import re
 from collections.abc import Sequence
+from typing import Self
 
 from temporalio.api.common.v1 import Payload
 from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.converter import DataConverter, PayloadCodec
+from temporalio.converter import (
+    ActivitySerializationContext,
+    DataConverter,
+    PayloadCodec,
+    SerializationContext,
+    WithSerializationContext,
+    WorkflowSerializationContext,
+)
 
 from kvflow.activities.context_store import ContextNotFound, DirectoryContextStore
 from kvflow.activities.wire import INLINE_LIMIT_BYTES
 
 CLAIM_CHECK_ENCODING = b"kvflow/claim-check"
 """The `encoding` metadata of a payload that stands for one in the context store."""
+SCOPE_METADATA = "kvflow-scope"
+"""The metadata key of a reference that names the scope (the workflow) its payload belongs to."""
 _DIGEST = re.compile(rb"[0-9a-f]{64}")
 
 
@@ -36,16 +57,49 @@ class ClaimCheckMissing(RuntimeError):
     """A claim-checked payload's content is not in (or is corrupt in) the context store."""
 
 
-class ClaimCheckCodec(PayloadCodec):
-    """Offloads payloads larger than `threshold_bytes` (serialized) to `store`."""
+class ClaimCheckRefused(ClaimCheckMissing):
+    """A claim-checked payload belongs to another workflow than the one decoding it."""
+
+
+def workflow_scope(context: SerializationContext | None) -> str | None:
+    """The scope of the workflow `context` names: 32 hex characters; None outside a workflow.
+
+    A digest of the workflow id, so that the store's folder names do not hold it. Not of the
+    namespace: a replayer decodes under a namespace of its own (`ReplayNamespace`).
+    """
+    if not isinstance(context, WorkflowSerializationContext | ActivitySerializationContext):
+        return None
+    if not context.workflow_id:
+        return None  # an activity started by a client, outside any workflow
+    return hashlib.sha256(context.workflow_id.encode("utf-8")).hexdigest()[:32]
+
+
+class ClaimCheckCodec(PayloadCodec, WithSerializationContext):
+    """Offloads payloads larger than `threshold_bytes` (serialized) to `store`.
+
+    Temporal hands each payload's workflow to `with_context`; the codec it returns stores under,
+    and opens only, that workflow's scope. `scope` None: a codec outside any workflow.
+    """
 
     def __init__(
-        self, store: DirectoryContextStore, threshold_bytes: int = INLINE_LIMIT_BYTES
+        self,
+        store: DirectoryContextStore,
+        threshold_bytes: int = INLINE_LIMIT_BYTES,
+        *,
+        scope: str | None = None,
     ) -> None:
         if threshold_bytes < 0:
             raise ValueError(f"threshold_bytes must be >= 0, not {threshold_bytes}")
         self.store = store
         self.threshold_bytes = threshold_bytes
+        self.scope = scope
+
+    def with_context(self, context: SerializationContext) -> Self:
+        """The codec for the payloads of the workflow `context` names."""
+        scope = workflow_scope(context)
+        if scope == self.scope:
+            return self
+        return type(self)(self.store, self.threshold_bytes, scope=scope)
 
     async def encode(self, payloads: Sequence[Payload]) -> list[Payload]:
         """Each payload, or a reference to it when it is larger than the threshold."""
@@ -58,8 +112,12 @@ class ClaimCheckCodec(PayloadCodec):
     async def _encode_one(self, payload: Payload) -> Payload:
         if is_claim_check(payload) or payload.ByteSize() <= self.threshold_bytes:
             return payload
-        digest = await asyncio.to_thread(self.store.put_bytes, payload.SerializeToString())
-        return Payload(metadata={"encoding": CLAIM_CHECK_ENCODING}, data=digest.encode("ascii"))
+        data = payload.SerializeToString()
+        digest = await asyncio.to_thread(self.store.put_bytes, data, self.scope)
+        metadata = {"encoding": CLAIM_CHECK_ENCODING}
+        if self.scope is not None:
+            metadata[SCOPE_METADATA] = self.scope.encode("ascii")
+        return Payload(metadata=metadata, data=digest.encode("ascii"))
 
     async def _decode_one(self, payload: Payload) -> Payload:
         if not is_claim_check(payload):
@@ -67,8 +125,15 @@ class ClaimCheckCodec(PayloadCodec):
         if not _DIGEST.fullmatch(payload.data):
             raise ClaimCheckMissing(f"a claim-checked payload names no digest: {payload.data!r}")
         digest = payload.data.decode("ascii")
+        named = payload.metadata.get(SCOPE_METADATA)
+        scope = None if named is None else named.decode("ascii", "replace")
+        if self.scope is not None and scope is not None and scope != self.scope:
+            raise ClaimCheckRefused(
+                f"claim-checked payload {digest[:12]}… belongs to another workflow than the "
+                "one decoding it; a reference copied from another task's history opens nothing"
+            )
         try:
-            data = await asyncio.to_thread(self.store.get_bytes, digest)
+            data = await asyncio.to_thread(self.store.get_bytes, digest, scope)
         except ContextNotFound as missing:
             # e.g. "claim-checked payload: content 0a1b2c… is not in .kvflow/context; ..."
             raise ClaimCheckMissing(

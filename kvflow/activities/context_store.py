@@ -6,13 +6,21 @@ the same content never expose a partial file. Every process that resolves refere
 workflow worker, every GPU worker) must see the same directory; on several machines use a
 shared volume.
 
-Content is scoped by tenant: what is stored for a tenant (`put(text, tenant="acme")`) lives in
-that tenant's own folder and its reference names the tenant, so a reference resolves only
-for that tenant (`get(ref, tenant="acme")`): a digest seen in another task's history does not
-open it. Content stored without a tenant is shared (the layout of earlier versions). A caller
-that states no tenant (the workflow worker reading its own task's answers) may read any.
-Byte content (`put_bytes`/`get_bytes`: the claim-checked payloads of
-`kvflow.activities.claim_check`) is always shared.
+Content is scoped, so that a digest seen in one task's history opens nothing in another's:
+
+    tenants/<tenant>/ab/<digest>    text stored for a tenant: `put(text, tenant="acme")`
+    shared/ab/<digest>              text stored for no tenant, on purpose: `put(text)`
+    payloads/<scope>/ab/<digest>    claim-checked payloads of one workflow: `put_bytes`
+    payloads/ab/<digest>            claim-checked payloads encoded outside any workflow
+    ab/<digest>                     earlier versions: shared text and payloads, mixed
+
+A reference names its tenant and resolves only for that tenant (`get(ref, tenant="acme")`); a
+reference without one resolves from `shared/` only, never from the payloads nor from the
+earlier versions' folder (whose files include claim-checked payloads of every tenant). A
+caller that states no tenant (operators' tools, the store's own tests) may read any text, the
+earlier versions' folder included. Payloads (`put_bytes`/`get_bytes`, for
+`kvflow.activities.claim_check`) are never text: `get` cannot open them, and one workflow's
+open only under its scope.
 
 Nothing expires by itself: `prune(older_than)` (`kvflow context prune`) deletes contents not
 stored or read since; storing or reading content again renews it, so contents that running
@@ -36,8 +44,13 @@ from kvflow.activities.wire import ContextRef, digest_of, ref_for
 DEFAULT_CONTEXT_DIR = Path(".kvflow/context")
 TENANTS_DIR = "tenants"
 """The folder under the store's root that holds one folder per tenant."""
+SHARED_DIR = "shared"
+"""The folder under the store's root of text stored for no tenant."""
+PAYLOADS_DIR = "payloads"
+"""The folder under the store's root of claim-checked payloads, one folder per scope."""
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
+_SCOPE = re.compile(r"[0-9a-f]{32}")
 
 
 class ContextNotFound(KeyError):
@@ -65,7 +78,8 @@ class DirectoryContextStore:
     def __init__(self, root: Path = DEFAULT_CONTEXT_DIR) -> None:
         self.root = root
 
-    def _path(self, digest: str, tenant: str | None) -> Path:
+    @staticmethod
+    def _file(base: Path, digest: str) -> Path:
         # The digest becomes a file name: only a content hash may, so that a forged reference
         # (`../`, an absolute path; `ContextRef.model_construct` skips validation) cannot read
         # or touch a file outside the store.
@@ -74,8 +88,24 @@ class DirectoryContextStore:
                 f"context key {digest!r:.80} is not a SHA-256 digest (64 lower-case hex "
                 "characters); the store refuses it"
             )
-        base = self.root if tenant is None else self.root / TENANTS_DIR / tenant_folder(tenant)
         return base / digest[:2] / digest
+
+    def _path(self, digest: str, tenant: str | None) -> Path:
+        """Where text stored for `tenant` (None: shared) lives."""
+        if tenant is None:
+            return self._file(self.root / SHARED_DIR, digest)
+        return self._file(self.root / TENANTS_DIR / tenant_folder(tenant), digest)
+
+    def _payload_path(self, digest: str, scope: str | None) -> Path:
+        """Where a claim-checked payload of `scope` (None: of no workflow) lives."""
+        if scope is None:
+            return self._file(self.root / PAYLOADS_DIR, digest)
+        if not isinstance(scope, str) or not _SCOPE.fullmatch(scope):
+            raise ContextKeyInvalid(
+                f"payload scope {scope!r:.80} is not 32 lower-case hex characters; the store "
+                "refuses it"
+            )
+        return self._file(self.root / PAYLOADS_DIR / scope, digest)
 
     def put(self, text: str, tenant: str | None = None) -> ContextRef:
         """Store `text` for `tenant` (None: shared), idempotently; return its reference."""
@@ -83,28 +113,43 @@ class DirectoryContextStore:
         self._write(self._path(ref.digest, tenant), text.encode("utf-8"))
         return ref
 
-    def put_bytes(self, data: bytes) -> str:
-        """Store `data` in the shared area (no tenant), idempotently; return its SHA-256 digest.
+    def put_bytes(self, data: bytes, scope: str | None = None) -> str:
+        """Store a payload under `scope` (32 hex characters), idempotently; return its SHA-256.
 
-        For callers that hold no task context, such as a payload codec: what they store is
-        shared, and `get_bytes(digest)` reads it back.
+        For a payload codec (`kvflow.activities.claim_check`): the scope names the workflow the
+        payload belongs to, and only `get_bytes(digest, scope)` reads it back. None: a payload
+        of no workflow. `get`, which reads text, never opens a payload.
         """
         digest = hashlib.sha256(data).hexdigest()
-        self._write(self._path(digest, None), data)
+        self._write(self._payload_path(digest, scope), data)
         return digest
 
-    def get_bytes(self, digest: str) -> bytes:
-        """The shared content stored under `digest`; `ContextNotFound` if the store lacks it."""
-        path = self._path(digest, None)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise ContextNotFound(f"content {digest[:12]}… is not in {self.root}") from None
+    def get_bytes(self, digest: str, scope: str | None = None) -> bytes:
+        """The payload stored under `digest` for `scope`; `ContextNotFound` if the store lacks it.
+
+        Without a scope it is read from the payloads of no workflow, or else from the earlier
+        versions' folder (payloads claim-checked before they were scoped). Content whose
+        SHA-256 is not `digest` (damaged on disk) is refused: `ContextNotFound`, "is corrupt".
+        """
+        paths = [self._payload_path(digest, scope)]
+        if scope is None:
+            paths.append(self._file(self.root, digest))
+        path, data = self._read(paths, f"content {digest[:12]}… is not in {self.root}")
         if hashlib.sha256(data).hexdigest() != digest:
             raise ContextNotFound(f"content {digest[:12]}… in {self.root} is corrupt")
         with contextlib.suppress(OSError):  # a read-only store still serves reads
             os.utime(path)  # read: still in use
         return data
+
+    @staticmethod
+    def _read(paths: list[Path], missing: str) -> tuple[Path, bytes]:
+        """The first of `paths` that exists, and its bytes; `ContextNotFound(missing)` if none."""
+        for path in paths:
+            try:
+                return path, path.read_bytes()
+            except FileNotFoundError:
+                continue
+        raise ContextNotFound(missing)
 
     @staticmethod
     def _write(path: Path, data: bytes) -> None:
@@ -122,20 +167,22 @@ class DirectoryContextStore:
         """The content `ref` points at; `ContextNotFound` if the store lacks it.
 
         With `tenant`, a reference to content stored for another tenant is refused as if it
-        did not exist (its digest alone must not open it).
+        did not exist, and one without a tenant opens shared text only: a digest alone opens
+        neither a tenant's text nor a claim-checked payload.
         """
         if tenant is not None and ref.tenant is not None and ref.tenant != tenant:
             raise ContextNotFound(
                 f"context {ref.digest[:12]}… belongs to another tenant than {tenant!r}"
             )
-        path = self._path(ref.digest, ref.tenant)
-        try:
-            text = path.read_bytes().decode("utf-8")
-        except FileNotFoundError:
-            raise ContextNotFound(
-                f"context {ref.digest[:12]}… ({ref.size} bytes) is not in {self.root}; every "
-                "worker must use the same context store directory"
-            ) from None
+        paths = [self._path(ref.digest, ref.tenant)]
+        if ref.tenant is None and tenant is None:
+            paths.append(self._file(self.root, ref.digest))  # earlier versions' shared text
+        path, data = self._read(
+            paths,
+            f"context {ref.digest[:12]}… ({ref.size} bytes) is not in {self.root}; every "
+            "worker must use the same context store directory",
+        )
+        text = data.decode("utf-8", "replace")
         if digest_of(text) != ref.digest:
             raise ContextNotFound(f"context {ref.digest[:12]}… in {self.root} is corrupt")
         with contextlib.suppress(OSError):  # a read-only store still serves reads
