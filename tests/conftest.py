@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 
 import pytest
+from hypothesis import settings
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
@@ -14,6 +16,13 @@ from kvflow.workflows.search_attributes import ALL as SEARCH_ATTRIBUTES
 
 # Fixture modules of the parts of kvflow (simulated and real vLLM servers, databases).
 pytest_plugins: list[str] = ["tests.fixtures_vllm", "tests.fixtures_ledger", "tests.fixtures_sim"]
+
+# Property tests are judged by what they find, not by how fast this shared machine runs them
+# (no deadline); under CI they draw the same examples every run, so a red run reproduces.
+settings.register_profile(
+    "kvflow", deadline=None, derandomize=os.environ.get("CI", "").lower() == "true"
+)
+settings.load_profile("kvflow")
 
 
 @pytest.fixture(scope="session")

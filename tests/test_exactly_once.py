@@ -59,6 +59,7 @@ from tests import agent_workflows as wf
 from tests.fixtures_ledger import attempt_record, task_record, with_schema
 from tests.test_ledger_invariants import assert_books_balance
 from tests.test_workflows import MODEL, PoolPlan, Stack, _spec, fleet_for
+from tests.waiting import eventually
 
 # This file defines a workflow, so the sandbox re-imports it; pass kvflow through.
 with workflow.unsafe.imports_passed_through():
@@ -275,12 +276,13 @@ async def test_worker_row_that_arrives_after_the_estimate_replaces_it_before_the
     ):
         task = PausedInput(spec=_spec(expected_steps=1), model=MODEL)
         handle = await s.start(AnswersThenWaits.run, task)
+
         # The step is answered by the backup once the lossy call went silent.
-        for _ in range(600):
+        async def answered() -> bool:
             breakdown = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
-            if breakdown.steps and breakdown.steps[0].outcome == "ok":
-                break
-            await asyncio.sleep(0.05)
+            return bool(breakdown.steps) and breakdown.steps[0].outcome == "ok"
+
+        await eventually(answered, within=30, what="the backup answers the step")
         [activity_id] = lossy.lost
         [late] = held.rows
         rows = await s.ledger.attempts_for(handle.id, await _run_id(handle))
@@ -528,10 +530,11 @@ async def test_ledger_connection_cut_mid_run_loses_no_row_and_doubles_none(
             handles = [await s.start(wf.MultiStepAgent.run, task) for _ in range(4)]
             async with AsyncLedger(open_ledger(direct)) as books:
                 first = handles[0]
-                for _ in range(600):  # until the first task's first step is billed
-                    if await books.attempts_for(first.id, first.result_run_id or ""):
-                        break
-                    await asyncio.sleep(0.05)
+                await eventually(
+                    lambda: books.attempts_for(first.id, first.result_run_id or ""),
+                    within=30,
+                    what="the first task's first step is billed",
+                )
 
                 # The ledger's connections are cut for 5 s; tasks started meanwhile run too.
                 proxy.cut()
@@ -546,11 +549,11 @@ async def test_ledger_connection_cut_mid_run_loses_no_row_and_doubles_none(
 
                 # What the GPU workers spooled reaches the ledger by itself.
                 writers = [w.spooler for w in s.gpu_workers.values() if w.spooler is not None]
-                for _ in range(300):
-                    if all(len(w.spool) == 0 and not w.held for w in writers):
-                        break
-                    await asyncio.sleep(0.1)
-                assert all(len(w.spool) == 0 and not w.held for w in writers)
+                await eventually(
+                    lambda: all(len(w.spool) == 0 and not w.held for w in writers),
+                    within=30,
+                    what="every spooled and held row reached the ledger",
+                )
                 for handle in handles:
                     task_row = await assert_books_balance(s, handle)
                     assert task_row.outcome == TaskOutcome.SUCCEEDED

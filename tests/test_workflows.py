@@ -73,6 +73,7 @@ from kvflow.workflows import errors, search_attributes
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown, TaskSpec
 from tests import agent_workflows as wf
 from tests.history import wait_until_streaming
+from tests.waiting import eventually
 
 MODEL = "llama-3.2-1b"
 
@@ -166,6 +167,16 @@ async def stack(
                 )
     finally:
         await ledger.close()
+
+
+async def _heartbeated(handle: WorkflowHandle[Any, Any]) -> bool:
+    pending = (await handle.describe()).raw_description.pending_activities
+    return bool(pending) and pending[0].HasField("heartbeat_details")
+
+
+async def _inferring(handle: WorkflowHandle[Any, Any]) -> bool:
+    pending = (await handle.describe()).raw_description.pending_activities
+    return bool(pending) and pending[0].activity_type.name == "kvflow.infer"
 
 
 async def assert_replays(handle: WorkflowHandle[Any, Any]) -> None:
@@ -561,11 +572,9 @@ async def test_gpu_worker_that_shuts_down_mid_call_hands_it_back_and_it_is_repla
         task = wf.StepsInput(spec=_spec(expected_steps=1), model=MODEL, steps=1, max_tokens=3000)
         handle = await s.start(wf.MultiStepAgent.run, task)
         # Wait until the call runs on the cheap replica, then shut its GPU worker down.
-        for _ in range(200):
-            pending = (await handle.describe()).raw_description.pending_activities
-            if pending and pending[0].HasField("heartbeat_details"):
-                break
-            await asyncio.sleep(0.05)
+        await eventually(
+            lambda: _heartbeated(handle), within=10, what="the call heartbeats its progress"
+        )
         await s.gpu_workers["leaving/0"].shutdown()
         out = await handle.result()
         assert out.replicas == ["staying/0"]
@@ -658,11 +667,7 @@ async def test_cancelled_task_runs_its_compensations_and_is_recorded_as_cancelle
         )
         handle = await s.start(wf.RefundThenReply.run, task)
         # Cancel while the reply is being written (after the refund went out).
-        for _ in range(200):
-            pending = (await handle.describe()).raw_description.pending_activities
-            if pending and pending[0].activity_type.name == "kvflow.infer":
-                break
-            await asyncio.sleep(0.05)
+        await eventually(lambda: _inferring(handle), within=10, what="the model call is in flight")
         await handle.cancel()
         with pytest.raises(WorkflowFailureError):
             await handle.result()
@@ -757,10 +762,11 @@ tier = 1
     )
     queue = f"doomed-{uuid.uuid4()}"
     try:
-        for _ in range(300):
-            if "polls kvflow.gpu.doomed.0" in (tmp_path / "gpu.log").read_text():
-                break
-            await asyncio.sleep(0.05)
+        await eventually(
+            lambda: "polls kvflow.gpu.doomed.0" in (tmp_path / "gpu.log").read_text(),
+            within=15,
+            what="the GPU worker polls its queue",
+        )
         async with EmbeddedFleet(
             client,
             fleet,

@@ -22,7 +22,6 @@ from types import TracebackType
 
 import httpx
 from temporalio.client import Client
-from temporalio.worker import Worker
 
 from kvflow.activities.context_store import DEFAULT_CONTEXT_DIR, DirectoryContextStore
 from kvflow.activities.inference import (
@@ -34,7 +33,7 @@ from kvflow.activities.inference import (
 from kvflow.ledger.spool import DEFAULT_SPOOL_DIR, SpooledAttemptWriter, spooled_writer
 from kvflow.scheduler.fleet import task_queue_for
 from kvflow.workers.config import FleetConfig
-from kvflow.workers.plugin import KvflowPlugin
+from kvflow.workers.plugin import KvflowPlugin, role_worker
 from kvflow.workers.replica import check_endpoint
 
 log = logging.getLogger(__name__)
@@ -67,10 +66,10 @@ class GpuWorker:
         )
         self._running = AsyncExitStack()
         self.task_queue = task_queue_for(binding.pool.name, binding.index)
-        self.worker = Worker(
+        self.worker = role_worker(
             client,
+            KvflowPlugin(inference=self.activities),
             task_queue=self.task_queue,
-            plugins=[KvflowPlugin(inference=self.activities)],
             graceful_shutdown_timeout=timedelta(seconds=graceful_shutdown_s),
         )
 

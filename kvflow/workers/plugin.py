@@ -24,6 +24,7 @@ Both worker roles also apply the client role when the client was connected witho
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -33,7 +34,7 @@ import httpx
 from temporalio.client import Client
 from temporalio.contrib.opentelemetry import TracingInterceptor
 from temporalio.plugin import SimplePlugin
-from temporalio.worker import WorkerConfig, WorkflowRunner
+from temporalio.worker import Worker, WorkerConfig, WorkflowRunner
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 
 from kvflow.activities.claim_check import claim_check_converter
@@ -236,3 +237,18 @@ class KvflowPlugin(SimplePlugin):
         finally:
             if self._owned_ledger is not None:
                 await self._owned_ledger.close()
+
+
+def role_worker(client: Client, plugin: KvflowPlugin, **options: Any) -> Worker:
+    """A `Worker` on `client` with `plugin` in a worker role (GPU worker, control plane).
+
+    kvflow's own processes connect their client with `KvflowPlugin()` (the converter and the
+    codec) and give the worker a second `KvflowPlugin` that carries its role. Temporal warns
+    when a plugin type is on both ("may run twice"); for these two that is the design (the
+    client's registers nothing on a worker), so the warning is not shown.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"The same plugin type .*KvflowPlugin", category=UserWarning
+        )
+        return Worker(client, plugins=[plugin], **options)

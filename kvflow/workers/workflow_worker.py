@@ -13,7 +13,7 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 from kvflow.workers.control_plane import ControlPlane
-from kvflow.workers.plugin import KvflowPlugin
+from kvflow.workers.plugin import KvflowPlugin, role_worker
 
 DEFAULT_WORKFLOW_QUEUE = "kvflow.workflows"
 """The task queue agent workflows run on unless told otherwise."""
@@ -34,11 +34,11 @@ async def workflow_worker(
     missing ones), because a workflow that upserts an unknown attribute hangs instead of
     failing.
     """
-    return Worker(
+    return role_worker(
         client,
+        KvflowPlugin(control_plane=control_plane),
         task_queue=task_queue,
         workflows=list(workflows),
         activities=list(activities),
-        plugins=[KvflowPlugin(control_plane=control_plane)],
         **worker_options,
     )

@@ -6,7 +6,6 @@ dispatches the call to the worker's task queue, exactly as the step API does.
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -19,6 +18,8 @@ from temporalio.client import Client
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.worker import Worker
+
+from tests.waiting import eventually
 
 # This module defines a workflow, so the sandbox imports it again: pass the rest through.
 with workflow.unsafe.imports_passed_through():
@@ -354,11 +355,12 @@ async def test_cancelled_call_stops_within_one_heartbeat_interval(
         id=f"cancel-{uuid.uuid4()}",
         task_queue=WORKFLOW_QUEUE,
     )
-    for _ in range(200):
+
+    async def heartbeated() -> bool:
         pending = (await handle.describe()).raw_description.pending_activities
-        if pending and pending[0].HasField("heartbeat_details"):
-            break
-        await asyncio.sleep(0.05)
+        return bool(pending) and pending[0].HasField("heartbeat_details")
+
+    await eventually(heartbeated, within=10, what="the call heartbeats its progress")
     cancelled_at = datetime.now(UTC)
     await handle.cancel()
     outcome = await handle.result()
