@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from kvflow.cli.main import app
 from kvflow.ledger import AsyncLedger, AttemptOutcome, Ledger, ReportQuery, TaskOutcome
+from kvflow.scheduler.fleet import format_usd
 from kvflow.workers.reconcile import CLOSED_QUERY, reconcile
 from kvflow.workflows.search_attributes import TENANT
 from tests.fixtures_ledger import attempt_record, task_record
@@ -163,22 +164,19 @@ async def test_reconcile_command_fills_the_row_of_a_terminated_workflow(
     await _wait_until_closed_in_visibility(temporal_client, f"WorkflowId = '{handle.id}'", 1)
     address = temporal_client.service_client.config.target_host
 
-    result = await asyncio.to_thread(
-        CliRunner().invoke,
-        app,
-        [
-            "ledger",
-            "reconcile",
-            "--db",
-            ledger_url,
-            "--address",
-            address,
-            "--namespace",
-            temporal_client.namespace,
-            "--query",
-            f"WorkflowId = '{handle.id}'",
-        ],
-    )
+    arguments = [
+        "ledger",
+        "reconcile",
+        "--db",
+        ledger_url,
+        "--address",
+        address,
+        "--namespace",
+        temporal_client.namespace,
+        "--query",
+        f"WorkflowId = '{handle.id}'",
+    ]
+    result = await asyncio.to_thread(CliRunner().invoke, app, arguments)
 
     assert result.exit_code == 0, result.output
     assert "1 task row(s) written" in result.stdout
@@ -190,6 +188,19 @@ async def test_reconcile_command_fills_the_row_of_a_terminated_workflow(
         11000,
         "reconcile",
     )
+    assert "moved after they closed" not in result.stdout
+
+    # The terminated run's last call ends after the row: its GPU worker bills it now. The
+    # next pass writes nothing and lists the task, with the difference.
+    late = attempt_record(handle.id, run_id=run_id, activity_id="2", completion_tokens=50)
+    ledger.record_attempt(late)
+    again = await asyncio.to_thread(CliRunner().invoke, app, arguments)
+    assert again.exit_code == 0, again.output
+    assert "0 task row(s) written" in again.stdout
+    assert "moved after they closed" in again.stdout
+    assert f"+${format_usd(late.cost_micros)}" in again.stdout
+    book = ledger.task(handle.id, run_id)
+    assert book is not None and book.spend_micros == 11000 + late.cost_micros
 
 
 async def test_reconcile_command_exits_2_when_the_ledger_is_missing(tmp_path) -> None:

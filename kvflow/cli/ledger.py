@@ -222,6 +222,26 @@ def _print_reconcile(result: ReconcileResult) -> None:
                 f"${format_usd(task.spend_micros)}",
             )
         out.print(table)
+    if result.moved:
+        moved = Table(title="Tasks whose ledger spend moved after they closed")
+        for column in ("workflow id", "run id", "tenant", "at close", "ledger", "moved"):
+            moved.add_column(column)
+        for task in result.moved:
+            sign = "+" if task.moved_micros >= 0 else "-"
+            moved.add_row(
+                task.workflow_id,
+                task.run_id,
+                task.tenant,
+                f"${format_usd(task.spend_at_close_micros)}",
+                f"${format_usd(task.spend_micros)}",
+                f"{sign}${format_usd(abs(task.moved_micros))}",
+            )
+        out.print(moved)
+        out.print(
+            "Rows reached the ledger after these tasks closed (a spool replayed, an estimate "
+            "replaced): the ledger's figure is the one the report uses.",
+            highlight=False,
+        )
     out.print(
         f"{result.examined} closed run(s) examined: {len(result.written)} task row(s) written, "
         f"{result.already_recorded} already recorded, {result.skipped} skipped "

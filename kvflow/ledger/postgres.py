@@ -157,7 +157,7 @@ class PostgresLedger(Ledger):
 
     def _serialize_task(self, workflow_id: str, run_id: str) -> None:
         # Concurrent transactions see each other's rows only once committed: a transaction
-        # lock per task orders a late attempt row and a reconciled task row (`record_task`).
+        # lock per task orders an attempt row and a resumed mark written at the same moment.
         self._execute(
             "SELECT pg_advisory_xact_lock(hashtextextended(?, 0))", (f"{workflow_id}/{run_id}",)
         )

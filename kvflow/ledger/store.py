@@ -39,7 +39,7 @@ from kvflow.ledger.records import (
 )
 from kvflow.ledger.report import AttemptTotals, Report, ReportQuery, TaskFacts, build_report
 from kvflow.scheduler.fleet import TokenPrices
-from kvflow.scheduler.redact import redact_url
+from kvflow.scheduler.redact import encode_password, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -146,10 +146,10 @@ class Ledger(ABC):
 
     @abstractmethod
     def _serialize_task(self, workflow_id: str, run_id: str) -> None:
-        """Make writes that touch one task's row run one after another, until commit.
+        """Make writes that touch one task's rows run one after another, until commit.
 
-        An attempt row that comes late and a reconciled task row that sums its attempts must
-        not both miss the other (see `record_task`).
+        A resumed mark and the failed row it marks may be written at the same moment: each
+        must see the other once it is committed (see `_apply_resumed_mark`).
         """
 
     @abstractmethod
@@ -287,6 +287,7 @@ class Ledger(ABC):
                 if not written and not record.provisional:
                     estimate = self._supersede(record, values)
                 if written or estimate is not None:
+                    self._serialize_task(record.workflow_id, record.run_id)
                     self._apply_resumed_mark(record)
             # Counted once committed: a rolled-back write is retried and counted then.
             if written:
@@ -379,6 +380,7 @@ class Ledger(ABC):
             return 0
         marks = ", ".join("?" for _ in activity_ids)
         with self._lock, self._write_transaction():
+            self._serialize_task(workflow_id, run_id)
             for activity_id in dict.fromkeys(activity_ids):
                 self._execute(
                     "INSERT INTO resumed_attempts (workflow_id, run_id, activity_id, recorded_at) "
@@ -634,7 +636,7 @@ def connect_ledger(
             raise LedgerUrlError(
                 f"{redact_url(url)} needs the PostgreSQL driver: pip install 'kvflow[postgres]'"
             ) from None
-        conninfo, schema = postgres_conninfo(url)
+        conninfo, schema = postgres_conninfo(encode_password(url))
         return PostgresLedger(url, conninfo, schema=schema, meter=meter)
     raise LedgerUrlError(
         f"unsupported ledger URL {redact_url(url)!r}; use sqlite:///path/to/ledger.db or "
@@ -674,7 +676,7 @@ def sqlite_path(url: str) -> str:
     prefix = "sqlite:///"
     if not url.lower().startswith(prefix) or len(url) == len(prefix):
         raise LedgerUrlError(
-            f"bad SQLite ledger URL {url!r}; write sqlite:///relative/path.db or "
+            f"bad SQLite ledger URL {redact_url(url)!r}; write sqlite:///relative/path.db or "
             "sqlite:////absolute/path.db"
         )
     return url[len(prefix) :]
