@@ -397,15 +397,17 @@ async def test_a_tenants_context_does_not_open_in_another_tenants_task(
         assert all(c.type == errors.TaskErrorType.CONTEXT_NOT_FOUND for c in causes), causes
         assert "belongs to another tenant than 'globex'" in causes[0].message
 
-        # Passed to a model call, the GPU worker refuses it for the task's tenant too.
+        # Passed to a model call, placement refuses it for the task's tenant: not even its
+        # token count is read, and no replica is asked (nothing is spent).
         in_a_call = await read("globex", ref, model=MODEL)
         call_failure = await _failure_of(in_a_call)
         histories = [(await h.fetch_history()).to_json() for h in [*strangers, in_a_call]]
+        billed = await s.ledger.attempts_for(in_a_call.id, in_a_call.result_run_id or "")
 
     refused = _cause(call_failure)
-    assert refused.type == errors.TaskErrorType.STEP_FAILED, refused
-    assert "ContextNotFound on solo/0" in refused.message
+    assert refused.type == errors.TaskErrorType.CONTEXT_NOT_FOUND, refused
     assert "belongs to another tenant than 'globex'" in refused.message
+    assert billed == []
     for history in histories:
         assert marker not in history
 

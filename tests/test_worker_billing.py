@@ -160,9 +160,9 @@ async def test_answer_a_full_disk_cannot_store_is_placed_again_and_billed_as_its
         # An answer of about 6 KB: over the inline limit, so the GPU worker must store it.
         task = wf.StepsInput(spec=_spec(expected_steps=1), model=MODEL, steps=1, max_tokens=1200)
         handle = await s.start(wf.MultiStepAgent.run, task)
-        await _check_billed_and_placed_again(s, handle, "ReplicaServerError")
+        await _check_billed_and_placed_again(s, handle, "ContextStoreFailed")
         [(error_type, message)] = await _failure_messages(handle)
-    assert error_type == "ReplicaServerError"
+    assert error_type == "ContextStoreFailed"
     assert "could not store the answer" in message and "No space left on device" in message
     assert max((await handle.result()).answer_bytes) > INLINE_LIMIT_BYTES
 

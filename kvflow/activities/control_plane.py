@@ -194,15 +194,18 @@ class ControlPlaneActivities:
         self.store = store or DirectoryContextStore()
         self.tokenizers = tokenizers or FleetTokenizers(fleet)
 
-    async def _text(self, content: str | ContextRef) -> str:
-        return content if isinstance(content, str) else await self.store.aget(content)
+    async def _text(self, content: str | ContextRef, tenant: str) -> str:
+        # The task's own tenant: a reference to another tenant's content opens nothing here
+        # either, not even its token count.
+        return content if isinstance(content, str) else await self.store.aget(content, tenant)
 
     async def prompt_tokens(self, place: PlaceInput) -> list[int]:
         """The prompt's token ids, from the model's configured tokenizer, as the engine sees it."""
         tokenizer = self.tokenizers.for_model(place.request.model)
-        partial = await self._text(place.checkpoint_text)
+        tenant = place.request.tenant
+        partial = await self._text(place.checkpoint_text, tenant)
         if place.messages is not None:
-            messages = [m.to_api(await self._text(m.content)) for m in place.messages]
+            messages = [m.to_api(await self._text(m.content, tenant)) for m in place.messages]
             # A chat resume sends the partial answer without its trailing whitespace.
             partial = partial.rstrip()
             if partial:
@@ -216,7 +219,7 @@ class ControlPlaneActivities:
                 tools=[tool.to_api() for tool in place.tools or ()],
             )
         assert place.prompt is not None
-        return await tokenizer.encode(await self._text(place.prompt) + partial)
+        return await tokenizer.encode(await self._text(place.prompt, tenant) + partial)
 
     @activity.defn(name=PLACE_ACTIVITY)
     async def place(self, place: PlaceInput) -> PlaceAnswer:

@@ -106,6 +106,10 @@ class ReplicaShuttingDown(RetryableInferenceError):
     """The GPU worker shut down mid-call; details carry the partial output."""
 
 
+class ContextStoreFailed(RetryableInferenceError):
+    """The GPU worker could not store the answer (disk full, read-only, store unreachable)."""
+
+
 class StreamCut(RetryableInferenceError):
     """The stream ended before a finish reason; details carry the partial output."""
 
@@ -155,6 +159,7 @@ RETRYABLE_TYPES: frozenset[str] = frozenset(
         ReplicaOverloaded,
         ReplicaServerError,
         ReplicaShuttingDown,
+        ContextStoreFailed,
         StreamCut,
         MalformedResponse,
         InvalidUsage,

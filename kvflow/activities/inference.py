@@ -31,12 +31,13 @@ from temporalio.exceptions import ApplicationError
 
 from kvflow.activities.context_store import DirectoryContextStore
 from kvflow.activities.errors import (
+    ContextStoreFailed,
     InferenceError,
     InvalidUsage,
     MalformedResponse,
-    ReplicaServerError,
     ReplicaShuttingDown,
     StreamCut,
+    capped,
     error_of,
     from_error_body,
     from_status,
@@ -325,9 +326,11 @@ class InferenceActivities:
                 error_type = type(exc).__name__
                 span.record_exception(exc)
                 report = await self._report(progress, partial, final=True)
+                # The message is capped and the cause left out: Temporal records both in
+                # history, and an unforeseen error's text may quote the request.
                 raise ApplicationError(
-                    str(exc), report.model_dump(mode="json"), type=error_type
-                ) from exc
+                    capped(str(exc)), report.model_dump(mode="json"), type=error_type
+                ) from None
             finally:
                 usage = progress.usage()
                 cost = self._cost(usage)
@@ -421,7 +424,7 @@ class InferenceActivities:
         """Store an answer too large to travel inline; None when it travels inline.
 
         A store that cannot take it (disk full, read-only, unreachable volume) is this GPU
-        worker's fault, not the request's: `ReplicaServerError`, retryable, so the workflow
+        worker's fault, not the request's: `ContextStoreFailed`, retryable, so the workflow
         places the call again and bills this attempt from the error's details.
         """
         if not needs_store(text):
@@ -429,7 +432,7 @@ class InferenceActivities:
         try:
             return await _finish(self.store.aput(text, tenant))
         except OSError as exc:
-            raise ReplicaServerError(
+            raise ContextStoreFailed(
                 f"the GPU worker could not store the answer ({len(text.encode('utf-8'))} "
                 f"bytes) in the context store {self.store.root}: {exc}",
                 replica=self.replica.name,
