@@ -15,6 +15,7 @@ import pytest
 from kvflow.scheduler.fleet import ModelSpec
 from kvflow.simulator import SimServer, resolve_models
 from kvflow.workers.config import load_fleet
+from kvflow.workers.demo import EndpointError, check_endpoints, parse_endpoints
 from kvflow.workers.devserver import free_port, port_is_free
 from kvflow.workers.vllm_server import vllm_install
 from tests.fixtures_vllm import skip_or_fail
@@ -245,3 +246,18 @@ def test_demo_with_engine_vllm_runs_tasks_on_a_real_vllm_server_and_stops_it(tmp
     ready = re.search(r"vLLM servers ready at http://127\.0\.0\.1:(\d+)", out)
     assert ready is not None, out[:2000]
     assert port_is_free(int(ready.group(1)))
+
+
+@pytest.mark.timeout(30)
+def test_endpoint_errors_name_the_server_without_its_password() -> None:
+    port = free_port()
+    secret = "S3cr%t!pw"
+    with pytest.raises(EndpointError) as unreachable:
+        check_endpoints([f"http://ops:{secret}@127.0.0.1:{port}"], ["m"])
+    with pytest.raises(EndpointError) as twice:
+        parse_endpoints(f"http://ops:{secret}@h:1,http://ops:{secret}@h:1")
+    with pytest.raises(EndpointError) as not_a_url:
+        parse_endpoints(f"ftp://ops:{secret}@h:1")
+    for error in (unreachable, twice, not_a_url):
+        message = str(error.value)
+        assert "ops:***@" in message and secret not in message, message

@@ -279,11 +279,13 @@ def parse_endpoints(text: str) -> list[str]:
         parsed = urllib.parse.urlparse(url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             raise EndpointError(
-                f"--endpoints: {part.strip()!r} is not a URL; give each vLLM server's base "
-                "URL, e.g. http://127.0.0.1:8000"
+                f"--endpoints: {redact_url(part.strip())!r} is not a URL; give each vLLM "
+                "server's base URL, e.g. http://127.0.0.1:8000"
             )
         if url in urls:
-            raise EndpointError(f"--endpoints: {url} is listed twice; one URL per server")
+            raise EndpointError(
+                f"--endpoints: {redact_url(url)} is listed twice; one URL per server"
+            )
         urls.append(url)
     if not urls:
         raise EndpointError("--endpoints is empty; e.g. --endpoints http://127.0.0.1:8000")
@@ -307,11 +309,13 @@ def check_endpoints(
     fix_names = " ".join(names_to_serve or required)
     with httpx.Client(timeout=timeout_s) as http:
         for url in urls:
+            # Messages name the server without the credentials its URL may carry.
+            shown = redact_url(url)
             try:
                 response = http.get(f"{url}/v1/models")
             except httpx.HTTPError as exc:
                 raise EndpointError(
-                    f"{url} does not answer ({type(exc).__name__}): start a vLLM server there "
+                    f"{shown} does not answer ({type(exc).__name__}): start a vLLM server there "
                     f"(`python -m vllm.entrypoints.openai.api_server --model DIR "
                     f"--served-model-name {fix_names}`), or fix --endpoints"
                 ) from None
@@ -322,13 +326,13 @@ def check_endpoints(
                 models = None
             if models is None:
                 raise EndpointError(
-                    f"{url}/v1/models answered {response.status_code} without a model list: "
+                    f"{shown}/v1/models answered {response.status_code} without a model list: "
                     "is it a vLLM (OpenAI-compatible) server? Give its base URL, without /v1"
                 )
             missing = [m for m in required if m not in models]
             if missing:
                 raise EndpointError(
-                    f"{url} serves {', '.join(models) or 'no model'}, not "
+                    f"{shown} serves {', '.join(models) or 'no model'}, not "
                     f"{', '.join(missing)} that the demo's samples ask for: start vLLM with "
                     f"`--served-model-name {fix_names}` (one model may be served under "
                     "several names)"
