@@ -57,7 +57,7 @@ from kvflow.workers.embedded import EmbeddedFleet
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
 from tests import agent_workflows as wf
 from tests.fixtures_ledger import attempt_record, task_record, with_schema
-from tests.test_ledger_invariants import assert_books_balance
+from tests.ledger_books import assert_books_balance
 from tests.test_workflows import MODEL, PoolPlan, Stack, _spec, fleet_for
 from tests.waiting import eventually
 

@@ -7,9 +7,15 @@ timeout. Afterwards, for every task:
 
 - every attempt the workflow made has exactly one ledger row, exact (not an estimate), priced
   to the micro-dollar from its own usage and the prices stored with it;
-- the task row's spend is the sum of its attempt rows, and equals `KvflowSpendMicros` and the
+- the task's spend is the sum of its attempt rows, and equals `KvflowSpendMicros` and the
   `kvflow_spend` query's total;
 - every closed workflow has one task row whose outcome matches the workflow's status.
+
+Then the orders in which rows reach the ledger late, each on the real stack: a cancelled
+call's row still in its GPU worker's spool when the task closes, and a lost attempt's exact
+row landing between the workflow's bill read and its task-row write. The ledger counts the
+row either way and lists the task as moved after its close. (A GPU worker whose context store
+fails after billing: `tests/test_worker_billing.py`.)
 """
 
 from __future__ import annotations
@@ -19,60 +25,31 @@ import sqlite3
 import threading
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+import pytest
+from temporalio.client import Client, WorkflowExecutionStatus
 
-from kvflow.ledger.records import TaskBook, TaskOutcome
+from kvflow.activities.inference import ReplicaBinding
+from kvflow.ledger.records import AttemptOutcome, TaskOutcome, TaskRecord
+from kvflow.ledger.report import ReportQuery
+from kvflow.workers.gpu_worker import GpuWorker
 from kvflow.workers.reconcile import reconcile
-from kvflow.workflows import search_attributes
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
 from tests import agent_workflows as wf
 from tests.history import wait_until_streaming
-from tests.test_workflows import MODEL, Stack, _spec, cheap_pool_that_crashes, stack
+from tests.ledger_books import OUTCOMES, assert_books_balance, settled
+from tests.test_exactly_once import (
+    AnswersThenWaits,
+    HeldRows,
+    LosesCompletions,
+    PausedInput,
+    _pools,
+    ledger_stack,
+)
+from tests.test_workflows import MODEL, PoolPlan, _spec, cheap_pool_that_crashes, stack
+from tests.waiting import eventually
 
-OUTCOMES = {
-    WorkflowExecutionStatus.COMPLETED: {TaskOutcome.SUCCEEDED},
-    WorkflowExecutionStatus.FAILED: {TaskOutcome.FAILED, TaskOutcome.COMPENSATED},
-    WorkflowExecutionStatus.CANCELED: {TaskOutcome.CANCELLED},
-    WorkflowExecutionStatus.TIMED_OUT: {TaskOutcome.TIMED_OUT},
-}
-
-
-async def _settled(handle: WorkflowHandle[Any, Any]) -> None:
-    """Wait, bounded, for the task to close however it ends."""
-    try:
-        await asyncio.wait_for(handle.result(), timeout=120)
-    except TimeoutError:
-        raise
-    except Exception:
-        pass  # failed, cancelled and timed-out tasks are part of the point
-
-
-async def assert_books_balance(s: Stack, handle: WorkflowHandle[Any, Any]) -> TaskBook:
-    description = await handle.describe()
-    run_id = description.run_id or ""
-    task = await s.ledger.task(handle.id, run_id)
-    assert task is not None, f"{handle.id} closed {description.status} without a task row"
-    assert description.status is not None
-    assert task.outcome in OUTCOMES[description.status], (description.status, task.outcome)
-    attempts = await s.ledger.attempts_for(handle.id, run_id)
-    for row in attempts:
-        assert not row.provisional, f"{handle.id}: an estimate stands for {row.activity_id}"
-        exact = row.prices.cost_micros(row.prompt_tokens, row.cached_tokens, row.completion_tokens)
-        assert row.cost_micros == exact, (row.activity_id, row.cost_micros, exact)
-    assert task.spend_micros == sum(row.cost_micros for row in attempts)
-    if task.source == "workflow":
-        # The workflow's own books at the close agree with the ledger's: the query, the
-        # search attribute and the task row's figure at the close.
-        assert task.spend_at_close_micros == task.spend_micros, task
-        breakdown = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
-        made = [a for step in breakdown.steps for a in step.attempts]
-        assert len(made) == len(attempts), (handle.id, made, attempts)
-        assert breakdown.spend_micros == task.spend_micros
-        spend_attribute = description.typed_search_attributes.get(search_attributes.SPEND_MICROS)
-        assert spend_attribute == task.spend_micros
-    return task
+__all__ = ["OUTCOMES", "assert_books_balance"]  # what other suites take from here
 
 
 async def test_every_way_a_task_ends_leaves_the_ledger_exact(
@@ -87,7 +64,7 @@ async def test_every_way_a_task_ends_leaves_the_ledger_exact(
             wf.MultiStepAgent.run,
             wf.StepsInput(spec=_spec(expected_steps=3), model=MODEL, steps=3, max_tokens=8),
         )
-        await _settled(normal)
+        await settled(normal)
         # Another writer holds the ledger's write lock for longer than a heartbeat timeout
         # while a task's attempts end.
         blocker = sqlite3.connect(
@@ -100,7 +77,7 @@ async def test_every_way_a_task_ends_leaves_the_ledger_exact(
             wf.MultiStepAgent.run,
             wf.StepsInput(spec=_spec(expected_steps=2), model=MODEL, steps=2, max_tokens=8),
         )
-        await _settled(slow_ledger)
+        await settled(slow_ledger)
         release.join()
         blocker.close()
         # A long answer: the cheap replica dies mid-stream and the call resumes on backup.
@@ -108,7 +85,7 @@ async def test_every_way_a_task_ends_leaves_the_ledger_exact(
             wf.MultiStepAgent.run,
             wf.StepsInput(spec=_spec(expected_steps=1), model=MODEL, steps=1, max_tokens=60),
         )
-        await _settled(cut)
+        await settled(cut)
         refund = wf.Refund(account="C-9", amount_cents=300)
         cancelled = await s.start(
             wf.RefundThenReply.run,
@@ -126,7 +103,7 @@ async def test_every_way_a_task_ends_leaves_the_ledger_exact(
             execution_timeout=timedelta(seconds=3),
         )
         handles = [normal, slow_ledger, cut, cancelled, timed_out]
-        await asyncio.gather(*(_settled(h) for h in handles))
+        await asyncio.gather(*(settled(h) for h in handles))
 
         # The timed-out run never ran its own close: reconcile writes its row.
         result = await reconcile(s.ledger, s.client, query=f"WorkflowId = '{timed_out.id}'")
@@ -145,3 +122,94 @@ async def test_every_way_a_task_ends_leaves_the_ledger_exact(
         cut_attempts = await s.ledger.attempts_for(cut.id, rows[2].run_id)
         assert len(cut_attempts) == 2 and all(a.cost_micros > 0 for a in cut_attempts)
         assert rows[3].spend_micros > 0
+
+
+@pytest.mark.timeout(180)
+async def test_cancelled_call_whose_row_was_spooled_is_counted_when_replayed(
+    temporal_client: Client, tmp_path: Path, ledger_url: str
+) -> None:
+    held = HeldRows()  # the GPU worker's ledger is down: its rows wait in the spool
+    pools = [PoolPlan("spooling", gpu_worker=False)]
+    async with ledger_stack(temporal_client, tmp_path, ledger_url, pools) as (s, embedded):
+        binding = ReplicaBinding(
+            pool=embedded.fleet.pool("spooling"),
+            index=0,
+            base_url=embedded.sims["spooling/0"].base_url,
+        )
+        worker = GpuWorker(
+            temporal_client,
+            binding,
+            ledger=held,
+            store=embedded.store,
+            heartbeat_interval_s=0.2,
+            spool_dir=None,
+        )
+        async with worker:
+            refund = wf.Refund(account="C-7", amount_cents=100)
+            handle = await s.start(
+                wf.RefundThenReply.run,
+                wf.RefundInput(
+                    spec=_spec(expected_steps=2), model=MODEL, refund=refund, max_tokens=3000
+                ),
+            )
+            await wait_until_streaming(handle)
+            await handle.cancel()
+            await settled(handle)
+            await eventually(lambda: held.rows, within=10, what="the cancelled call is billed")
+        run_id = (await handle.describe()).run_id or ""
+        [row] = held.rows
+        assert row.outcome is AttemptOutcome.CANCELLED and row.cost_micros > 0
+        closed = await s.ledger.task(handle.id, run_id)
+        assert closed is not None and closed.outcome is TaskOutcome.CANCELLED
+        # The workflow could not read a bill that was in the spool: its view at the close.
+        breakdown = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
+        assert closed.spend_at_close_micros == breakdown.spend_micros == 0
+
+        await s.ledger.record_attempt(row)  # the spool is replayed
+        book = await s.ledger.task(handle.id, run_id)
+        assert book is not None
+        assert book.spend_micros == row.cost_micros == book.wasted_micros
+        assert book.moved_micros == row.cost_micros
+        report = await s.ledger.report(ReportQuery.parse("", tenant="acme"))
+        assert [t.workflow_id for t in report.moved] == [handle.id]
+        assert report.totals.spend_micros == row.cost_micros
+
+
+@pytest.mark.timeout(240)
+async def test_lost_attempts_exact_row_landing_before_the_task_row_is_counted(
+    temporal_client: Client, tmp_path: Path, ledger_url: str
+) -> None:
+    held = HeldRows()
+    async with (
+        ledger_stack(temporal_client, tmp_path, ledger_url, _pools()) as (s, embedded),
+        LosesCompletions(temporal_client, embedded, "lossy/0", held) as lossy,
+    ):
+        write_task_row = s.ledger.record_task
+
+        async def exact_row_lands_first(record: TaskRecord) -> bool:
+            # The workflow has read the lost attempt's bill (the estimate) for its task row;
+            # the worker's spool is replayed in the moment before that row is written.
+            for late in held.rows:
+                await s.ledger.record_attempt(late)
+            return await write_task_row(record)
+
+        s.ledger.record_task = exact_row_lands_first  # type: ignore[method-assign]
+        handle = await s.start(
+            AnswersThenWaits.run, PausedInput(spec=_spec(expected_steps=1), model=MODEL)
+        )
+        await eventually(lambda: lossy.lost, within=60, what="a call goes silent on lossy/0")
+        await handle.signal(AnswersThenWaits.finish)
+        await asyncio.wait_for(handle.result(), 60)
+
+        [exact] = held.rows
+        run_id = (await handle.describe()).run_id or ""
+        rows = await s.ledger.attempts_for(handle.id, run_id)
+        [stored] = [r for r in rows if r.activity_id == exact.activity_id]
+        assert not stored.provisional and stored.cost_micros == exact.cost_micros
+        book = await s.ledger.task(handle.id, run_id)
+        assert book is not None
+        assert book.spend_micros == sum(r.cost_micros for r in rows)
+        # The task row holds the estimate the workflow billed; the ledger counts the bill.
+        breakdown = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
+        assert book.spend_at_close_micros == breakdown.spend_micros
+        assert book.moved_micros == book.spend_micros - breakdown.spend_micros > 0

@@ -34,7 +34,7 @@ from kvflow.workers.gpu_worker import GpuWorker
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
 from tests import agent_workflows as wf
 from tests.fixtures_ledger import with_schema
-from tests.test_ledger_invariants import assert_books_balance
+from tests.ledger_books import assert_books_balance
 from tests.test_workflows import MODEL, PoolPlan, Stack, _spec, fleet_for
 
 FULL = "full/0"

@@ -298,7 +298,12 @@ class Agent:
     ) -> None:
         entered, self._entered = self._entered, None
         if entered is not None:
-            _CURRENT.reset(entered)
+            try:
+                _CURRENT.reset(entered)
+            except ValueError:
+                # The workflow is being evicted: its coroutine is closed from another context,
+                # and that context's task is going away with it.
+                pass
         if exc is None:
             await self._close(TaskOutcome.SUCCEEDED)
             return
