@@ -306,6 +306,10 @@ async def test_queue_without_a_worker_times_out_to_start_and_is_replaced(
             0,
         )
         assert second.outcome == "ok"
+        # The call no worker took ran nowhere: no ledger row, and no attempt in the counts.
+        assert breakdown.attempts == 1
+        row = await s.ledger.task(handle.id, (await handle.describe()).run_id or "")
+        assert row is not None and row.attempts == row.attempts_at_close == 1
         await assert_replays(handle)
 
 
@@ -336,6 +340,8 @@ async def test_deadline_too_tight_fails_fast_and_runs_the_compensation(
         breakdown = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
         assert [st.kind for st in breakdown.steps] == ["tool", "infer", "compensation"]
         assert breakdown.steps[2].outcome == "ok"
+        # The refund is the one step the task completed; undoing it is not a step of the task.
+        assert row.steps == 1
         await assert_replays(handle)
 
 
