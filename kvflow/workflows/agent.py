@@ -41,6 +41,7 @@ the whole breakdown.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
@@ -298,12 +299,10 @@ class Agent:
     ) -> None:
         entered, self._entered = self._entered, None
         if entered is not None:
-            try:
+            # When the workflow is being evicted its coroutine is closed from another context,
+            # and the one the token belongs to is going away with it.
+            with contextlib.suppress(ValueError):
                 _CURRENT.reset(entered)
-            except ValueError:
-                # The workflow is being evicted: its coroutine is closed from another context,
-                # and that context's task is going away with it.
-                pass
         if exc is None:
             await self._close(TaskOutcome.SUCCEEDED)
             return
