@@ -8,9 +8,18 @@ from __future__ import annotations
 
 import json
 from datetime import timedelta
+from typing import Any, Literal
 
 import agents
-from agents import ModelSettings, Runner, function_tool
+from agents import (
+    GuardrailFunctionOutput,
+    ModelSettings,
+    RunContextWrapper,
+    Runner,
+    function_tool,
+    input_guardrail,
+    output_guardrail,
+)
 from pydantic import BaseModel, Field
 from temporalio import activity, workflow
 from temporalio.exceptions import ApplicationError
@@ -88,7 +97,8 @@ class SdkWeather:
             instructions=travel.workflow.INSTRUCTIONS,
             model=task.model,
             tools=[travel.workflow.get_weather],
-            model_settings=ModelSettings(tool_choice="required", max_tokens=80),
+            # Greedy, as DirectWeather's `Sampling()`: the same tokens, hence the same bill.
+            model_settings=ModelSettings(tool_choice="required", max_tokens=80, temperature=0),
         )
         async with Agent(task.spec):
             return _output(await Runner.run(weather_agent, WEATHER_QUESTION))
@@ -216,5 +226,137 @@ class Triage:
         return out
 
 
-WORKFLOWS = [travel.WORKFLOW, Writer, SdkWeather, DirectWeather, FailingTool, Triage]
+class SettingsInput(BaseModel):
+    spec: TaskSpec
+    settings: dict[str, Any] = Field(default_factory=dict)
+    """The writer's `ModelSettings` besides its output bound."""
+
+
+@workflow.defn
+class ConfiguredWriter:
+    """The writer, with the model settings the test gives."""
+
+    @workflow.run
+    async def run(self, task: SettingsInput) -> RunOutput:
+        writer = agents.Agent(
+            name="writer",
+            instructions="You write about the sea.",
+            model=MODEL,
+            model_settings=ModelSettings(**{"max_tokens": 30, **task.settings}),
+        )
+        async with Agent(task.spec):
+            return _output(await Runner.run(writer, WRITER))
+
+
+@input_guardrail(run_in_parallel=False)
+async def no_questions(
+    context: RunContextWrapper[Any], agent: agents.Agent[Any], input: Any
+) -> GuardrailFunctionOutput:
+    """Trips on any input."""
+    return GuardrailFunctionOutput(output_info="a question", tripwire_triggered=True)
+
+
+@output_guardrail
+async def no_answers(
+    context: RunContextWrapper[Any], agent: agents.Agent[Any], output: Any
+) -> GuardrailFunctionOutput:
+    """Trips on any output."""
+    return GuardrailFunctionOutput(output_info="an answer", tripwire_triggered=True)
+
+
+class Forecast(BaseModel):
+    city: str
+    sky: str
+    temperature_c: int
+
+
+SdkError = Literal["max_turns", "input_guardrail", "output_guardrail", "cut_output", "timeout"]
+
+
+class SdkErrorInput(BaseModel):
+    spec: TaskSpec
+    error: SdkError
+
+
+@workflow.defn
+class EndsInSdkError:
+    """A run the Agents SDK ends with one of its own errors (`SdkErrorInput.error`)."""
+
+    @workflow.run
+    async def run(self, task: SdkErrorInput) -> RunOutput:
+        settings = ModelSettings(max_tokens=40)
+        agent = agents.Agent(name="weather-agent", model=MODEL, model_settings=settings)
+        max_turns = 10
+        if task.error == "max_turns":
+            # A tool call, then the answer: two turns.
+            agent = agent.clone(
+                tools=[travel.workflow.get_weather],
+                model_settings=ModelSettings(tool_choice="required", max_tokens=80),
+            )
+            max_turns = 1
+        elif task.error == "input_guardrail":
+            agent = agent.clone(input_guardrails=[no_questions])
+        elif task.error == "output_guardrail":
+            agent = agent.clone(output_guardrails=[no_answers])
+        elif task.error == "cut_output":
+            # Structured output cut short by its output bound: JSON the SDK cannot parse.
+            agent = agent.clone(output_type=Forecast, model_settings=ModelSettings(max_tokens=3))
+        elif task.error == "timeout":
+            agent = agent.clone(model_settings=ModelSettings(max_tokens=40, timeout=1.0))
+        async with Agent(task.spec):
+            return _output(await Runner.run(agent, WEATHER_QUESTION, max_turns=max_turns))
+
+
+Refusal = Literal["previous_response_id", "conversation_id", "prompt", "no_model", "streamed"]
+
+
+class RefusalInput(BaseModel):
+    spec: TaskSpec
+    refusal: Refusal
+
+
+@workflow.defn
+class RefusedRun:
+    """A run that asks for what kvflow does not offer (`RefusalInput.refusal`)."""
+
+    @workflow.run
+    async def run(self, task: RefusalInput) -> RunOutput:
+        writer = agents.Agent(
+            name="writer", model=MODEL, model_settings=ModelSettings(max_tokens=20)
+        )
+        async with Agent(task.spec):
+            if task.refusal == "previous_response_id":
+                result = await Runner.run(writer, WRITER, previous_response_id="resp_123")
+            elif task.refusal == "conversation_id":
+                result = await Runner.run(writer, WRITER, conversation_id="conv_123")
+            elif task.refusal == "prompt":
+                stored = writer.clone(prompt={"id": "pmpt_123"})
+                result = await Runner.run(stored, WRITER)
+            elif task.refusal == "no_model":
+                result = await Runner.run(writer.clone(model=None), WRITER)
+            else:
+                streamed = Runner.run_streamed(writer, WRITER)
+                async for _ in streamed.stream_events():
+                    pass
+                return RunOutput(
+                    final_output=str(streamed.final_output),
+                    requests=0,
+                    input_tokens=0,
+                    cached_tokens=0,
+                    output_tokens=0,
+                )
+        return _output(result)
+
+
+WORKFLOWS = [
+    travel.WORKFLOW,
+    Writer,
+    SdkWeather,
+    DirectWeather,
+    FailingTool,
+    Triage,
+    ConfiguredWriter,
+    EndsInSdkError,
+    RefusedRun,
+]
 ACTIVITIES = [*travel.ACTIVITIES, book_hotel]

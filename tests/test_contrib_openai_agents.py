@@ -9,21 +9,32 @@ other's payloads. The agents are written as for Temporal's own OpenAI Agents plu
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import os
 import random
+import sqlite3
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import agents
+import httpx
 import pytest
-from agents import AgentOutputSchema, ModelResponse, ModelSettings, UserError
+from agents import (
+    AgentOutputSchema,
+    ModelBehaviorError,
+    ModelResponse,
+    ModelSettings,
+    ModelTracing,
+    UserError,
+)
 from agents.mcp import MCPServerStdio
 from agents.usage import Usage
 from openai.types.responses import ResponseOutputMessage
@@ -32,8 +43,9 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.converter import DataConverter
+from temporalio.exceptions import ApplicationError
 from temporalio.openai_agents import AgentsWorkflowError, OpenAIPayloadConverter
-from temporalio.worker import Replayer
+from temporalio.worker import Replayer, Worker
 
 import samples.openai_agents_travel as travel
 from kvflow.activities.claim_check import ClaimCheckCodec, is_claim_check
@@ -44,6 +56,7 @@ from kvflow.contrib.openai_agents import (
     KvflowAgentsPlugin,
     KvflowModel,
     KvflowRunner,
+    answer_items,
     chat_messages,
     json_schema,
     output_items,
@@ -58,7 +71,9 @@ from kvflow.simulator.faults import FaultSpec
 from kvflow.workers.embedded import EmbeddedFleet
 from kvflow.workers.plugin import KvflowPlugin
 from kvflow.workers.workflow_worker import workflow_worker
+from kvflow.workflows import search_attributes
 from kvflow.workflows.agent import SPEND_QUERY, AttemptSpend, SpendBreakdown, StepSpend
+from kvflow.workflows.errors import TaskErrorType
 from tests import agents_sdk_workflows as wf
 from tests.test_workflows import MODEL, PoolPlan, _spec, cheap_pool_that_crashes, fleet_for
 
@@ -73,11 +88,18 @@ class Stack:
     task_queue: str
     context_dir: Path
     fleet: EmbeddedFleet
+    ledger_path: Path
 
     async def start(self, run: Any, arg: Any) -> WorkflowHandle[Any, Any]:
         return await self.client.start_workflow(
             run, arg, id=f"agents-{uuid.uuid4()}", task_queue=self.task_queue
         )
+
+    def task_rows(self, handle: WorkflowHandle[Any, Any]) -> list[str]:
+        """The outcome of every task row the ledger holds for the workflow, any run."""
+        with sqlite3.connect(self.ledger_path) as db:
+            rows = db.execute("SELECT outcome FROM tasks WHERE workflow_id = ?", (handle.id,))
+            return [outcome for (outcome,) in rows]
 
     async def rows(
         self, handle: WorkflowHandle[Any, Any]
@@ -112,7 +134,8 @@ async def agents_stack(
         namespace=temporal_client.namespace,
         plugins=plugins(context_dir),
     )
-    ledger = await open_async_ledger(f"sqlite:///{tmp_path}/ledger.db", migrate=True)
+    ledger_path = tmp_path / "ledger.db"
+    ledger = await open_async_ledger(f"sqlite:///{ledger_path}", migrate=True)
     task_queue = f"agents-{uuid.uuid4()}"
     try:
         async with EmbeddedFleet(
@@ -132,7 +155,7 @@ async def agents_stack(
                 task_queue=task_queue,
             )
             async with worker:
-                yield Stack(client, ledger, task_queue, context_dir, embedded)
+                yield Stack(client, ledger, task_queue, context_dir, embedded, ledger_path)
     finally:
         await ledger.close()
 
@@ -212,8 +235,9 @@ async def test_runner_outside_a_kvflow_agent_block_fails_with_the_fix(stack: Sta
     handle = await stack.start(wf.Writer.run, wf.OneAgentInput(spec=_spec(), kvflow_block=False))
     with pytest.raises(WorkflowFailureError) as failed:
         await handle.result()
-    message = str(failed.value.cause)
-    assert "writer" in message and "async with kvflow.Agent(spec):" in message
+    cause = failed.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "AgentsWorkflowError"
+    assert "writer" in cause.message and "async with kvflow.Agent(spec):" in cause.message
     row, attempts = await stack.rows(handle)
     assert row is None and attempts == []
 
@@ -236,7 +260,8 @@ async def test_failing_tools_follow_the_sdk(stack: Stack):
     causes = [failed.value.cause]
     while causes[-1].__cause__ is not None:
         causes.append(causes[-1].__cause__)
-    assert "AgentsWorkflowError" in str(causes[0])
+    assert isinstance(causes[0], ApplicationError) and causes[0].non_retryable
+    assert causes[0].type == "UserError" and "Error running tool book_hotel" in causes[0].message
     assert any("no rooms left in" in str(c) for c in causes)
     row, attempts = await stack.rows(handle)
     assert row is not None and row.outcome == TaskOutcome.FAILED
@@ -393,6 +418,169 @@ tier = 1
 """
 
 
+# ---- errors that end a run, refusals and settings ---------------------------------------------
+
+
+async def failure_of(handle: WorkflowHandle[Any, Any]) -> ApplicationError:
+    """The workflow's failure, which comes at once: not a workflow task retried forever."""
+    with pytest.raises(WorkflowFailureError) as failed:
+        await asyncio.wait_for(handle.result(), timeout=10)
+    cause = failed.value.cause
+    assert isinstance(cause, ApplicationError), repr(cause)
+    assert cause.non_retryable
+    return cause
+
+
+async def assert_recorded_as_failed(stack: Stack, handle: WorkflowHandle[Any, Any]) -> None:
+    """One task row, failed, and the workflow's KvflowOutcome says so to the Temporal UI."""
+    assert stack.task_rows(handle) == [TaskOutcome.FAILED]
+    description = await handle.describe()
+    assert description.typed_search_attributes.get(search_attributes.OUTCOME) == "failed"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("error", "error_type", "message"),
+    [
+        ("max_turns", "MaxTurnsExceeded", "Max turns (1) exceeded"),
+        ("input_guardrail", "InputGuardrailTripwireTriggered", "triggered tripwire"),
+        ("output_guardrail", "OutputGuardrailTripwireTriggered", "triggered tripwire"),
+        ("cut_output", "ModelBehaviorError", "Invalid JSON"),
+    ],
+)
+async def test_sdk_error_that_ends_the_run_fails_the_task_at_once_under_its_type(
+    stack: Stack, error: wf.SdkError, error_type: str, message: str
+):
+    handle = await stack.start(wf.EndsInSdkError.run, wf.SdkErrorInput(spec=_spec(), error=error))
+    failure = await failure_of(handle)
+    assert failure.type == error_type and message in failure.message
+    await assert_recorded_as_failed(stack, handle)
+
+
+@pytest.mark.timeout(60)
+async def test_model_settings_timeout_stops_a_stalled_call_and_fails_the_task(
+    temporal_client: Client, tmp_path: Path
+):
+    # The only replica never answers: the agent's 1 s timeout is what ends the call.
+    faults = {"stalled/0": FaultSpec(stall_after=0)}
+    fleet = fleet_for([PoolPlan("stalled")])
+    async with agents_stack(temporal_client, tmp_path, fleet, faults) as s:
+        handle = await s.start(
+            wf.EndsInSdkError.run, wf.SdkErrorInput(spec=_spec(), error="timeout")
+        )
+        failure = await failure_of(handle)
+        assert (
+            failure.type == "ModelTimeoutError" and "timed out after 1 seconds" in failure.message
+        )
+        await assert_recorded_as_failed(s, handle)
+        # kvflow cancelled the call on its GPU worker, and billed the attempt.
+        spend = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
+        [step] = spend.steps
+        assert step.outcome == "cancelled" and [a.outcome for a in step.attempts] == ["cancelled"]
+        _, attempts = await s.rows(handle)
+        assert [a.replica for a in attempts] == ["stalled/0"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("refusal", "error_type", "message"),
+    [
+        ("previous_response_id", TaskErrorType.INVALID_TASK, "pass the conversation as input"),
+        ("conversation_id", TaskErrorType.INVALID_TASK, "pass the conversation as input"),
+        ("prompt", TaskErrorType.INVALID_TASK, "stored prompts are an OpenAI platform feature"),
+        ("no_model", TaskErrorType.INVALID_TASK, "it names no model"),
+        ("streamed", "AgentsWorkflowError", "Runner.run_streamed is not offered by kvflow"),
+    ],
+)
+async def test_run_asking_for_what_kvflow_does_not_offer_fails_with_the_fix_before_any_call(
+    stack: Stack, refusal: wf.Refusal, error_type: str, message: str
+):
+    handle = await stack.start(wf.RefusedRun.run, wf.RefusalInput(spec=_spec(), refusal=refusal))
+    failure = await failure_of(handle)
+    assert failure.type == error_type and message in failure.message
+    await assert_recorded_as_failed(stack, handle)
+    _, attempts = await stack.rows(handle)
+    assert attempts == []
+
+
+@pytest.mark.timeout(60)
+async def test_settings_kvflow_does_not_send_are_named_in_one_warning(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+):
+    caplog.set_level(logging.WARNING, logger="temporalio.workflow")
+    settings = {
+        "frequency_penalty": 0.5,
+        "parallel_tool_calls": False,
+        "extra_args": {"logit_bias": {"11": 5}, "seed": 3},
+        "timeout": 30.0,  # the SDK's own, honoured
+        "temperature": 0.2,
+    }
+    handle = await stack.start(
+        wf.ConfiguredWriter.run, wf.SettingsInput(spec=_spec(), settings=settings)
+    )
+    assert (await handle.result()).final_output
+    warned = [r.getMessage() for r in caplog.records if "does not send" in r.getMessage()]
+    assert len(warned) == 1
+    assert (
+        "agent 'writer': kvflow does not send the model settings frequency_penalty, "
+        "parallel_tool_calls, logit_bias; the replica uses its defaults"
+    ) in warned[0]
+
+
+@contextmanager
+def engine_requests(stack: Stack) -> Iterator[list[dict[str, Any]]]:
+    """The chat requests the fleet's GPU workers send to their vLLM servers meanwhile."""
+    sent: list[dict[str, Any]] = []
+
+    async def record(request: httpx.Request) -> None:
+        if request.url.path.endswith("/chat/completions"):
+            sent.append(json.loads(request.content))
+
+    clients = [worker.http for worker in stack.fleet.gpu_workers.values()]
+    for client in clients:
+        hooks = client.event_hooks
+        client.event_hooks = {**hooks, "request": [*hooks["request"], record]}
+    try:
+        yield sent
+    finally:
+        for client in clients:
+            hooks = client.event_hooks
+            client.event_hooks = {**hooks, "request": [h for h in hooks["request"] if h != record]}
+
+
+@pytest.mark.timeout(60)
+async def test_sampling_the_agent_leaves_unset_reaches_the_engine_unset(stack: Stack):
+    with engine_requests(stack) as sent:
+        for settings in ({}, {"temperature": 0.7, "top_p": 0.9}):
+            handle = await stack.start(
+                wf.ConfiguredWriter.run, wf.SettingsInput(spec=_spec(), settings=settings)
+            )
+            await handle.result()
+    unset, given = sent
+    # As the SDK's own models: no value, so vLLM uses the model's default, not greedy 0.
+    assert unset.get("temperature") is None and unset.get("top_p") is None
+    assert (given["temperature"], given["top_p"]) == (0.7, 0.9)
+
+
+@pytest.mark.timeout(30)
+async def test_worker_without_kvflow_plugin_refuses_to_start_and_names_it(
+    temporal_client: Client, tmp_path: Path
+):
+    # Its tasks would wait forever on kvflow's placement and ledger activities.
+    for client_plugins in ([KvflowAgentsPlugin()], plugins(tmp_path / "context")):
+        client = Client(
+            temporal_client.service_client,
+            namespace=temporal_client.namespace,
+            plugins=client_plugins,
+        )
+        with pytest.raises(
+            ValueError, match=r"^KvflowAgentsPlugin\(\) needs KvflowPlugin\(fleet\)"
+        ):
+            Worker(client, task_queue="unused", workflows=wf.WORKFLOWS)
+    # A worker of activity tools alone runs no task.
+    Worker(client, task_queue="unused", activities=wf.ACTIVITIES)
+
+
 # ---- the parts, without a server --------------------------------------------------------------
 
 
@@ -489,12 +677,18 @@ def test_the_sdks_converter_writes_the_messages_tools_and_answers_kvflow_sends()
     assert sampling_of(settings) == Sampling(
         temperature=0.3, top_p=0.9, seed=7, stop=["\n"], ignore_eos=True
     )
-    assert sampling_of(ModelSettings()) == Sampling()
+    # Unset stays unset, as the SDK's own models send nothing: the engine's default applies.
+    assert sampling_of(ModelSettings()) == Sampling(temperature=None, top_p=None)
 
     assert [type(item).__name__ for item in output_items("Here.", [call])] == [
         "ResponseOutputMessage",
         "ResponseFunctionToolCall",
     ]
+    # An answer cut before its first token gives the agent nothing: the SDK's model error.
+    assert answer_items("", [call], "length", step="s", max_tokens=1) == output_items("", [call])
+    assert answer_items("A", [], "length", step="s", max_tokens=1) == output_items("A", [])
+    with pytest.raises(ModelBehaviorError, match="'writer' ran out of its 40 output tokens"):
+        answer_items("", [], "length", step="writer", max_tokens=40)
 
 
 def test_runner_gives_every_agent_of_a_run_a_kvflow_model_named_after_it():
@@ -528,3 +722,18 @@ def test_runner_gives_every_agent_of_a_run_a_kvflow_model_named_after_it():
         )
     with pytest.raises(AgentsWorkflowError, match="activity_as_tool"):
         runner._prepare(agents.Agent(name="bad", tools=[wf.book_hotel]), {})  # type: ignore[list-item]
+
+    # Nor does a KvflowModel stream, whoever asks it.
+    with pytest.raises(AgentsWorkflowError, match="run_streamed is not offered by kvflow"):
+        KvflowModel(MODEL).stream_response(
+            None,
+            wf.WRITER,
+            ModelSettings(),
+            [],
+            None,
+            [],
+            ModelTracing.DISABLED,
+            previous_response_id=None,
+            conversation_id=None,
+            prompt=None,
+        )

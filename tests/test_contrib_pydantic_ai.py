@@ -29,7 +29,8 @@ import samples.pydantic_ai_support as sample
 from kvflow.activities.claim_check import ClaimCheckCodec, is_claim_check
 from kvflow.activities.context_store import DirectoryContextStore
 from kvflow.activities.inference import INFER_ACTIVITY
-from kvflow.contrib.pydantic_ai import KvflowPydanticAIPlugin
+from kvflow.activities.wire import Sampling
+from kvflow.contrib.pydantic_ai import KvflowPydanticAIPlugin, sampling_of
 from kvflow.ledger.records import TaskOutcome
 from kvflow.ledger.store import open_async_ledger
 from kvflow.scheduler.fleet import task_queue_for
@@ -173,6 +174,11 @@ async def test_worker_that_would_bypass_kvflow_refuses_to_start_with_the_fix(
     client = await connect(_plugins(tmp_path / "context"))
     with pytest.raises(UserError, match=r"capabilities=\[KvflowDurability\(\)\]"):
         Worker(client, task_queue="unused", workflows=[wf.Bypassing])
+    # Without KvflowPlugin(fleet) every task would wait forever on kvflow's activities.
+    for client_plugins in ([KvflowPydanticAIPlugin()], _plugins(tmp_path / "context")):
+        client = await connect(client_plugins)
+        with pytest.raises(ValueError, match=r"^KvflowPydanticAIPlugin\(\) needs KvflowPlugin"):
+            Worker(client, task_queue="unused", workflows=[sample.WORKFLOW])
 
 
 @pytest.mark.timeout(60)
@@ -312,3 +318,10 @@ def test_importing_kvflow_imports_no_framework_and_a_missing_extra_names_the_ins
     )
     assert done.returncode == 0, done.stderr
     assert "pip install 'kvflow[pydantic-ai]'" in done.stdout
+
+
+def test_sampling_the_run_leaves_unset_is_not_sent() -> None:
+    # As Pydantic AI's own models: no value, so the engine's default applies, not greedy 0.
+    assert sampling_of({}) == Sampling(temperature=None, top_p=None)
+    given = sampling_of({"temperature": 0.0, "top_p": 0.5, "seed": 3, "stop_sequences": ["\n"]})
+    assert given == Sampling(temperature=0.0, top_p=0.5, seed=3, stop=["\n"])

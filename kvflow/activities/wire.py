@@ -184,10 +184,14 @@ CONVERSATION = TypeAdapter(list[ChatMessage])
 
 
 class Sampling(BaseModel):
-    """Sampling parameters, passed to vLLM as they are."""
+    """Sampling parameters, passed to vLLM as they are.
 
-    temperature: float = Field(default=0.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    A `temperature` or `top_p` of None is sent as no value, so the engine's own default
+    applies: what an agent framework's unset setting means.
+    """
+
+    temperature: float | None = Field(default=0.0, ge=0)
+    top_p: float | None = Field(default=1.0, gt=0, le=1)
     seed: int | None = None
     stop: list[str] = Field(default_factory=list)
     ignore_eos: bool = False

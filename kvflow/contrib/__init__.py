@@ -6,3 +6,29 @@ unchanged but for the worker's plugins: their model calls are placed, resumed an
 that framework's extra, e.g. `pip install 'kvflow[openai-agents]'`); `import kvflow` imports
 none of them.
 """
+
+from __future__ import annotations
+
+from temporalio.worker import WorkerConfig
+
+from kvflow.workers.plugin import KvflowPlugin
+
+
+def require_kvflow_worker(config: WorkerConfig, plugin: str) -> None:
+    """Refuse a workflow worker without `KvflowPlugin(fleet)`, naming the plugin to add.
+
+    A framework plugin (`plugin`, as the user writes it) runs the model calls of its agents
+    through `kvflow.Agent`, whose control-plane activities (placement, the ledger's task row)
+    only `KvflowPlugin(fleet)` registers: without it every task would wait forever on them.
+    It may sit on the worker or on its client.
+    """
+    if not config.get("workflows"):
+        return  # an activity worker (e.g. for activity tools) runs no kvflow task
+    plugins = [*config["client"].config()["plugins"], *(config.get("plugins") or ())]
+    if any(isinstance(p, KvflowPlugin) and p.control_plane is not None for p in plugins):
+        return
+    raise ValueError(
+        f"{plugin} needs KvflowPlugin(fleet) on this worker, which runs kvflow's placement "
+        f"and ledger activities: add it to the Worker's plugins or before {plugin} in its "
+        "client's"
+    )

@@ -4,15 +4,15 @@ Agents written for Temporal's OpenAI Agents integration run as they are; what ch
 plugin in the worker's client (`KvflowAgentsPlugin` instead of `OpenAIAgentsPlugin`) and a
 `kvflow.Agent` block around the run, which holds the task's budgets:
 
-    from agents import Agent as OpenAIAgent, Runner
-    from kvflow import Agent, TaskSpec
+    import kvflow
+    from agents import Agent, Runner
 
     @workflow.defn
     class Travel:
         @workflow.run
         async def run(self, task: TravelTask) -> str:
-            planner = OpenAIAgent(name="travel-agent", model="llama-3.1-8b", tools=[...])
-            async with Agent(task.spec):    # the task: budgets, ledger row, saga
+            planner = Agent(name="travel-agent", model="llama-3.1-8b", tools=[...])
+            async with kvflow.Agent(task.spec):    # the task: budgets, ledger row, saga
                 result = await Runner.run(planner, task.question)
             return result.final_output
 
@@ -28,6 +28,12 @@ keep working as the SDK defines them: `function_tool` tools run in the workflow,
 `temporalio.openai_agents.workflow.activity_as_tool` tools run as activities (register those
 activities on the worker, as with `OpenAIAgentsPlugin`), and a failing tool fails or answers
 the model as the SDK says.
+
+An SDK error that ends the run (`MaxTurnsExceeded`, `ModelTimeoutError` after
+`ModelSettings.timeout`, `ModelBehaviorError`, a guardrail's tripwire, `UserError`...) fails
+the workflow with a non-retryable `ApplicationError` of the error's type and message, and the
+task is recorded as failed; with Temporal's plugin such an error fails workflow tasks, which
+Temporal retries until a new version is deployed.
 
 What the SDK calls `Runner.run_streamed` is not offered: kvflow streams each call from the
 replica itself (that is how it resumes a cut one), and the agent gets each whole answer.
@@ -104,11 +110,12 @@ from temporalio.converter import (
     JSONPlainPayloadConverter,
 )
 from temporalio.exceptions import ApplicationError
-from temporalio.worker import WorkflowRunner
+from temporalio.worker import WorkerConfig, WorkflowRunner
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 from typing_extensions import Unpack
 
 from kvflow.activities.wire import ChatMessage, InferenceResult, Sampling, ToolCall, ToolSpec
+from kvflow.contrib import require_kvflow_worker
 from kvflow.workflows.agent import Agent as KvflowAgent
 from kvflow.workflows.agent import StepSpend
 from kvflow.workflows.errors import TaskErrorType, task_error
@@ -137,11 +144,15 @@ _SAMPLING_EXTRAS = ("seed", "stop", "ignore_eos")
 _UNSENT_SETTINGS = (
     "frequency_penalty",
     "presence_penalty",
+    "parallel_tool_calls",
     "top_logprobs",
     "reasoning",
     "verbosity",
 )
-"""`ModelSettings` fields that change what a model writes but that kvflow does not send."""
+"""`ModelSettings` fields that change what a model writes but that kvflow does not send.
+
+(`timeout` is the SDK's own: its timer in the workflow cancels the call, which kvflow stops
+and bills, and the run fails with `ModelTimeoutError`.)"""
 
 
 # ---- one model call ---------------------------------------------------------------------------
@@ -155,7 +166,8 @@ class KvflowModel(Model):
     the step in the ledger, the Temporal UI and the `kvflow_spend` query. From the agent's
     `ModelSettings` it sends `temperature`, `top_p`, `max_tokens` (default `max_tokens`) and
     `tool_choice`, and from `extra_args` or `extra_body` the vLLM sampling keys `seed`, `stop`
-    and `ignore_eos`. Unset, the temperature is kvflow's default, 0 (greedy).
+    and `ignore_eos`. A setting the agent leaves unset is not sent, so the engine's default
+    applies, as with the SDK's own models. `timeout` bounds each call as the SDK does.
     """
 
     def __init__(
@@ -263,14 +275,14 @@ class KvflowModel(Model):
                         "tool_calls": [c.model_dump() for c in result.tool_calls],
                     }
                 ]
-        if result.finish_reason == "length" and not text and not result.tool_calls:
-            # What the SDK's Chat Completions model says of the same answer.
-            raise ModelBehaviorError(
-                f"the answer of {self.step!r} ran out of its {max_tokens} output tokens before "
-                "any text or tool call"
-            )
         return ModelResponse(
-            output=output_items(text, result.tool_calls),
+            output=answer_items(
+                text,
+                result.tool_calls,
+                result.finish_reason,
+                step=self.step,
+                max_tokens=max_tokens,
+            ),
             usage=usage,
             response_id=None,
         )
@@ -438,13 +450,12 @@ def json_schema(output_schema: AgentOutputSchemaBase | None) -> dict[str, Any] |
 
 
 def sampling_of(settings: ModelSettings) -> Sampling:
-    """The sampling parameters of `settings`; vLLM's `seed`, `stop`, `ignore_eos` from extras."""
+    """The sampling parameters of `settings`; vLLM's `seed`, `stop`, `ignore_eos` from extras.
+
+    An unset `temperature` or `top_p` stays unset (None): the engine's default applies.
+    """
     extras = {**_as_dict(settings.extra_body), **(settings.extra_args or {})}
-    fields: dict[str, Any] = {}
-    if settings.temperature is not None:
-        fields["temperature"] = settings.temperature
-    if settings.top_p is not None:
-        fields["top_p"] = settings.top_p
+    fields: dict[str, Any] = {"temperature": settings.temperature, "top_p": settings.top_p}
     if extras.get("seed") is not None:
         fields["seed"] = extras["seed"]
     stop = extras.get("stop")
@@ -479,6 +490,27 @@ def output_items(text: str, calls: Sequence[ToolCall]) -> list[Any]:
         or None,
     )
     return list(Converter.message_to_output_items(message))
+
+
+def answer_items(
+    text: str,
+    calls: Sequence[ToolCall],
+    finish_reason: str,
+    *,
+    step: str,
+    max_tokens: int,
+) -> list[Any]:
+    """A call's answer as the SDK's output items; refused when cut before it began.
+
+    An answer that ran out of its output tokens before any text or tool call has nothing to
+    give the agent: `ModelBehaviorError`, what the SDK's Chat Completions model says of it.
+    """
+    if finish_reason == "length" and not text and not calls:
+        raise ModelBehaviorError(
+            f"the answer of {step!r} ran out of its {max_tokens} output tokens before any "
+            "text or tool call"
+        )
+    return output_items(text, calls)
 
 
 def usage_of(result: InferenceResult, record: StepSpend | None) -> Usage:
@@ -519,8 +551,9 @@ class KvflowRunner(AgentRunner):
     Temporal integration checks (tools are tool objects, not activities; no SQLite sessions;
     model names are strings), gives each agent of the run a `KvflowModel` named after the
     agent (`RunConfig(model=...)`, when given, is the model of every agent, as in the SDK),
-    and fails the workflow when the SDK fails on a Temporal failure (an activity tool that
-    failed for good), as the Temporal integration does.
+    and fails the workflow when the run ends in an error of the SDK's: a non-retryable
+    `ApplicationError` typed after it (e.g. `MaxTurnsExceeded`), not workflow-task failures
+    that Temporal would retry forever.
     """
 
     def __init__(
@@ -539,12 +572,12 @@ class KvflowRunner(AgentRunner):
         """Run the agent; inside a workflow, with every model call a kvflow step."""
         if not workflow.in_workflow():
             return await super().run(starting_agent, input, **kwargs)
-        agent = self._prepare(starting_agent, kwargs)
         try:
+            agent = self._prepare(starting_agent, kwargs)
             return await super().run(agent, input, **kwargs)
-        except AgentsException as failed:
-            _raise_workflow_failure(failed)
-            raise
+        except (AgentsException, AgentsWorkflowError) as ended:
+            failure = _run_failure(ended)
+            raise failure from failure.__cause__
 
     def run_sync(
         self,
@@ -555,8 +588,10 @@ class KvflowRunner(AgentRunner):
         """The SDK's `run_sync` outside a workflow; a workflow must `await Runner.run`."""
         if not workflow.in_workflow():
             return super().run_sync(starting_agent, input, **kwargs)
-        raise AgentsWorkflowError(
-            "Runner.run_sync cannot run in a workflow: use `await Runner.run(...)`"
+        raise _run_failure(
+            AgentsWorkflowError(
+                "Runner.run_sync cannot run in a workflow: use `await Runner.run(...)`"
+            )
         )
 
     def run_streamed(
@@ -568,7 +603,7 @@ class KvflowRunner(AgentRunner):
         """The SDK's `run_streamed` outside a workflow; not offered in one (see the module)."""
         if not workflow.in_workflow():
             return super().run_streamed(starting_agent, input, **kwargs)
-        raise AgentsWorkflowError(_NO_STREAMING)
+        raise _run_failure(AgentsWorkflowError(_NO_STREAMING))
 
     def _prepare(self, agent: Agent[Any], kwargs: RunOptions[Any]) -> Agent[Any]:
         """Check the run as the Temporal integration does, and give its agents kvflow models.
@@ -675,12 +710,23 @@ def _has_sandbox_agent(agent: Agent[Any], seen: set[int]) -> bool:
     return any(isinstance(h, Agent) and _has_sandbox_agent(h, seen) for h in agent.handoffs)
 
 
-def _raise_workflow_failure(failed: AgentsException) -> None:
-    """Re-raise an SDK error caused by a Temporal failure so that it fails the workflow."""
-    if failed.__cause__ is not None and workflow.is_failure_exception(failed.__cause__):
-        error = AgentsWorkflowError(f"Workflow failure exception in Agents Framework: {failed}")
-        error.__traceback__ = failed.__traceback__
-        raise error from failed.__cause__
+def _run_failure(ended: Exception) -> ApplicationError:
+    """The workflow's failure for an error that ended an agent run, typed after that error.
+
+    A non-retryable `ApplicationError` whose type is the error's class (`MaxTurnsExceeded`,
+    `ModelTimeoutError`, `ModelBehaviorError`, `InputGuardrailTripwireTriggered`, `UserError`;
+    `AgentsWorkflowError` for a run this runner refuses) and whose message is the error's: the
+    workflow fails and `kvflow.Agent` records the task as failed, where the bare error would
+    fail workflow tasks that Temporal retries until a new version is deployed. An error caused
+    by a Temporal failure (an activity tool that failed for good) keeps that failure as its
+    `__cause__`, as Temporal's plugin keeps it under its `AgentsWorkflowError`.
+    """
+    failure = ApplicationError(str(ended), type=type(ended).__name__, non_retryable=True)
+    failure.__traceback__ = ended.__traceback__
+    cause = ended.__cause__
+    if cause is not None and workflow.is_failure_exception(cause):
+        failure.__cause__ = cause
+    return failure
 
 
 # ---- the plugin ------------------------------------------------------------------------------
@@ -696,7 +742,8 @@ class KvflowAgentsPlugin(OpenAIAgentsPlugin):
     the Agents SDK's tracing interceptors; `agents` and `openai` passed through the workflow
     sandbox) but registers no model activities: while the worker (or a
     `Replayer`) runs, `KvflowRunner` is the Agents SDK's default runner. `activity_as_tool`
-    activities are registered on the worker by the user, as with the Temporal plugin.
+    activities are registered on the worker by the user, as with the Temporal plugin. A
+    workflow worker without `KvflowPlugin(fleet)` (on it or on its client) refuses to start.
 
     Args:
         default_model: the fleet model of agents that name none (the SDK would use OpenAI's
@@ -748,6 +795,11 @@ class KvflowAgentsPlugin(OpenAIAgentsPlugin):
                     set_default_agent_runner(previous)
 
         self.run_context = run_context
+
+    def configure_worker(self, config: WorkerConfig) -> WorkerConfig:
+        """Refuse a workflow worker without `KvflowPlugin(fleet)`; then as Temporal's plugin."""
+        require_kvflow_worker(config, "KvflowAgentsPlugin()")
+        return super().configure_worker(config)
 
     def name(self) -> str:
         """The plugin's name, as workers report it."""

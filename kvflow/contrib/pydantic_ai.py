@@ -121,6 +121,7 @@ from temporalio import activity, workflow
 from temporalio.worker import WorkerConfig
 
 from kvflow.activities.wire import ChatMessage, InferenceResult, Sampling, ToolCall, ToolSpec
+from kvflow.contrib import require_kvflow_worker
 from kvflow.workflows import errors
 from kvflow.workflows.agent import Agent as KvflowTask
 
@@ -371,13 +372,13 @@ class KvflowPydanticAIPlugin(PydanticAIPlugin):
     context store); this plugin then swaps in Pydantic AI's payload converter and keeps the
     codec, so both kinds of payload round-trip. On a worker it does what `PydanticAIPlugin`
     does (the sandbox lets Pydantic AI through, the tool activities of the agents that
-    workflows list in `__pydantic_ai_agents__` are registered) and refuses to start when the
-    client's converter is not Pydantic AI's, or when a listed agent on a `KvflowModel` lacks
-    `KvflowDurability`, with the fix.
+    workflows list in `__pydantic_ai_agents__` are registered) and refuses to start, with the
+    fix, when the worker has no `KvflowPlugin(fleet)`, when the client's converter is not
+    Pydantic AI's, or when a listed agent on a `KvflowModel` lacks `KvflowDurability`.
     """
 
     def configure_worker(self, config: WorkerConfig) -> WorkerConfig:
-        """Check the client's converter and the listed agents, then configure as Pydantic AI."""
+        """Check the converter, the listed agents and kvflow's plugin; then as Pydantic AI."""
         converter = config["client"].data_converter
         if not issubclass(converter.payload_converter_class, PydanticAIPayloadConverter):
             raise ValueError(
@@ -389,6 +390,7 @@ class KvflowPydanticAIPlugin(PydanticAIPlugin):
         for workflow_class in config.get("workflows") or ():
             for agent in getattr(workflow_class, "__pydantic_ai_agents__", None) or ():
                 check_agent(agent)
+        require_kvflow_worker(config, "KvflowPydanticAIPlugin()")
         return super().configure_worker(config)
 
 
@@ -571,12 +573,11 @@ def _specs(definitions: Sequence[ToolDefinition]) -> list[ToolSpec]:
 
 
 def sampling_of(settings: ModelSettings) -> Sampling:
-    """The run's sampling settings as kvflow's (kvflow's defaults for those not set)."""
-    given: dict[str, Any] = {}
-    if "temperature" in settings:
-        given["temperature"] = settings["temperature"]
-    if "top_p" in settings:
-        given["top_p"] = settings["top_p"]
+    """The run's sampling settings as kvflow's; an unset one is not sent (the engine's default)."""
+    given: dict[str, Any] = {
+        "temperature": settings.get("temperature"),
+        "top_p": settings.get("top_p"),
+    }
     if "seed" in settings:
         given["seed"] = settings["seed"]
     if "stop_sequences" in settings:
