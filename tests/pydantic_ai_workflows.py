@@ -149,7 +149,7 @@ LOOKUP = ToolSpec(
 """The sample's tool as a hand-written `ToolSpec`."""
 REPLY_SCHEMA = {
     "properties": {
-        "reply": {"description": "what to tell the customer", "type": "string"},
+        "reply": {"description": "what to tell the customer", "maxLength": 300, "type": "string"},
         "escalate": {
             "description": "whether a person should follow the case up",
             "type": "boolean",
@@ -181,7 +181,7 @@ class DirectSupport:
                     tools=[LOOKUP],
                     tool_choice="auto",
                     json_schema=REPLY_SCHEMA,
-                    sampling=Sampling(temperature=0.0),
+                    sampling=Sampling(temperature=0.0, top_p=None),  # as the agent sets them
                     step="support",
                 )
                 if not result.tool_calls:

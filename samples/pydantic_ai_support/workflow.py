@@ -30,7 +30,8 @@ INSTRUCTIONS = (
 class SupportReply(BaseModel):
     """The agent's structured answer."""
 
-    reply: str = Field(description="what to tell the customer")
+    # Two sentences fit; the engine's JSON grammar holds the model to it as well.
+    reply: str = Field(description="what to tell the customer", max_length=300)
     escalate: bool = Field(description="whether a person should follow the case up")
 
 
