@@ -44,7 +44,7 @@ from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.converter import DataConverter
 from temporalio.exceptions import ApplicationError
-from temporalio.openai_agents import AgentsWorkflowError, OpenAIPayloadConverter
+from temporalio.openai_agents import AgentsWorkflowError, OpenAIAgentsPlugin, OpenAIPayloadConverter
 from temporalio.worker import Replayer, Worker
 
 import samples.openai_agents_travel as travel
@@ -69,7 +69,7 @@ from kvflow.ledger.store import AsyncLedger, open_async_ledger
 from kvflow.scheduler.fleet import Fleet
 from kvflow.simulator.faults import FaultSpec
 from kvflow.workers.embedded import EmbeddedFleet
-from kvflow.workers.plugin import KvflowPlugin
+from kvflow.workers.plugin import KvflowPlugin, role_worker
 from kvflow.workers.workflow_worker import workflow_worker
 from kvflow.workflows import search_attributes
 from kvflow.workflows.agent import SPEND_QUERY, AttemptSpend, SpendBreakdown, StepSpend
@@ -579,6 +579,37 @@ async def test_worker_without_kvflow_plugin_refuses_to_start_and_names_it(
             Worker(client, task_queue="unused", workflows=wf.WORKFLOWS)
     # A worker of activity tools alone runs no task.
     Worker(client, task_queue="unused", activities=wf.ACTIVITIES)
+
+
+@pytest.mark.timeout(30)
+async def test_kvflow_plugin_beside_temporals_agents_plugin_or_without_kvflows_is_refused(
+    stack: Stack, temporal_client: Client, tmp_path: Path
+):
+    context_dir = tmp_path / "context"
+
+    def client_of(*client_plugins: Any) -> Client:
+        return Client(
+            temporal_client.service_client,
+            namespace=temporal_client.namespace,
+            plugins=list(client_plugins),
+        )
+
+    # Temporal's plugin would send the model calls to OpenAI, around kvflow: in either order.
+    replace = r"^OpenAIAgentsPlugin sends .*: put KvflowAgentsPlugin\(\) from kvflow"
+    with pytest.raises(ValueError, match=replace):
+        client_of(KvflowPlugin(context_dir=context_dir), OpenAIAgentsPlugin())
+    with pytest.raises(ValueError, match=replace):
+        client_of(OpenAIAgentsPlugin(), KvflowPlugin(context_dir=context_dir))
+    # Without kvflow's agents plugin the sandbox would refuse the SDK's imports.
+    assert stack.fleet.control_plane is not None
+    workflow_worker_plugin = KvflowPlugin(control_plane=stack.fleet.control_plane)
+    with pytest.raises(ValueError, match=r"^workflow \w+ runs OpenAI Agents SDK agents, which"):
+        role_worker(
+            client_of(KvflowPlugin(context_dir=context_dir)),
+            workflow_worker_plugin,
+            task_queue="unused",
+            workflows=wf.WORKFLOWS,
+        )
 
 
 # ---- the parts, without a server --------------------------------------------------------------

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from temporalio.worker import WorkerConfig
 
-from kvflow.workers.plugin import KvflowPlugin
+KVFLOW_PLUGIN_NAME = "kvflow"
+"""`KvflowPlugin().name()`: how an adapter finds kvflow's plugin without importing the layer
+of processes above it."""
 
 
 def require_kvflow_worker(config: WorkerConfig, plugin: str) -> None:
@@ -25,10 +27,20 @@ def require_kvflow_worker(config: WorkerConfig, plugin: str) -> None:
     if not config.get("workflows"):
         return  # an activity worker (e.g. for activity tools) runs no kvflow task
     plugins = [*config["client"].config()["plugins"], *(config.get("plugins") or ())]
-    if any(isinstance(p, KvflowPlugin) and p.control_plane is not None for p in plugins):
+    if any(_is_kvflow_worker_plugin(p) for p in plugins):
         return
     raise ValueError(
         f"{plugin} needs KvflowPlugin(fleet) on this worker, which runs kvflow's placement "
         f"and ledger activities: add it to the Worker's plugins or before {plugin} in its "
         "client's"
+    )
+
+
+def _is_kvflow_worker_plugin(plugin: object) -> bool:
+    """Whether `plugin` is a `KvflowPlugin` that runs the control plane (fleet given)."""
+    name = getattr(plugin, "name", None)
+    return (
+        callable(name)
+        and name() == KVFLOW_PLUGIN_NAME
+        and getattr(plugin, "control_plane", None) is not None
     )

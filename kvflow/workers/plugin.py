@@ -24,14 +24,16 @@ Both worker roles also apply the client role when the client was connected witho
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import httpx
-from temporalio.client import Client
+from temporalio.client import Client, ClientConfig
 from temporalio.contrib.opentelemetry import TracingInterceptor
 from temporalio.plugin import SimplePlugin
 from temporalio.worker import Worker, WorkerConfig, WorkflowRunner
@@ -42,6 +44,7 @@ from kvflow.activities.context_store import DEFAULT_CONTEXT_DIR, DirectoryContex
 from kvflow.activities.control_plane import LedgerSink
 from kvflow.activities.inference import InferenceActivities, default_http_client
 from kvflow.activities.wire import INLINE_LIMIT_BYTES
+from kvflow.contrib import KVFLOW_PLUGIN_NAME
 from kvflow.ledger.spool import DEFAULT_SPOOL_DIR, SpooledAttemptWriter, spooled_writer
 from kvflow.ledger.store import AsyncLedger, default_ledger_url, open_ledger
 from kvflow.scheduler.config import SchedulerConfig
@@ -54,7 +57,7 @@ from kvflow.workflows.deadline import TaskDeadlineInterceptor
 
 log = logging.getLogger(__name__)
 
-PLUGIN_NAME = "kvflow"
+PLUGIN_NAME = KVFLOW_PLUGIN_NAME
 
 
 def _sandbox_passes_kvflow(existing: WorkflowRunner | None) -> WorkflowRunner:
@@ -181,9 +184,17 @@ class KvflowPlugin(SimplePlugin):
             run_context=self._running if activities else None,
         )
 
+    def configure_client(self, config: ClientConfig) -> ClientConfig:
+        """Refuse a framework plugin kvflow replaces; then kvflow's converter and tracing."""
+        _refuse_replaced_plugins(config.get("plugins") or ())
+        return super().configure_client(config)
+
     def configure_worker(self, config: WorkerConfig) -> WorkerConfig:
         """Register this role's activities; a GPU worker must poll its replica's queue."""
         self._client = config["client"]
+        _refuse_replaced_plugins(config.get("plugins") or ())
+        if self.control_plane is not None:
+            _require_framework_plugins(config)
         client_interceptors = self._client.config(active_config=True).get("interceptors", [])
         if self.interceptors is not None and any(
             isinstance(i, TracingInterceptor) for i in client_interceptors
@@ -252,3 +263,55 @@ def role_worker(client: Client, plugin: KvflowPlugin, **options: Any) -> Worker:
             "ignore", message=r"The same plugin type .*KvflowPlugin", category=UserWarning
         )
         return Worker(client, plugins=[plugin], **options)
+
+
+_AGENTS_PLUGIN = "KvflowAgentsPlugin() from kvflow.contrib.openai_agents"
+_REPLACED_PLUGINS = {"OpenAIAgentsPlugin": _AGENTS_PLUGIN}
+"""Framework plugins (by `name()`) whose model calls would go around kvflow, and kvflow's."""
+
+
+def _refuse_replaced_plugins(plugins: Iterable[object]) -> None:
+    """Refuse a framework's own Temporal plugin beside kvflow's, naming kvflow's in its place."""
+    for plugin in plugins:
+        name = _plugin_name(plugin)
+        replacement = _REPLACED_PLUGINS.get(name)
+        if replacement is not None:
+            raise ValueError(
+                f"{name} sends its agents' model calls around kvflow: put {replacement} in its "
+                "place, after KvflowPlugin"
+            )
+
+
+def _require_framework_plugins(config: WorkerConfig) -> None:
+    """Refuse workflows of the OpenAI Agents SDK on a worker without `KvflowAgentsPlugin`.
+
+    The workflow sandbox would refuse the SDK's imports (only that plugin passes them through).
+    """
+    plugins = [*config["client"].config()["plugins"], *(config.get("plugins") or ())]
+    if any(_plugin_name(p) == "kvflow.OpenAIAgentsPlugin" for p in plugins):
+        return
+    for workflow_class in config.get("workflows") or ():
+        if _imports_agents_sdk(workflow_class):
+            raise ValueError(
+                f"workflow {workflow_class.__name__} runs OpenAI Agents SDK agents, which need "
+                f"{_AGENTS_PLUGIN}: add it after KvflowPlugin in the client's plugins"
+            )
+
+
+def _plugin_name(plugin: object) -> str:
+    name = getattr(plugin, "name", None)
+    return str(name()) if callable(name) else ""
+
+
+def _imports_agents_sdk(workflow_class: type) -> bool:
+    """Whether the module of `workflow_class` holds the Agents SDK or anything of it."""
+    module = sys.modules.get(workflow_class.__module__)
+    if module is None:
+        return False
+    for value in vars(module).values():
+        owner = (
+            value.__name__ if isinstance(value, ModuleType) else getattr(value, "__module__", "")
+        )
+        if isinstance(owner, str) and (owner == "agents" or owner.startswith("agents.")):
+            return True
+    return False
