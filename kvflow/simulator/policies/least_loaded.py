@@ -1,8 +1,10 @@
-"""least-loaded: the replica with the fewest waiting + running requests.
+"""least-loaded: the replica with the fewest waiting + running requests (scraped).
 
 load = `vllm:num_requests_waiting` + `vllm:num_requests_running` from the last scrape;
-lowest load wins, ties to the lowest index. AIBrix's `least-request` strategy
-(`pkg/plugins/gateway/algorithms/least_request.go`) and llm-d's "load-only" comparison point.
+lowest load wins, ties to the lowest index: the "load-only" comparison point of llm-d's
+published benchmark. AIBrix's `least-request` strategy
+(`pkg/plugins/gateway/algorithms/least_request.go`) differs: it counts the requests the
+gateway itself has in flight to each pod and breaks ties at random.
 """
 
 from __future__ import annotations
