@@ -9,6 +9,7 @@ where they come from (project and file). All implement `PlacementPolicy`
     sglang                                   SGLang model gateway, cache_aware
     dynamo                                   NVIDIA Dynamo's KV router
     aibrix                                   AIBrix's prefix-cache strategy
+    <anchor>-tuned                           each anchor as its docs configure it for agents
     kvflow                                   kvflow's production Scheduler
     oracle                                   knows every cache and load (the hit-rate bound)
 """
@@ -17,21 +18,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvflow.simulator.policies.aibrix import AibrixPrefixCachePolicy
+from kvflow.simulator.policies.aibrix import AibrixKvSyncPolicy, AibrixPrefixCachePolicy
 from kvflow.simulator.policies.base import (
     AttemptEnd,
     PlacementPolicy,
     PolicySetup,
     TaskContext,
 )
-from kvflow.simulator.policies.dynamo import DynamoKvPolicy
+from kvflow.simulator.policies.dynamo import DynamoAgentPolicy, DynamoKvPolicy
 from kvflow.simulator.policies.kvflow_scheduler import KvflowPolicy
 from kvflow.simulator.policies.least_loaded import LeastLoadedPolicy
-from kvflow.simulator.policies.llm_d import LlmDPolicy, LlmDPrecisePolicy
+from kvflow.simulator.policies.llm_d import LlmDPolicy, LlmDPrecisePolicy, LlmDTunedPolicy
 from kvflow.simulator.policies.oracle import OraclePolicy
 from kvflow.simulator.policies.random_choice import RandomPolicy
 from kvflow.simulator.policies.round_robin import RoundRobinPolicy
-from kvflow.simulator.policies.sglang import SglangCacheAwarePolicy
+from kvflow.simulator.policies.sglang import SglangCacheAwarePolicy, SglangManualPolicy
 
 POLICIES: dict[str, Callable[[PolicySetup], PlacementPolicy]] = {
     "kvflow": KvflowPolicy,
@@ -40,9 +41,13 @@ POLICIES: dict[str, Callable[[PolicySetup], PlacementPolicy]] = {
     "least-loaded": LeastLoadedPolicy,
     "llm-d": LlmDPolicy,
     "llm-d-precise": LlmDPrecisePolicy,
+    "llm-d-tuned": LlmDTunedPolicy,
     "sglang": SglangCacheAwarePolicy,
+    "sglang-tuned": SglangManualPolicy,
     "dynamo": DynamoKvPolicy,
+    "dynamo-tuned": DynamoAgentPolicy,
     "aibrix": AibrixPrefixCachePolicy,
+    "aibrix-tuned": AibrixKvSyncPolicy,
 }
 """The compared policies by name, kvflow first."""
 
