@@ -547,6 +547,8 @@ class WarmWeights(Axis):
 
     load_s = parameters · bytes per weight / load bandwidth + load overhead
     can load iff the weights fit in the replica's GPU memory (× gpu_memory_utilization)
+             and the pool's replicas are simulated (a vLLM server serves only the model it
+             was started with, so a pool of vLLM endpoints loads nothing cold)
     factor = 1 + weights.cold_start on a replica that must load the model
 
     Inputs: the models each replica serves (scraped, or the fleet file's warm models).
@@ -570,7 +572,11 @@ class WarmWeights(Axis):
         self._cold_start_factor = 1.0 + cold_start
         self._load_s = {m.name: self.load_s(m) for m in models}
         self._loadable = [
-            frozenset(m.name for m in models if allow_cold_start and self.can_load(p, m))
+            frozenset(
+                m.name
+                for m in models
+                if allow_cold_start and p.endpoints == "simulated" and self.can_load(p, m)
+            )
             for p in pools
         ]
         """Per pool: the models a cold replica there may load."""

@@ -80,6 +80,7 @@ Clock = Callable[[], float]
 __all__ = ["SECONDS_PER_DAY", "Clock", "Scheduler"]
 
 _NOTHING_EXCLUDED: frozenset[int] = frozenset()
+_NOTHING_LOADABLE: frozenset[str] = frozenset()
 
 
 class _Booking:
@@ -187,6 +188,8 @@ class Scheduler:
         self._last_replica: OrderedDict[str, int] = OrderedDict()
         self._unsettled: deque[_Booking] = deque()
         """Placements answered whose bookkeeping `settle` has not applied yet."""
+        self._listed: set[int] = set()
+        """Replicas whose scrape named the models they serve: they serve those and no other."""
         for state in self._replicas:
             self._refresh(state)
 
@@ -222,6 +225,7 @@ class Scheduler:
                 served = {m for m in metrics.models if m in self._models}
                 if served:
                     state.warm_models = served
+                    self._listed.add(state.rid)
                 elif not state.unknown_models_logged:
                     # A served name the fleet does not know is a configuration mistake; the
                     # fleet file's warm models stay in force.
@@ -451,6 +455,12 @@ class Scheduler:
             while fallback is not None and fallback not in seen:
                 seen.add(fallback)
                 fallback_spec = self._models[fallback]
+                if not self._served_anywhere(fallback):
+                    # Listed in the fleet, but no replica holds it or may load it: degrading
+                    # to it would send the call where nothing can run it.
+                    failed.append(f"{fallback}: served by no replica")
+                    fallback = fallback_spec.fallback
+                    continue
                 self._for_model(ctx, fallback_spec)
                 attempt = self._place_model(ctx)
                 if isinstance(attempt, tuple):
@@ -504,6 +514,10 @@ class Scheduler:
         ctx.most_cached = min(levels[0][0] * self._entry_tokens, longest) if levels else 0
         self.policy.prepare_model(ctx)
 
+    def _served_anywhere(self, model: str) -> bool:
+        """Whether some replica holds the model's weights or may load them (up or not)."""
+        return any(model in s.warm_models or model in s.loadable for s in self._replicas)
+
     def _state(self, replica: str) -> ReplicaState:
         state = self._by_name.get(replica)
         if state is None:
@@ -514,8 +528,15 @@ class Scheduler:
         return state
 
     def _refresh(self, state: ReplicaState) -> None:
-        """Recompute the replica's request-independent terms and its place in every ranking."""
+        """Recompute the replica's request-independent terms and its place in every ranking.
+
+        A replica whose scrape named the models it serves (vLLM's `model_name` labels and
+        `/v1/models`; a simulated replica names the models it may load cold too) is placed
+        only those: they are its warm models, and nothing else is loadable there.
+        """
         self.policy.refresh(state)
+        if state.rid in self._listed:
+            state.loadable = _NOTHING_LOADABLE
         self._search.rank(state)
 
     def _trim(self, state: ReplicaState) -> None:
