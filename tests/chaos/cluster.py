@@ -25,11 +25,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from starlette.requests import Request
+from starlette.responses import AsyncContentStream, Content, Response, StreamingResponse
 from temporalio.client import Client
 
 from kvflow.ledger.store import LEDGER_URL_ENV
@@ -46,6 +48,9 @@ TENANT = "acme"
 SECRET_CANARY = f"canary-{secrets.token_hex(8)}"
 """A password planted in the ledger URL (PostgreSQL here trusts local connections and ignores
 it): kvflow masks it wherever it prints a URL, so no log or history of a run may contain it."""
+SCAN_PROBE = f"scan-probe-{secrets.token_hex(8)}"
+"""Planted where the secret scan looks (every log, every task's memo): a scan that does not find
+it everywhere is blind, and its finding no password proves nothing."""
 READY_TIMEOUT_S = 60.0
 """Python start-up of a worker is 2-4 s alone; ten of them at once on two cores take longer."""
 
@@ -212,6 +217,38 @@ class ManagedProcess:
             popen.wait()
 
 
+class StreamTimingProxy(FaultyProxy):
+    """A `FaultyProxy` that also times what the simulator streams back: a stall shows there.
+
+    A stall shorter than any timeout fails nothing, so no error type records it; the pause in
+    the stream the simulator sent is the evidence that it happened.
+    """
+
+    def __init__(self, upstream: str) -> None:
+        super().__init__(upstream)
+        self.pauses: list[float] = []
+        """Per model call, the longest wait between two lines of its answer, in seconds."""
+
+    async def _forward(self, request: Request) -> Response:
+        response = await super()._forward(request)
+        if request.method == "POST" and isinstance(response, StreamingResponse):
+            response.body_iterator = self._timed(response.body_iterator)
+        return response
+
+    async def _timed(self, lines: AsyncContentStream) -> AsyncIterator[Content]:
+        longest = 0.0
+        last: float | None = None
+        try:
+            async for line in lines:
+                now = time.monotonic()
+                if last is not None:
+                    longest = max(longest, now - last)
+                last = now
+                yield line
+        finally:
+            self.pauses.append(longest)
+
+
 @dataclass
 class Replica:
     """One simulated replica: its simulator and its GPU worker."""
@@ -245,9 +282,9 @@ class ChaosCluster:
         pools: the fleet's pools (default: one pool `sim` of 4 identical replicas).
         workflow_workers: workflow-worker processes, all polling one task queue.
         fault_flags: `kvflow sim serve --fault-...` flags per replica (`pool/index`).
-        proxied: put a `FaultyProxy` between each GPU worker and its simulator (`proxies`),
-            whose `fault_header` can then send the simulator per-call faults; the schedulers
-            still scrape the simulators themselves.
+        proxied: put a `StreamTimingProxy` between each GPU worker and its simulator
+            (`proxies`), whose `fault_header` can then send the simulator per-call faults; the
+            schedulers still scrape the simulators themselves.
         modules: the workflow modules the workflow workers run.
         time_scale: simulated seconds per real second in every simulator.
     """
@@ -293,7 +330,7 @@ class ChaosCluster:
             LEDGER_URL_ENV: ledger_url,
         }
         self.proxied = proxied
-        self.proxies: dict[str, FaultyProxy] = {}
+        self.proxies: dict[str, StreamTimingProxy] = {}
         """Replica name → the proxy its GPU worker calls (when `proxied`)."""
         faults = dict(fault_flags or {})
         names = [f"{pool.name}/{index}" for pool in pools for index in range(pool.replicas)]
@@ -410,7 +447,9 @@ class ChaosCluster:
         await asyncio.gather(*(asyncio.to_thread(r.sim.wait_ready) for r in self.replicas))
         if self.proxied:
             for replica in self.replicas:
-                self.proxies[replica.name] = FaultyProxy(replica.sim.base_url).start()
+                proxy = StreamTimingProxy(replica.sim.base_url)
+                proxy.start()
+                self.proxies[replica.name] = proxy
         for replica in self.replicas:
             replica.gpu_worker.argv = self._gpu_worker_argv(replica)
             replica.gpu_worker.start()
@@ -476,11 +515,22 @@ class ChaosCluster:
         self.proxies.clear()
         self.temporal.stop()
 
-    def log_text(self) -> str:
-        """Every process log, concatenated (for scanning, e.g. for secrets)."""
-        return "\n".join(
-            path.read_text(errors="replace") for path in sorted(self.logs.glob("*.log"))
-        )
+    def log_texts(self) -> dict[str, str]:
+        """Every process log by file name (for scanning, e.g. for secrets)."""
+        return {
+            path.name: path.read_text(errors="replace") for path in sorted(self.logs.glob("*.log"))
+        }
+
+    def plant_in_logs(self, text: str) -> int:
+        """Append a line holding `text` to every process log, as a leak would write it.
+
+        Returns how many logs it was planted in.
+        """
+        paths = sorted(self.logs.glob("*.log"))
+        for path in paths:
+            with path.open("a") as log:
+                log.write(f"{text} (planted by the fault suite, not written by the process)\n")
+        return len(paths)
 
     async def kill_gpu_worker_while_streaming(
         self, replica: Replica, *, streams: int = 2, patience_s: float = 20.0

@@ -4,7 +4,8 @@ A scenario is one module: a module-scoped fixture runs the faulty workload once 
 checks one behaviour of that run, so a known defect fails (or xfails) its own test only.
 
 The ledger URL carries a planted password (`SECRET_CANARY`): PostgreSQL here trusts local
-connections and ignores it, and no log line or history of the run may contain it.
+connections and ignores it, and no log line or history of the run may contain it. A probe
+(`SCAN_PROBE`) planted in every log and every task's memo shows that the scan looks there.
 """
 
 from __future__ import annotations

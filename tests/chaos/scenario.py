@@ -3,6 +3,10 @@
 `finish` reads every task's history, audits the ledger against it, scans logs and histories
 for the planted secret, and fills in the figures; the scenario records them before any
 assertion, so a failing scenario still reports what it saw.
+
+The secret scan reads every string of a history and every payload decoded (the JSON form of a
+history carries payloads base64-encoded, where a plain search finds nothing). It must find the
+probe planted in every log and in every task's memo before its finding no password counts.
 """
 
 from __future__ import annotations
@@ -10,18 +14,36 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
+from google.protobuf.message import Message
 from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle
 from temporalio.exceptions import ApplicationError
 
 from kvflow.ledger.store import AsyncLedger
 from tests.chaos.books import BillingAudit, audit
-from tests.chaos.cluster import SECRET_CANARY, ChaosCluster
+from tests.chaos.cluster import SCAN_PROBE, SECRET_CANARY, ChaosCluster
 from tests.chaos.figures import ScenarioFigures, record
 from tests.chaos.traces import TaskTrace, trace
+
+
+@dataclass
+class SecretScan:
+    """What the secret scan read, and where it found the password and the probe."""
+
+    logs: int = 0
+    """Process logs the probe was planted in."""
+    histories: int = 0
+    """Histories read of tasks that carry the probe in their memo."""
+    secrets: int = 0
+    """Occurrences of the ledger password in every log and history read."""
+    probed_logs: int = 0
+    """Logs in which the scan found the probe."""
+    probed_histories: int = 0
+    """Histories in which the scan found the probe."""
 
 
 @dataclass
@@ -32,7 +54,7 @@ class Outcome:
     traces: dict[str, TaskTrace]
     books: BillingAudit
     figures: ScenarioFigures
-    secrets_found: int = 0
+    scan: SecretScan = field(default_factory=SecretScan)
     not_completed: dict[str, str] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
     """Workflow id → why it did not complete."""
@@ -42,12 +64,71 @@ class Outcome:
         record(node_id, self.figures)
 
 
-async def secrets_in(cluster: ChaosCluster, handles: list[WorkflowHandle[Any, Any]]) -> int:
-    """Occurrences of the planted ledger password in every log and history of the run."""
-    found = cluster.log_text().count(SECRET_CANARY)
+def assert_no_secret_leaked(outcome: Outcome) -> None:
+    """No log or history holds the ledger password, and the scan that says so can see."""
+    scan = outcome.scan
+    assert scan.logs and scan.probed_logs == scan.logs, (
+        f"the secret scan found the probe in {scan.probed_logs} of {scan.logs} logs"
+    )
+    assert scan.histories and scan.probed_histories == scan.histories, (
+        f"the secret scan found the probe in {scan.probed_histories} of {scan.histories} "
+        "task histories"
+    )
+    assert scan.secrets == 0, f"the ledger password appears {scan.secrets} times"
+
+
+def _texts(message: Message) -> Iterator[str]:
+    """Every string of `message`, however deep, and every bytes field (payloads) decoded."""
+    for field_, value in message.ListFields():
+        kind = field_.message_type
+        nested = kind is not None
+        if kind is not None and kind.GetOptions().map_entry:
+            inner = kind.fields_by_name["value"].message_type is not None
+            for key, item in value.items():
+                yield str(key)
+                yield from _texts(item) if inner else [_text(item)]
+        elif field_.is_repeated:
+            for item in value:
+                yield from _texts(item) if nested else [_text(item)]
+        elif nested:
+            yield from _texts(value)
+        else:
+            yield _text(value)
+
+
+def _text(value: object) -> str:
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    return value if isinstance(value, str) else ""
+
+
+async def _history_text(handle: WorkflowHandle[Any, Any]) -> str:
+    history = await handle.fetch_history()
+    return "\n".join(text for event in history.events for text in _texts(event))
+
+
+async def scan_for_secrets(
+    cluster: ChaosCluster,
+    handles: list[WorkflowHandle[Any, Any]],
+    others: list[WorkflowHandle[Any, Any]],
+) -> SecretScan:
+    """Plant the probe in every log, then look for it and for the ledger password.
+
+    `handles` are tasks started with the probe in their memo; `others` are read for the
+    password only.
+    """
+    scan = SecretScan(logs=cluster.plant_in_logs(SCAN_PROBE))
+    for text in cluster.log_texts().values():
+        scan.secrets += text.count(SECRET_CANARY)
+        scan.probed_logs += SCAN_PROBE in text
     for handle in handles:
-        found += (await handle.fetch_history()).to_json().count(SECRET_CANARY)
-    return found
+        text = await _history_text(handle)
+        scan.histories += 1
+        scan.secrets += text.count(SECRET_CANARY)
+        scan.probed_histories += SCAN_PROBE in text
+    for handle in others:
+        scan.secrets += (await _history_text(handle)).count(SECRET_CANARY)
+    return scan
 
 
 async def finish(
@@ -74,7 +155,7 @@ async def finish(
     statuses = {h.id: (await h.describe()).status for h in everything}
     traces = {h.id: await trace(cluster.client, h) for h in everything}
     books = await audit(ledger, everything, traces, query_workflows=query_workflows, since=since)
-    secrets = await secrets_in(cluster, everything)
+    scan = await scan_for_secrets(cluster, handles, bad_inputs or [])
     missing = {
         h.id: (status.name if status else "UNKNOWN")
         for h in handles
@@ -89,7 +170,7 @@ async def finish(
     figures.attempts_billed_once = books.billed_once
     figures.estimates = books.estimates
     figures.spend_micros = books.spend_micros
-    figures.secrets_found = secrets
+    figures.secrets_found = scan.secrets
     figures.duration_s = time.monotonic() - started_at
     if books.problems():
         figures.notes.append(f"{len(books.problems())} ledger disagreements")
@@ -98,7 +179,7 @@ async def finish(
         figures.notes.append(
             f"{len(missing)} tasks did not complete, e.g. {first[0]}: {first[1][:300]}"
         )
-    return Outcome(statuses, traces, books, figures, secrets, missing, failures)
+    return Outcome(statuses, traces, books, figures, scan, missing, failures)
 
 
 async def _failure(cluster: ChaosCluster, workflow_id: str) -> str:

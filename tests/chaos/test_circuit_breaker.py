@@ -25,7 +25,7 @@ from kvflow.scheduler.config import CircuitBreakerConfig
 from tests.chaos.cluster import ChaosCluster, PoolSpec
 from tests.chaos.conftest import ClusterFactory
 from tests.chaos.figures import ScenarioFigures
-from tests.chaos.scenario import Outcome, finish
+from tests.chaos.scenario import Outcome, assert_no_secret_leaked, finish
 from tests.chaos.traces import TaskTrace
 from tests.chaos.workload import Workload
 
@@ -258,4 +258,4 @@ def test_every_attempt_is_billed_once_and_every_task_row_matches(run: Run):
 
 
 def test_no_secret_reaches_a_log_or_a_history(run: Run):
-    assert run.outcome.secrets_found == 0
+    assert_no_secret_leaked(run.outcome)

@@ -3,8 +3,12 @@
 The 5xx come from the simulators' own fault flag (`--fault-error-rate 0.2`, seeded draws);
 stalls and cut streams come from the simulator's per-call fault header, which a proxy in front
 of each simulator sets on a seeded share of calls (the flags would stall or cut every call). A
-stall pauses the stream for 3 s, longer than the heartbeat timeout; a cut drops the
-connection 16 tokens into the answer.
+stall pauses the stream for 3 s, longer than the heartbeat timeout (the GPU worker heartbeats
+on through it, so the call only ends late); a cut drops the connection 16 tokens into the
+answer.
+
+Each fault must be seen to happen, not only asked for: 503s and cuts as the GPU workers'
+typed errors in history, stalls as pauses in the streams the simulators sent.
 
 Retry budgets must cap the spend: no task re-places a call more often than its budget allows,
 and the storm's spend stays within what the budget allows over a fault-free run of the same
@@ -17,6 +21,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -28,7 +33,7 @@ from temporalio.client import WorkflowExecutionStatus, WorkflowHandle
 from kvflow.ledger.store import AsyncLedger
 from tests.chaos.conftest import ClusterFactory
 from tests.chaos.figures import ScenarioFigures
-from tests.chaos.scenario import Outcome, finish
+from tests.chaos.scenario import Outcome, assert_no_secret_leaked, finish
 from tests.chaos.workload import Workload
 
 pytestmark = pytest.mark.chaos
@@ -39,7 +44,11 @@ STEPS = 3
 RETRY_BUDGET = 3
 RUN_TIMEOUT_S = 150
 ERROR_RATE = "0.2"
-STALL = "stall_after=8,stall_ms=3000"
+STALL_S = 3.0
+STALL = f"stall_after=8,stall_ms={STALL_S * 1000:.0f}"
+STALL_SEEN_S = 0.8 * STALL_S
+"""A pause this long in a stream is a stall: chunks otherwise follow each other within
+milliseconds (the margin is for the line before the pause reaching the proxy late)."""
 CUT = "disconnect_after=16"
 STREAM_FAULTS = ((STALL, 0.1), (CUT, 0.1))
 """Simulator fault headers and the share of calls each is sent on."""
@@ -67,6 +76,8 @@ class Run:
     baseline_spend: int
     multiplier: float
     per_success_multiplier: float | None
+    faults_seen: dict[str, int]
+    """Fault → calls it was seen to hit: answered 503, stalled, cut."""
 
 
 async def _spend(ledger: AsyncLedger, handles: list[WorkflowHandle[Any, Any]]) -> int:
@@ -109,8 +120,11 @@ async def run(
         storm = _workload(cluster, "storm")
         await storm.start(rate_per_s=4)
         await storm.wait(RUN_TIMEOUT_S)
-        stalls = sum(p.headers_sent[STALL] for p in cluster.proxies.values())
-        cuts = sum(p.headers_sent[CUT] for p in cluster.proxies.values())
+        asked = {
+            "stall": sum(p.headers_sent[STALL] for p in cluster.proxies.values()),
+            "cut": sum(p.headers_sent[CUT] for p in cluster.proxies.values()),
+        }
+        stalls = sum(pause >= STALL_SEEN_S for p in cluster.proxies.values() for pause in p.pauses)
         figures = ScenarioFigures(
             scenario="e. error storm",
             faults=f"{float(ERROR_RATE):.0%} 503, 10% 3 s stalls, 10% cut streams on all 4 "
@@ -119,9 +133,9 @@ async def run(
         outcome = await finish(
             cluster, chaos_ledger, storm.handles, figures, started_at=started_at, since=since
         )
-    served_5xx = sum(
-        a.error_type == "ReplicaServerError" for t in outcome.traces.values() for a in t.attempts
-    )
+    errors = Counter(a.error_type for t in outcome.traces.values() for a in t.attempts)
+    served_5xx, cuts = errors["ReplicaServerError"], errors["StreamCut"]
+    faults_seen = {"503": served_5xx, "stall": stalls, "cut": cuts}
     figures.faults_injected = served_5xx + stalls + cuts
     figures.faults += f": {served_5xx} + {stalls} + {cuts} calls"
     calm_done = sum(s == WorkflowExecutionStatus.COMPLETED for s in baseline.values())
@@ -134,14 +148,20 @@ async def run(
     )
     figures.spend_multiplier = round(multiplier, 2)
     figures.notes += [
-        f"{served_5xx} calls answered 503, {stalls} stalled, {cuts} cut",
+        f"{served_5xx} calls answered 503, {stalls} stalled, {cuts} cut (stall and cut headers "
+        f"sent: {asked['stall']}, {asked['cut']})",
         f"success rate {storm_done / TASKS:.0%} (fault-free run of the same seed: "
         f"{calm_done / TASKS:.0%}); spend {outcome.books.spend_micros} µ$ against "
         f"{baseline_spend} µ$, {multiplier:.2f}×; per successful task "
         + (f"{per_success:.2f}×" if per_success is not None else "n/a"),
     ]
     outcome.record(request.node.nodeid)
-    return Run(outcome, baseline, baseline_spend, multiplier, per_success)
+    return Run(outcome, baseline, baseline_spend, multiplier, per_success, faults_seen)
+
+
+def test_503s_stalls_and_cuts_each_hit_calls(run: Run):
+    # A fault that silently stopped would leave the rest of the scenario passing.
+    assert all(run.faults_seen.values()), run.faults_seen
 
 
 def test_the_fault_free_run_of_the_same_tasks_completes_every_task(run: Run):
@@ -180,4 +200,4 @@ def test_every_attempt_is_billed_once_and_every_task_row_matches(run: Run):
 
 
 def test_no_secret_reaches_a_log_or_a_history(run: Run):
-    assert run.outcome.secrets_found == 0
+    assert_no_secret_leaked(run.outcome)

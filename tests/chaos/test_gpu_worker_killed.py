@@ -18,7 +18,7 @@ import pytest
 from kvflow.ledger.store import AsyncLedger
 from tests.chaos.conftest import ClusterFactory
 from tests.chaos.figures import ScenarioFigures
-from tests.chaos.scenario import Outcome, finish
+from tests.chaos.scenario import Outcome, assert_no_secret_leaked, finish
 from tests.chaos.traces import Attempt, TaskTrace
 from tests.chaos.workload import Workload
 
@@ -110,4 +110,4 @@ def test_every_attempt_is_billed_once_and_every_task_row_matches(run: Run):
 
 
 def test_no_secret_reaches_a_log_or_a_history(run: Run):
-    assert run.outcome.secrets_found == 0
+    assert_no_secret_leaked(run.outcome)

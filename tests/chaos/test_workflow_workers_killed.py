@@ -27,7 +27,7 @@ from tests import agent_workflows as wf
 from tests.chaos.cluster import MODEL, TENANT
 from tests.chaos.conftest import ClusterFactory
 from tests.chaos.figures import ScenarioFigures
-from tests.chaos.scenario import Outcome, finish
+from tests.chaos.scenario import Outcome, assert_no_secret_leaked, finish
 from tests.chaos.workload import Workload
 from tests.test_task_input import BAD_CALLS, HELLO
 
@@ -154,4 +154,4 @@ def test_the_same_prefix_goes_to_the_same_replica_whichever_worker_places_it(run
 
 
 def test_no_secret_reaches_a_log_or_a_history(run: Run):
-    assert run.outcome.secrets_found == 0
+    assert_no_secret_leaked(run.outcome)

@@ -19,11 +19,13 @@ from temporalio.service import RPCError
 
 from kvflow.workflows.agent import TaskSpec
 from tests import agent_workflows as wf
-from tests.chaos.cluster import MODEL, TENANT
+from tests.chaos.cluster import MODEL, SCAN_PROBE, TENANT
 from tests.chaos.traces import TaskTrace, trace
 
 START_RETRY_S = 60.0
 """How long starting one task may retry while the Temporal server is unreachable."""
+PROBE_MEMO = "scan_probe"
+"""The memo field every task carries `SCAN_PROBE` in, for the secret scan of its history."""
 
 _WORDS = [
     "replica",
@@ -102,7 +104,11 @@ class Workload:
         while True:
             try:
                 return await self.client.start_workflow(
-                    wf.MultiStepAgent.run, self.task(n), id=workflow_id, task_queue=self.task_queue
+                    wf.MultiStepAgent.run,
+                    self.task(n),
+                    id=workflow_id,
+                    task_queue=self.task_queue,
+                    memo={PROBE_MEMO: SCAN_PROBE},
                 )
             except WorkflowAlreadyStartedError:
                 # An earlier try reached the server before the answer was lost: it runs.
