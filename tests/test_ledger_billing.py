@@ -5,7 +5,6 @@ Every test runs against SQLite and PostgreSQL (the `ledger_url` fixture).
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from kvflow.workers.control_plane import ControlPlane
 from tests.fixtures_ledger import attempt_record, task_record
 from tests.fleets import one_pool_fleet
 from tests.test_ledger_store import _sums
+from tests.waiting import eventually
 
 # ---- the GPU worker's exact row wins over the workflow's estimate -----------------------------
 
@@ -294,9 +294,14 @@ async def test_tenant_budget_holds_across_a_restart_and_two_control_planes(
             # GPU workers bill $0.006 of acme's calls placed by one, then $0.006 by the other.
             await ledger.record_attempt(_spend_today(6_000, "1"))
             await ledger.record_attempt(_spend_today(6_000, "2"))
-            await asyncio.sleep(0.5)  # a few background refreshes
+            await eventually(
+                lambda: all(
+                    c.scheduler.tenant_spend_today("acme") == 12_000 for c in (first, second)
+                ),
+                within=10,
+                what="both control planes' background refreshes read acme's $0.012 of today",
+            )
             for control in (first, second):
-                assert control.scheduler.tenant_spend_today("acme") == 12_000
                 refusal = control.scheduler.place(_request())
                 assert isinstance(refusal, Refusal)
                 assert refusal.reason is RefusalReason.TENANT_OVER_QUOTA

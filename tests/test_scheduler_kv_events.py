@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -23,6 +23,7 @@ from kvflow.scheduler.kv_events import (
 from kvflow.scheduler.placement import Placement, PlacementRequest
 from kvflow.scheduler.prefix_index import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.fleets import one_pool_fleet
+from tests.waiting import eventually
 
 MODEL = "tiny-llama"
 TOPIC = "kv"
@@ -186,24 +187,22 @@ async def publisher() -> AsyncIterator[Publisher]:
         context.term()
 
 
-async def eventually(condition: Callable[[], bool], what: str) -> None:
-    for _ in range(1000):
-        if condition():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"timed out waiting until {what}")
-
-
 async def subscribed(subscriber: KvEventSubscriber, publisher: Publisher) -> None:
-    """Publish empty batches until the subscriber receives one (ZMQ drops until connected)."""
+    """Publish empty batches until the subscriber receives one.
+
+    A ZMQ subscriber that has just connected still misses what is published until its
+    subscription reaches the publisher ("slow joiner"), so one batch is not enough.
+    """
     await subscriber.wait_ready()
     start = subscriber.batches
-    for _ in range(400):
-        publisher.publish(encode([]))
-        await asyncio.sleep(0.01)
+
+    def received() -> bool:
         if subscriber.batches > start:
-            return
-    raise AssertionError("the subscriber never received a batch")
+            return True
+        publisher.publish(encode([]))
+        return False
+
+    await eventually(received, within=4, what="the subscriber receives a batch", interval=0.01)
 
 
 async def test_engine_events_make_the_scheduler_send_the_prompt_to_that_replica(
@@ -218,14 +217,14 @@ async def test_engine_events_make_the_scheduler_send_the_prompt_to_that_replica(
         # Engine hashes are the engine's own business (random here): the index re-hashes.
         publisher.publish(encode([stored(prompt[:256], [9001, 9002, 9003, 9004], None)]))
         publisher.publish(encode([stored(prompt[256:], [9005, 9006], 9004)]))
-        await eventually(lambda: subscriber.events >= 2, "both batches arrived")
+        await eventually(lambda: subscriber.events >= 2, within=5, what="both batches arrived")
         result = ask(scheduler, prompt + tokens(2, 40), "wf-1")
         assert result.replica == "cpu/2"
         assert result.expected_cached_tokens == 6 * ENGINE_BLOCK
         assert "384 of 424 prompt tokens cached" in result.reason
 
         publisher.publish(encode([BlockRemovedEvent(block_hashes=[9006, 9005], medium="GPU")]))
-        await eventually(lambda: subscriber.events >= 3, "the removal arrived")
+        await eventually(lambda: subscriber.events >= 3, within=5, what="the removal arrived")
         status = {s.replica: s for s in scheduler.status()}["cpu/2"]
         assert status.precise
         # Four engine blocks of 64 tokens are left: four index entries (one per 4 blocks of 16).
@@ -258,10 +257,10 @@ async def test_older_vllm_array_encoding_and_a_cache_reset_are_understood(
                 ]
             )
         )
-        await eventually(lambda: subscriber.events >= 1, "the batch arrived")
+        await eventually(lambda: subscriber.events >= 1, within=5, what="the batch arrived")
         assert ask(scheduler, prompt + [1] * 10, "wf-2").replica == "cpu/0"
         publisher.publish(encode([AllBlocksClearedEvent()]))
-        await eventually(lambda: subscriber.events >= 2, "the reset arrived")
+        await eventually(lambda: subscriber.events >= 2, within=5, what="the reset arrived")
         status = {s.replica: s for s in scheduler.status()}["cpu/0"]
         assert status.blocks_indexed == 0
     finally:
