@@ -5,7 +5,8 @@ and the tiny model, both under `KVFLOW_VLLM_HOME` (default `~/.cache/kvflow/vllm
 `vllm_server` fixture starts the server (with `kvflow.workers.vllm_server.VllmServer`) only when a
 test asks for it, once per session, and stops it with its engine processes at the end. Without
 the environment the tests that need it are skipped with a message saying how to build it;
-under `CI=true` they fail instead.
+under `CI=true` they fail instead. `served_vllm` builds such a server for a fixture of its
+own, e.g. with another chat template.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ __all__ = [
     "VllmInstall",
     "VllmServedModel",
     "run_vllm_server",
+    "served_vllm",
     "skip_or_fail",
     "vllm_install",
 ]
@@ -65,6 +67,8 @@ class VllmServedModel(ServedModel):
     """The server's combined stdout and stderr."""
     pid: int
     """The API server's process, leader of a process group with the engine and worker."""
+    model_dir: Path
+    """The model folder it serves (its tokenizer and chat template)."""
 
 
 def skip_or_fail(message: str) -> None:
@@ -82,18 +86,36 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.vllm)
 
 
+def _with_chat_template(model_dir: Path, template: str, into: Path) -> Path:
+    """`into`: the model of `model_dir` (linked, not copied) with `template` as its template."""
+    into.mkdir(parents=True, exist_ok=True)
+    for file in model_dir.iterdir():
+        if file.name != "chat_template.jinja":
+            (into / file.name).symlink_to(file)
+    (into / "chat_template.jinja").write_text(template)
+    return into
+
+
 @contextlib.contextmanager
-def run_vllm_server(install: VllmInstall, log_dir: Path) -> Iterator[VllmServedModel]:
+def run_vllm_server(
+    install: VllmInstall, log_dir: Path, *, chat_template: str | None = None
+) -> Iterator[VllmServedModel]:
     """Start a real vLLM server on a free port, wait until it is healthy, stop it on exit.
 
-    Its log goes to `log_dir/vllm-server.log`. Raises `VllmServerError` (a RuntimeError, with
-    the log's tail) when it dies or is not healthy within READY_TIMEOUT_S. On exit the whole
-    process group is stopped: SIGTERM, then SIGKILL after STOP_TIMEOUT_S. Tests that must kill
-    a server (a stream cut mid-way) start their own with this rather than kill the session's.
+    Its log goes to `log_dir/vllm-server.log`. With `chat_template`, it serves the tiny model
+    with that template instead of the model's own (the model is linked into `log_dir/model`).
+    Raises `VllmServerError` (a RuntimeError, with the log's tail) when it dies or is not
+    healthy within READY_TIMEOUT_S. On exit the whole process group is stopped: SIGTERM, then
+    SIGKILL after STOP_TIMEOUT_S. Tests that must kill a server (a stream cut mid-way) start
+    their own with this rather than kill the session's.
     """
+    model_dir = install.model_dir
+    if chat_template is not None:
+        model_dir = _with_chat_template(model_dir, chat_template, log_dir / "model")
     server = VllmServer(
         install,
         log_path=log_dir / "vllm-server.log",
+        model_dir=model_dir,
         served_model_names=[SERVED_MODEL_NAME],
         max_model_len=MAX_MODEL_LEN,
         kv_events=True,
@@ -115,7 +137,26 @@ def run_vllm_server(install: VllmInstall, log_dir: Path) -> Iterator[VllmServedM
             kv_topic=KV_TOPIC,
             log_path=server.log_path,
             pid=server.pid,
+            model_dir=model_dir,
         )
+
+
+def served_vllm(
+    tmp_path_factory: pytest.TempPathFactory, name: str, *, chat_template: str | None = None
+) -> Iterator[VllmServedModel]:
+    """The body of a real-vLLM fixture: skip (or fail under CI) without the environment."""
+    install = vllm_install()
+    missing = install.missing()
+    if missing is not None:
+        skip_or_fail(missing)
+    try:
+        server = run_vllm_server(
+            install, tmp_path_factory.mktemp(name), chat_template=chat_template
+        )
+        with server as served:
+            yield served
+    except VllmServerError as exc:
+        pytest.fail(str(exc), pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -125,16 +166,7 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServed
     Prefix caching, prompt-token details (`cached_tokens` in usage) and KV-cache events over
     ZMQ are on; the KV block size is 128 tokens and the context 1024 tokens.
     """
-    install = vllm_install()
-    missing = install.missing()
-    if missing is not None:
-        skip_or_fail(missing)
-    try:
-        server = run_vllm_server(install, tmp_path_factory.mktemp("vllm"))
-        with server as served:
-            yield served
-    except VllmServerError as exc:
-        pytest.fail(str(exc), pytrace=False)
+    yield from served_vllm(tmp_path_factory, "vllm")
 
 
 @pytest.fixture(scope="session")

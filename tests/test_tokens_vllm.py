@@ -13,8 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import httpx
@@ -27,18 +26,13 @@ from kvflow.scheduler.core import Scheduler
 from kvflow.scheduler.fleet import Fleet
 from kvflow.scheduler.kv_events import KvEventSubscriber
 from kvflow.scheduler.placement import PlacementRequest
+from kvflow.scheduler.prefix_index import BlockStored, KvEvent
 from kvflow.scheduler.tokens import HfTokenizer, render_tools
-from kvflow.workers.vllm_server import VllmServer, VllmServerError
-from tests.fixtures_vllm import (
-    MAX_MODEL_LEN,
-    SERVED_MODEL_NAME,
-    VllmServedModel,
-    skip_or_fail,
-    vllm_install,
-)
+from tests.fixtures_vllm import VllmServedModel, served_vllm, vllm_install
 from tests.fleets import one_pool_fleet
 from tests.servers import ServedModel
 from tests.test_tokens import TOOL_CHAT, TOOL_SPECS, TOOLS_TEMPLATE, tool_chat_api
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.vllm
 
@@ -126,10 +120,23 @@ def _long_conversation() -> list[dict[str, str]]:
     return [SYSTEM, {"role": "user", "content": text}]
 
 
+class StoreCountingScheduler(Scheduler):
+    """A scheduler that counts the tokens of the blocks the engine reported it cached."""
+
+    stored_tokens = 0
+
+    def apply_kv_events(
+        self, replica: str, events: Iterable[KvEvent], model: str | None = None
+    ) -> None:
+        events = list(events)
+        self.stored_tokens += sum(len(e.token_ids) for e in events if isinstance(e, BlockStored))
+        super().apply_kv_events(replica, events, model)
+
+
 async def _placed_and_cached(server: VllmServedModel, tokenizer: str) -> tuple[int, int, int]:
     """Send a long chat prompt, then place it again: (prompt ids, expected, vLLM's cached)."""
     fleet = fleet_for(server, tokenizer)
-    scheduler = Scheduler(fleet)
+    scheduler = StoreCountingScheduler(fleet)
     activities = ControlPlaneActivities(scheduler, fleet=fleet, block_size=scheduler.block_size)
     subscriber = KvEventSubscriber(
         scheduler,
@@ -156,7 +163,8 @@ async def _placed_and_cached(server: VllmServedModel, tokenizer: str) -> tuple[i
         await subscriber.wait_ready()
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60.0) as client:
 
-            async def chat() -> int:
+            async def chat() -> tuple[int, int]:
+                """(prompt tokens, of which cached), as vLLM counts them."""
                 response = await client.post(
                     "/v1/chat/completions",
                     json={
@@ -168,19 +176,22 @@ async def _placed_and_cached(server: VllmServedModel, tokenizer: str) -> tuple[i
                 )
                 response.raise_for_status()
                 usage = response.json()["usage"]
-                cached: int = usage["prompt_tokens_details"]["cached_tokens"]
-                return cached
+                return usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
 
-            assert await chat() == 0
-            before = subscriber.events
-            for _ in range(400):  # the engine publishes its events shortly after the step
-                if scheduler.status()[0].precise and subscriber.events > before:
-                    break
-                await asyncio.sleep(0.02)
-            await asyncio.sleep(0.2)  # the rest of the step's batch
+            prompt_tokens, cached = await chat()
+            assert cached == 0
+            # The engine publishes its KV events shortly after the step: wait for every full
+            # block of the prompt.
+            blocks = prompt_tokens // server.block_size * server.block_size
+            await eventually(
+                lambda: scheduler.stored_tokens >= blocks,
+                within=20,
+                what=f"vLLM's KV events report the prompt's {blocks} tokens of full blocks",
+            )
             answer = await activities.place(place)
             assert answer.placement is not None
-            return answer.prompt_tokens, answer.placement.expected_cached_tokens, await chat()
+            _, cached = await chat()
+            return answer.prompt_tokens, answer.placement.expected_cached_tokens, cached
     finally:
         subscriber.stop()
         await asyncio.wait_for(task, timeout=5)
@@ -234,47 +245,21 @@ async def test_tokenize_time_per_prompt(
 
 
 @pytest.fixture(scope="module")
-def tools_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServedModel, Path]]:
+def tools_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServedModel]:
     """Real vLLM serving the tiny model with a template that renders tools and tool calls."""
-    install = vllm_install()
-    missing = install.missing()
-    if missing is not None:
-        skip_or_fail(missing)
-    model_dir = tmp_path_factory.mktemp("tools-model")
-    for file in install.model_dir.iterdir():
-        if file.name != "chat_template.jinja":
-            (model_dir / file.name).symlink_to(file)
-    (model_dir / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
-    server = VllmServer(
-        install,
-        log_path=model_dir.parent / "vllm-tools.log",
-        model_dir=model_dir,
-        served_model_names=[SERVED_MODEL_NAME],
-        max_model_len=MAX_MODEL_LEN,
-    )
-    try:
-        with server:
-            served = ServedModel(
-                kind="vllm",
-                base_url=server.base_url,
-                model=SERVED_MODEL_NAME,
-                block_size=128,
-                max_model_len=MAX_MODEL_LEN,
-            )
-            yield served, model_dir
-    except VllmServerError as exc:
-        pytest.fail(str(exc), pytrace=False)
+    yield from served_vllm(tmp_path_factory, "vllm-tools", chat_template=TOOLS_TEMPLATE)
 
 
-@pytest.mark.parametrize("template", ["own", "renders_tools"])
+SERVER_OF_TEMPLATE = {"own": "vllm_server", "renders_tools": "tools_server"}
+"""The tiny model's own template writes role and content only; the other renders tools."""
+
+
+@pytest.mark.parametrize("template", sorted(SERVER_OF_TEMPLATE))
 async def test_a_chat_with_tools_and_a_tool_call_is_counted_as_vllm_counts_it(
     request: pytest.FixtureRequest, template: str
 ) -> None:
-    server: ServedModel
-    if template == "own":  # the tiny model's template writes role and content only
-        server, model_dir = request.getfixturevalue("vllm_server"), vllm_install().model_dir
-    else:
-        server, model_dir = request.getfixturevalue("tools_server")
+    server: VllmServedModel = request.getfixturevalue(SERVER_OF_TEMPLATE[template])
+    model_dir = server.model_dir
     messages, tools = tool_chat_api()
     resumed = [*messages, {"role": "assistant", "content": "First read"}]
     continued = {"add_generation_prompt": False, "continue_final_message": True}
