@@ -10,6 +10,7 @@ import pytest
 from kvflow.scheduler.blocks import block_hashes
 from kvflow.scheduler.fleet import ModelSpec
 from kvflow.simulator import BUILTIN_MODELS, EngineConfig, EngineCore, SimReplica, SimRequest
+from kvflow.simulator.engine import StepResult
 from kvflow.simulator.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 MODEL = BUILTIN_MODELS["llama-3.1-8b"]
@@ -173,6 +174,118 @@ def test_running_out_of_blocks_preempts_and_counts_it() -> None:
     assert all(r.finish_reason == "length" and r.num_output_tokens == 200 for r in requests)
     assert sum(r.num_preemptions for r in requests) == engine.stats.num_preemptions
     assert engine.kv_cache_usage() == 0.0
+
+
+def two_decoders(
+    policy: str, num_gpu_blocks: int = 31
+) -> tuple[EngineCore, SimRequest, SimRequest, float]:
+    """Two requests that outgrow a 30-block cache while decoding: one must be preempted.
+
+    "low" (priority 5) arrives and is admitted first, "high" (priority 0) one step later, so
+    "low" runs first in every step. "high" crosses into a new block 8 tokens before "low"
+    does: it is the one that runs out of blocks, in a step where "low" was already
+    scheduled. Returns the engine, both requests and the time the first step ended.
+    """
+    config = EngineConfig(
+        block_size=16,
+        num_gpu_blocks=num_gpu_blocks,
+        max_model_len=480,
+        scheduling_policy=policy,
+    )
+    engine = EngineCore("H100", SMALL, config)
+    low = SimRequest(
+        "low", max_tokens=200, prompt_token_ids=prompt(1, 100), ignore_eos=True, priority=5
+    )
+    high = SimRequest(
+        "high", max_tokens=200, prompt_token_ids=prompt(2, 108), ignore_eos=True, priority=0
+    )
+    engine.add_request(low, 0.0)
+    now = engine.step(0.0).end
+    engine.add_request(high, now)
+    return engine, low, high, now
+
+
+def steps_to_end(engine: EngineCore, now: float = 0.0) -> list[StepResult]:
+    results = []
+    while engine.has_unfinished_requests():
+        results.append(engine.step(now))
+        now = results[-1].end
+    return results
+
+
+@pytest.mark.timeout(30)
+def test_fcfs_preempts_the_running_request_admitted_last_whatever_its_priority() -> None:
+    engine, low, high, now = two_decoders("fcfs")
+    steps_to_end(engine, now)
+    assert (low.num_preemptions, high.num_preemptions) == (0, 1)
+    assert low.finish_reason == high.finish_reason == "length"
+    assert (low.finish_time or 0.0) < (high.finish_time or 0.0)
+
+
+@pytest.mark.timeout(30)
+def test_priority_preempts_the_lowest_priority_even_if_already_scheduled_this_step() -> None:
+    engine, low, high, now = two_decoders("priority", num_gpu_blocks=33)
+    # A third request, admitted after "high", must still run in the step that preempts.
+    tail = SimRequest(
+        "tail", max_tokens=200, prompt_token_ids=prompt(3, 40), ignore_eos=True, priority=1
+    )
+    now = engine.step(now).end
+    engine.add_request(tail, now)
+    results = steps_to_end(engine, now)
+    assert high.num_preemptions == 0 and low.num_preemptions >= 1
+    assert (high.finish_time or 0.0) < (low.finish_time or 0.0)
+    preempting = next(r for r in results if r.num_preempted)
+    assert preempting.num_preempted == 1
+    # "low" was scheduled before "high" ran out of blocks: its token went back to the budget.
+    assert [r.request_id for r in preempting.outputs] == ["high", "tail"]
+    assert preempting.num_scheduled_tokens == 2
+    assert all(r.finish_reason == "length" for r in (low, high, tail))
+    assert engine.kv_cache_usage() == 0.0
+
+
+@pytest.mark.timeout(30)
+def test_priority_preempts_the_latest_arrival_among_equal_priorities() -> None:
+    config = EngineConfig(block_size=16, num_gpu_blocks=31, max_model_len=480)
+    engine = EngineCore("H100", SMALL, config)
+    first = SimRequest("first", max_tokens=200, prompt_token_ids=prompt(1, 108), ignore_eos=True)
+    later = SimRequest("later", max_tokens=200, prompt_token_ids=prompt(2, 100), ignore_eos=True)
+    engine.add_request(first, 0.0)
+    engine.add_request(later, 0.5)
+    steps_to_end(engine)
+    assert (first.num_preemptions, later.num_preemptions) == (0, 1)
+
+
+@pytest.mark.timeout(30)
+def test_a_preempted_request_waits_behind_higher_priorities_under_priority_only() -> None:
+    def admitted_after_preemption(policy: str) -> list[str]:
+        engine, low, high, now = two_decoders(policy)
+        # Arrives after both and waits (no room); priority 3 ranks it between them.
+        mid = SimRequest(
+            "mid", max_tokens=4, prompt_token_ids=prompt(3, 300), ignore_eos=True, priority=3
+        )
+        engine.add_request(mid, now)
+        steps_to_end(engine, now)
+        preempted = low if low.num_preemptions else high
+        return [r.request_id for r in sorted((preempted, mid), key=lambda r: r.finish_time or 0)]
+
+    # fcfs: the preempted request goes back to the front of the queue, ahead of "mid".
+    assert admitted_after_preemption("fcfs") == ["high", "mid"]
+    # priority: "low" (5) waits behind "mid" (3).
+    assert admitted_after_preemption("priority") == ["mid", "low"]
+
+
+@pytest.mark.timeout(30)
+def test_fcfs_admits_in_arrival_order_whatever_the_priorities() -> None:
+    engine = EngineCore("H100", SMALL, EngineConfig(max_num_seqs=1, scheduling_policy="fcfs"))
+    requests = [
+        SimRequest(name, max_tokens=4, prompt_token_ids=prompt(i + 1, 64), priority=priority)
+        for i, (name, priority) in enumerate([("a", 5), ("b", 1), ("c", 0)])
+    ]
+    for request in requests:
+        engine.add_request(request, 0.0)
+    run_to_end(engine)
+    started = sorted(requests, key=lambda r: r.first_scheduled_time or 0.0)
+    assert [r.request_id for r in started] == ["a", "b", "c"]
 
 
 def test_waiting_requests_run_by_priority_then_arrival() -> None:

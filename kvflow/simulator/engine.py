@@ -5,13 +5,17 @@ One `EngineCore` serves one model. Each step, like vLLM's v1 scheduler:
 1. Running requests first, in admission order: a request still in prefill gets the rest of its
    prompt (a chunk, if the step's token budget `max_num_batched_tokens` is smaller: chunked
    prefill); a decoding request gets one token. When the KV cache has no free block for it,
-   the most recently admitted running request is preempted (its blocks freed, its progress
-   recomputed later; `num_preemptions` counts it) until the request fits or is itself the
-   one preempted.
-2. Then, if nothing was preempted, waiting requests in arrival order while the budget, the
-   `max_num_seqs` limit and free blocks last. A request first looks up the longest cached
-   prefix of its block-hash chain (at most all tokens but the last, as vLLM does); those
-   tokens are not computed again and are reported as `cached_tokens`.
+   a running request is preempted by recompute (its blocks freed, its progress recomputed
+   when it is admitted again; `num_preemptions` counts it) until the request fits or is
+   itself the one preempted. Which one, `EngineConfig.scheduling_policy` decides as vLLM
+   does: under fcfs the one admitted last; under priority the one of highest `priority`
+   value, then latest arrival, even one already scheduled in this step (its tokens go back
+   to the step's budget).
+2. Then, if nothing was preempted, waiting requests in queue order (fcfs: arrival, preempted
+   ones first; priority: `priority`, then arrival) while the budget, the `max_num_seqs` limit
+   and free blocks last. A request first looks up the longest cached prefix of its block-hash
+   chain (at most all tokens but the last, as vLLM does); those tokens are not computed again
+   and are reported as `cached_tokens`.
 
 The step's duration comes from `simulator.perf.PerfModel` (prefill grows with uncached tokens,
 decode with weights and KV read). A step is split in two so that a driver can let time pass
@@ -33,7 +37,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -60,6 +64,17 @@ class EngineConfig(BaseModel):
         default=None, ge=1, description="KV blocks per model; overrides the memory estimate"
     )
     enable_prefix_caching: bool = True
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        default="priority",
+        description=(
+            "vLLM's `--scheduling-policy`. fcfs: arrival order, a request's priority ignored, "
+            "the running request admitted last preempted first. priority: lowest priority "
+            "value first, then arrival; the running request of highest value, then latest "
+            "arrival, preempted first. The default is priority, as kvflow's fleets run vLLM "
+            "(kvflow sends a priority with every call); with every priority 0 it admits in "
+            "arrival order as fcfs does"
+        ),
+    )
     enable_kv_events: bool = Field(default=False, description="collect KV-cache events")
     tensor_parallel: int = Field(default=1, ge=1, le=64, description="GPUs per replica")
     mfu: float = Field(default=0.4, gt=0, le=1, description="prefill share of peak FLOP/s")
@@ -102,6 +117,7 @@ class SimRequest:
     """
 
     __slots__ = (
+        "arrival_order",
         "arrival_time",
         "block_hashes",
         "block_ids",
@@ -164,6 +180,8 @@ class SimRequest:
         """Lower runs first among the waiting (vLLM's `priority`; 0 for all: arrival order)."""
         self.status = RequestStatus.WAITING
         self.arrival_time = 0.0
+        self.arrival_order = 0
+        """Requests the engine received before this one (ties of `arrival_time`)."""
         self.num_computed_tokens = 0
         self.num_output_tokens = 0
         self.num_hashed_blocks = 0
@@ -266,6 +284,20 @@ class StepResult:
         return self.start + self.duration
 
 
+def _queue_key(request: SimRequest) -> tuple[int, float, int]:
+    """The order of vLLM's priority queue: priority, then arrival.
+
+    Arrival is the time, then the order the engine received requests in: vLLM's arrival
+    clock tells apart what a simulated clock gives the same time.
+    """
+    return (request.priority, request.arrival_time, request.arrival_order)
+
+
+def _victim_key(request: SimRequest) -> tuple[int, float, int]:
+    """The running request with the largest key is the one vLLM's priority policy preempts."""
+    return (request.priority, request.arrival_time, request.arrival_order)
+
+
 class EngineCore:
     """One model's scheduler, KV cache and step timing (see the module docstring).
 
@@ -327,6 +359,8 @@ class EngineCore:
         self.running: list[SimRequest] = []
         self.requests: dict[str, SimRequest] = {}
         self.stats = EngineStats()
+        self._by_priority = config.scheduling_policy == "priority"
+        self._arrivals = 0
         self.loaded = warm
         self.ready_at: float | None = None if not warm else 0.0
         self._inflight: list[tuple[SimRequest, int]] | None = None
@@ -363,26 +397,34 @@ class EngineCore:
                 else []
             )
         request.arrival_time = now
+        request.arrival_order = self._arrivals
+        self._arrivals += 1
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._enqueue(request, front=False)
 
     def _enqueue(self, request: SimRequest, *, front: bool) -> None:
-        """Into the waiting queue by priority (lower first), then arrival, as vLLM orders it.
+        """Into the waiting queue in the scheduling policy's order.
 
-        A preempted request goes `front` of its priority class. With every priority equal
-        (the default) this is plain arrival order (`append`) and preempted requests first
-        (`appendleft`), vLLM's first-come-first-served policy.
+        fcfs (vLLM's `FCFSRequestQueue`): a new request at the back, a preempted one
+        (`front`) at the front; priorities play no part. priority (`PriorityRequestQueue`):
+        ordered by (priority, arrival time, arrival order), preempted or not.
         """
         waiting = self.waiting
-        priority = request.priority
+        if not self._by_priority:
+            if front:
+                waiting.appendleft(request)
+            else:
+                waiting.append(request)
+            return
+        key = _queue_key(request)
+        index = len(waiting)
         if front:
             index = 0
-            while index < len(waiting) and waiting[index].priority < priority:
+            while index < len(waiting) and _queue_key(waiting[index]) < key:
                 index += 1
         else:
-            index = len(waiting)
-            while index > 0 and waiting[index - 1].priority > priority:
+            while index > 0 and _queue_key(waiting[index - 1]) > key:
                 index -= 1
         if index == len(waiting):
             waiting.append(request)
@@ -720,6 +762,7 @@ class EngineCore:
         pairs = 0.0
         prefill = 0
         running = self.running
+        by_priority = self._by_priority
         index = 0
         while index < len(running) and budget > 0:
             request = running[index]
@@ -731,7 +774,24 @@ class EngineCore:
                 needed = -(-(computed + num_new) // block_size) - len(request.block_ids)
                 blocks = pool.allocate(needed)
                 while blocks is None:
-                    victim = running.pop()
+                    if by_priority:
+                        victim = max(running, key=_victim_key)
+                        position = running.index(victim)
+                        del running[position]
+                        if position < index:
+                            index -= 1
+                            # Scheduled earlier in this step: its tokens go back to the budget.
+                            taken = self._unschedule(scheduled, victim)
+                            budget += taken
+                            new_tokens -= taken
+                            context -= victim.num_computed_tokens
+                            if taken == 1:
+                                pairs -= victim.num_computed_tokens + 0.5
+                            else:
+                                pairs -= taken * (victim.num_computed_tokens + taken * 0.5)
+                                prefill -= taken
+                    else:
+                        victim = running.pop()
                     self._preempt(victim)
                     preempted += 1
                     if victim is request:
@@ -794,7 +854,17 @@ class EngineCore:
         self._totals = (new_tokens, context, pairs, prefill)
         return scheduled, preempted
 
+    @staticmethod
+    def _unschedule(scheduled: list[tuple[SimRequest, int]], request: SimRequest) -> int:
+        """Take `request` out of this step's schedule; the tokens it had been given."""
+        for position, (entry, num_new) in enumerate(scheduled):
+            if entry is request:
+                del scheduled[position]
+                return num_new
+        raise AssertionError(f"{request.request_id} was not scheduled in this step")
+
     def _preempt(self, request: SimRequest) -> None:
+        """Preempt by recompute: free the request's blocks and queue it again."""
         self.pool.release(request.block_ids)
         request.block_ids = []
         request.num_computed_tokens = 0
