@@ -136,13 +136,14 @@ def test_h200_is_faster_than_h100_is_faster_than_l4() -> None:
 
 def test_prefix_cache_evicts_least_recently_used_blocks_under_pressure() -> None:
     config = EngineConfig(
-        block_size=16, num_gpu_blocks=40, max_model_len=512, enable_kv_events=True
+        block_size=16, num_gpu_blocks=41, max_model_len=512, enable_kv_events=True
     )
     engine = EngineCore("H100", SMALL, config)
     old, newer, newest = prompt(1, 320), prompt(2, 320), prompt(3, 320)
     one_request(engine, old, max_tokens=1)
     one_request(engine, newer, max_tokens=1, now=1.0)
-    # 40 blocks hold two prompts of 20 blocks; a third evicts the least recently used one.
+    # 40 blocks (and vLLM's null block) hold two prompts of 20 blocks; a third evicts the
+    # least recently used one.
     engine.step(2.0)  # drain queued events
     newest_request = SimRequest("newest", max_tokens=1, prompt_token_ids=newest)
     engine.add_request(newest_request, 3.0)
@@ -160,8 +161,88 @@ def test_prefix_cache_evicts_least_recently_used_blocks_under_pressure() -> None
     assert engine.cached_prefix_tokens(block_hashes(old, 16)) < 320
 
 
+@pytest.mark.timeout(30)
+def test_the_null_block_is_never_handed_out_and_usage_counts_the_rest() -> None:
+    config = EngineConfig(block_size=16, num_gpu_blocks=9, max_model_len=128)
+    engine = EngineCore("H100", SMALL, config)
+    # 8 blocks of 16 tokens: one request of 127 + 1 tokens takes them all.
+    request = SimRequest("all", max_tokens=1, prompt_token_ids=prompt(1, 127))
+    engine.add_request(request, 0.0)
+    engine.begin_step(0.0)
+    assert engine.kv_cache_usage() == 1.0
+    assert 0 not in request.block_ids and sorted(request.block_ids) == list(range(1, 9))
+    engine.end_step()
+
+
+@pytest.mark.timeout(30)
+def test_a_freed_partial_block_is_reused_before_any_cached_block() -> None:
+    config = EngineConfig(block_size=16, num_gpu_blocks=11, max_model_len=160)
+    engine = EngineCore("H100", SMALL, config)
+    # 10 blocks. "old" (65 tokens) leaves 4 cached blocks and a partial one, which "partial"
+    # (56 tokens) takes first; "partial" leaves 3 cached blocks and a partial one.
+    old, partial = prompt(1, 64), prompt(2, 56)
+    one_request(engine, [*old, 7], max_tokens=1)
+    one_request(engine, partial, max_tokens=1, now=1.0)
+    # Free queue: the partial block, 2 never used, then the cached blocks, oldest first.
+    # 3 new blocks take the partial one and the 2 unused, evicting nothing.
+    one_request(engine, prompt(3, 40), max_tokens=1, now=2.0)
+    assert engine.cached_prefix_tokens(block_hashes(old, 16)) == 64
+    assert engine.cached_prefix_tokens(block_hashes(partial, 16)) == 48
+
+
+@pytest.mark.timeout(30)
+def test_a_second_copy_of_a_block_is_found_after_the_first_is_evicted() -> None:
+    config = EngineConfig(block_size=16, num_gpu_blocks=9, max_model_len=128)
+    engine = EngineCore("H100", SMALL, config)
+    tokens = prompt(1, 64)
+    # 8 blocks. The same 4-block prompt twice: the second recomputes its last block (vLLM
+    # always computes the last token), a second copy under the same hash.
+    one_request(engine, tokens, max_tokens=1)
+    assert one_request(engine, tokens, max_tokens=1, now=1.0).num_cached_tokens == 48
+    # 4 new blocks: the 3 never used and the first copy of the last block (freed earliest).
+    one_request(engine, prompt(2, 64), max_tokens=1, now=2.0)
+    assert engine.cached_prefix_tokens(block_hashes(tokens, 16)) == 64
+
+
+@pytest.mark.timeout(30)
+def test_a_request_admitted_later_in_the_same_step_reuses_blocks_scheduled_before_it() -> None:
+    engine = EngineCore("H100", SMALL, EngineConfig(block_size=16))
+    tokens = prompt(4, 1000)
+    first = SimRequest("first", max_tokens=2, prompt_token_ids=tokens)
+    second = SimRequest("second", max_tokens=2, prompt_token_ids=tokens)
+    engine.add_request(first, 0.0)
+    engine.add_request(second, 0.0)
+    result = engine.step(0.0)
+    assert result.num_requests == 2
+    # vLLM registers a block when the step that fills it is scheduled, not when it ends.
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 992)
+    assert result.num_prefill_tokens == 1000 + 8
+
+
+@pytest.mark.timeout(30)
+def test_a_waiting_request_is_admitted_only_when_its_whole_prompt_fits() -> None:
+    def admitted_in_first_step(reserve_full_isl: bool) -> int:
+        config = EngineConfig(
+            block_size=16,
+            num_gpu_blocks=65,
+            max_model_len=1024,
+            max_num_batched_tokens=1000,
+            scheduler_reserve_full_isl=reserve_full_isl,
+        )
+        engine = EngineCore("H100", SMALL, config)
+        for i in range(2):
+            # 40 blocks each, and a step of 1000 tokens: the first prompt and a 360-token
+            # chunk of the second fit in 64 blocks; both whole prompts do not.
+            request = SimRequest(f"r{i}", max_tokens=1, prompt_token_ids=prompt(i + 1, 640))
+            engine.add_request(request, 0.0)
+        return engine.step(0.0).num_requests
+
+    assert admitted_in_first_step(True) == 1
+    assert admitted_in_first_step(False) == 2
+
+
 def test_running_out_of_blocks_preempts_and_counts_it() -> None:
-    config = EngineConfig(block_size=16, num_gpu_blocks=64, max_model_len=1024)
+    config = EngineConfig(block_size=16, num_gpu_blocks=65, max_model_len=1024)
     engine = EngineCore("H100", SMALL, config)
     requests = [
         SimRequest(f"p{i}", max_tokens=200, prompt_token_ids=prompt(i + 1, 200), ignore_eos=True)

@@ -15,7 +15,12 @@ One `EngineCore` serves one model. Each step, like vLLM's v1 scheduler:
    ones first; priority: `priority`, then arrival) while the budget, the `max_num_seqs` limit
    and free blocks last. A request first looks up the longest cached prefix of its block-hash
    chain (at most all tokens but the last, as vLLM does); those tokens are not computed again
-   and are reported as `cached_tokens`.
+   and are reported as `cached_tokens`. It is admitted only if its whole prompt fits in the
+   free blocks (`scheduler_reserve_full_isl`), though a chunk of it may be all it computes.
+
+Blocks are registered in the prefix cache when the step that fills them is scheduled
+(`kvflow.simulator.kvcache`), as vLLM's `allocate_slots` does: a request admitted later in
+the same step already finds them.
 
 The step's duration comes from `simulator.perf.PerfModel` (prefill grows with uncached tokens,
 decode with weights and KV read). A step is split in two so that a driver can let time pass
@@ -61,7 +66,12 @@ class EngineConfig(BaseModel):
     )
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     num_gpu_blocks: int | None = Field(
-        default=None, ge=1, description="KV blocks per model; overrides the memory estimate"
+        default=None,
+        ge=2,
+        description=(
+            "KV blocks per model, vLLM's null block included (`--num-gpu-blocks-override`); "
+            "overrides the memory estimate"
+        ),
     )
     enable_prefix_caching: bool = True
     scheduling_policy: Literal["fcfs", "priority"] = Field(
@@ -73,6 +83,13 @@ class EngineConfig(BaseModel):
             "arrival, preempted first. The default is priority, as kvflow's fleets run vLLM "
             "(kvflow sends a priority with every call); with every priority 0 it admits in "
             "arrival order as fcfs does"
+        ),
+    )
+    scheduler_reserve_full_isl: bool = Field(
+        default=True,
+        description=(
+            "admit a waiting request only if its whole prompt fits in the free blocks, not "
+            "only its first chunk (vLLM's default)"
         ),
     )
     enable_kv_events: bool = Field(default=False, description="collect KV-cache events")
@@ -344,10 +361,10 @@ class EngineCore:
                 f"{perf.memory_bytes() * config.gpu_memory_utilization / GB:.1f} GB usable; "
                 "use a larger GPU, more GPUs per replica, or a smaller model"
             )
-        if num_blocks * self.block_size < self.max_model_len:
+        if (num_blocks - 1) * self.block_size < self.max_model_len:
             raise ValueError(
                 f"{model.name} on {perf.gpu.generation.value}: the KV cache holds "
-                f"{num_blocks * self.block_size} tokens, fewer than max_model_len "
+                f"{max(0, num_blocks - 1) * self.block_size} tokens, fewer than max_model_len "
                 f"{self.max_model_len}; lower max_model_len or give it more memory"
             )
         self.num_gpu_blocks = num_blocks
@@ -551,7 +568,6 @@ class EngineCore:
         outputs: list[SimRequest] = []
         finished: list[SimRequest] = []
         stats = self.stats
-        block_size = self.block_size
         max_model_len = self.max_model_len
         running_status = RequestStatus.RUNNING
         total = 0
@@ -562,8 +578,6 @@ class EngineCore:
                 continue  # aborted while the step ran
             computed = request.num_computed_tokens + num_new
             request.num_computed_tokens = computed
-            if computed // block_size > request.num_hashed_blocks:
-                self._cache_full_blocks(request)
             produced = request.num_output_tokens
             if computed < request.num_prompt_tokens + produced:
                 continue  # a chunk of a longer prefill: no token yet
@@ -727,7 +741,8 @@ class EngineCore:
             request.num_output_tokens += steps
             request.last_token_time = now
             if computed // block_size > request.num_hashed_blocks:
-                self._cache_full_blocks(request)
+                # As the run's steps would have, each when it was scheduled.
+                self._cache_full_blocks(request, computed)
         stats = self.stats
         stats.steps += steps
         stats.busy_seconds += self._step_duration
@@ -800,6 +815,8 @@ class EngineCore:
                 if blocks is None:
                     break
                 request.block_ids.extend(blocks)
+            if (computed + num_new) // block_size > request.num_hashed_blocks:
+                self._cache_full_blocks(request, computed + num_new)
             append((request, num_new))
             budget -= num_new
             new_tokens += num_new
@@ -813,6 +830,7 @@ class EngineCore:
         if not preempted:
             waiting = self.waiting
             max_seqs = self.config.max_num_seqs
+            reserve_full = self.config.scheduler_reserve_full_isl
             stats = self.stats
             while waiting and budget > 0 and len(running) < max_seqs:
                 request = waiting[0]
@@ -827,7 +845,12 @@ class EngineCore:
                 if num_new > budget:
                     num_new = budget
                 needed = -(-(num_cached + num_new) // block_size) - len(hits)
-                if needed > pool.num_free_blocks - pool.count_free(hits):
+                # Free blocks among the hits stop being free once the request takes them.
+                available = pool.num_free_blocks - (pool.count_free(hits) if hits else 0)
+                if reserve_full:
+                    if -(-num_tokens // block_size) - len(hits) > available:
+                        break
+                elif needed > available:
                     break
                 pool.touch(hits)
                 blocks = pool.allocate(needed)
@@ -838,6 +861,8 @@ class EngineCore:
                 request.num_hashed_blocks = len(hits)
                 request.status = RequestStatus.RUNNING
                 running.append(request)
+                if (num_cached + num_new) // block_size > request.num_hashed_blocks:
+                    self._cache_full_blocks(request, num_cached + num_new)
                 stats.prefix_cache_queries += num_tokens
                 stats.prefix_cache_hits += num_cached
                 if request.first_scheduled_time is None:
@@ -873,10 +898,11 @@ class EngineCore:
         request.status = RequestStatus.PREEMPTED
         self._enqueue(request, front=True)
 
-    def _cache_full_blocks(self, request: SimRequest) -> None:
+    def _cache_full_blocks(self, request: SimRequest, num_tokens: int) -> None:
+        """Register the blocks full within the request's first `num_tokens` tokens."""
         block_size = self.block_size
         first = request.num_hashed_blocks
-        full = request.num_computed_tokens // block_size
+        full = num_tokens // block_size
         hashes = request.block_hashes
         assert hashes is not None
         tokens = request.token_ids

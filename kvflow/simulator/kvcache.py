@@ -1,21 +1,32 @@
 """The paged KV cache: a pool of fixed-size blocks with prefix caching and LRU eviction.
 
-Shaped like vLLM v1's `BlockPool`: every block has a reference count; a full block of a
-request is registered under its hash (`kvflow.scheduler.blocks`), so a later request whose prompt
-starts with the same tokens reuses it instead of computing it again. Blocks whose reference
-count drops to zero go to the tail of a free queue but keep their hash: they stay reusable
-until the pool needs a block and evicts the least recently freed one from the head (a
-`BlockRemoved` event). A request frees its blocks last-first, so the tail of a prompt is
-evicted before its shared head.
+Shaped like vLLM v1's `BlockPool` (`vllm/v1/core/block_pool.py`), rule for rule:
+
+- Block 0 is the null block (a placeholder vLLM never hands out): of `num_blocks`, requests
+  get `num_blocks − 1`, and usage is counted over those.
+- Every block has a reference count. A full block is registered under its hash
+  (`kvflow.scheduler.blocks`) when the step that fills it is scheduled, so a request admitted
+  later, even in the same step, reuses it instead of computing it again.
+- Several blocks may hold the same hash (two requests computed the same tokens, or a prompt's
+  last full block, which is always recomputed): a lookup returns the first registered one
+  still cached, and evicting one leaves the others findable.
+- A request frees its blocks last block first. A freed block that has a hash goes to the tail
+  of the free queue and stays reusable until the pool needs a block and evicts it from the
+  head (least recently freed first, a `BlockRemoved` event); a freed block without a hash
+  (a partial last block) goes to the head, to be reused first.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from itertools import islice, takewhile
+from typing import Any, cast
 
 from kvflow.simulator.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
+
+NULL_BLOCK = 0
+"""The placeholder block vLLM keeps out of the free queue."""
 
 
 class BlockPool:
@@ -24,6 +35,7 @@ class BlockPool:
     __slots__ = (
         "_block_hash",
         "_cached",
+        "_copies",
         "_events",
         "_free",
         "_ref_cnt",
@@ -39,17 +51,27 @@ class BlockPool:
         enable_caching: bool = True,
         events: list[Any] | None = None,
     ) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+        if num_blocks < 2:
+            raise ValueError(
+                f"num_blocks must be at least 2 (one is the null block), got {num_blocks}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
         self._ref_cnt = [0] * num_blocks
         self._block_hash: list[int | None] = [None] * num_blocks
-        # Insertion order is eviction order: the first key is the least recently freed block.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Insertion order is eviction order: the first key is the next block handed out.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self._cached: dict[int, int] = {}
+        """Hash → the block a lookup finds (the first registered one still cached)."""
+        self._copies: dict[int, list[int]] = {}
+        """Hash → further blocks registered under it, in registration order."""
         self._events = events
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold: all but the null block."""
+        return self.num_blocks - 1
 
     @property
     def num_free_blocks(self) -> int:
@@ -58,42 +80,32 @@ class BlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
-        """Blocks registered under a hash (held or free)."""
+        """Hashes a lookup can find (held or free blocks)."""
         return len(self._cached)
 
     def usage(self) -> float:
         """Fraction of blocks held by requests, as `vllm:kv_cache_usage_perc` reports it."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - len(self._free) / (self.num_blocks - 1)
 
     def longest_cached_prefix(self, block_hashes: Sequence[int], max_blocks: int) -> list[int]:
         """Block ids of the longest run of `block_hashes` (from the first) that is cached."""
         if not self.enable_caching:
             return []
-        cached = self._cached
-        found: list[int] = []
-        for block_hash in block_hashes[:max_blocks]:
-            block = cached.get(block_hash)
-            if block is None:
-                break
-            found.append(block)
-        return found
+        # One pass in C (block ids are never 0, the null block's): a blocked request is
+        # looked up again every step, and a Python loop over a long prompt cost most of a
+        # thrashing run's time.
+        found = takewhile(bool, map(self._cached.get, islice(block_hashes, max_blocks)))
+        return cast(list[int], list(found))
 
     def cached_prefix_blocks(self, block_hashes: Sequence[int]) -> int:
         """How many blocks from the first of `block_hashes` are cached (a read-only probe)."""
         if not self.enable_caching:
             return 0
-        cached = self._cached
-        count = 0
-        for block_hash in block_hashes:
-            if block_hash not in cached:
-                break
-            count += 1
-        return count
+        return sum(1 for _ in takewhile(self._cached.__contains__, block_hashes))
 
     def count_free(self, blocks: Sequence[int]) -> int:
         """How many of `blocks` are in the free queue (would stop being free if touched)."""
-        ref_cnt = self._ref_cnt
-        return sum(1 for b in blocks if ref_cnt[b] == 0)
+        return list(map(self._ref_cnt.__getitem__, blocks)).count(0)
 
     def touch(self, blocks: Sequence[int]) -> None:
         """Take a reference on cached `blocks`, taking free ones out of the free queue."""
@@ -121,27 +133,36 @@ class BlockPool:
             old = block_hash[block]
             if old is not None:
                 block_hash[block] = None
-                if self._cached.get(old) == block:
-                    del self._cached[old]
-                    if self._events is not None:
-                        if evicted is None:
-                            evicted = []
-                        evicted.append(old)
+                self._forget(old, block)
+                if self._events is not None:
+                    if evicted is None:
+                        evicted = []
+                    evicted.append(old)
             ref_cnt[block] = 1
             blocks.append(block)
         if evicted:
             assert self._events is not None
+            # vLLM sends one event per evicted block; one event for the batch says the same.
             self._events.append(BlockRemoved(block_hashes=evicted, medium=MEDIUM_GPU))
         return blocks
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference on each of `blocks`, last block first (see the module docstring)."""
         ref_cnt = self._ref_cnt
+        block_hash = self._block_hash
         free = self._free
+        reuse_first: list[int] = []
         for block in reversed(blocks):
             ref_cnt[block] -= 1
             if ref_cnt[block] == 0:
-                free[block] = None
+                if block_hash[block] is None:
+                    reuse_first.append(block)
+                else:
+                    free[block] = None
+        # vLLM puts blocks without a hash at the head, in the order they were freed.
+        for block in reversed(reuse_first):
+            free[block] = None
+            free.move_to_end(block, last=False)
 
     def cache_blocks(
         self,
@@ -157,8 +178,11 @@ class BlockPool:
         block_hash = self._block_hash
         for block, value in zip(blocks, hashes, strict=True):
             block_hash[block] = value
-            # Two requests may compute the same block at once; the first one stays the lookup.
-            cached.setdefault(value, block)
+            first = cached.get(value)
+            if first is None:
+                cached[value] = block
+            else:
+                self._copies.setdefault(value, []).append(block)
         if self._events is not None:
             self._events.append(
                 BlockStored(
@@ -174,10 +198,26 @@ class BlockPool:
 
     def reset(self) -> bool:
         """Forget every cached hash; only possible when no request holds a block."""
-        if len(self._free) != self.num_blocks:
+        if len(self._free) != self.num_blocks - 1:
             return False
         self._cached.clear()
+        self._copies.clear()
         self._block_hash = [None] * self.num_blocks
         if self._events is not None:
             self._events.append(AllBlocksCleared())
         return True
+
+    def _forget(self, value: int, block: int) -> None:
+        """`block` no longer holds hash `value`; another block holding it takes over lookups."""
+        copies = self._copies.get(value)
+        if self._cached.get(value) == block:
+            if copies:
+                self._cached[value] = copies.pop(0)
+                if not copies:
+                    del self._copies[value]
+            else:
+                del self._cached[value]
+        elif copies is not None:
+            copies.remove(block)
+            if not copies:
+                del self._copies[value]
