@@ -26,6 +26,8 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 import httpx
 from opentelemetry import trace
+from opentelemetry.metrics import Meter
+from opentelemetry.trace import SpanKind
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -42,6 +44,15 @@ from kvflow.activities.errors import (
     from_error_body,
     from_status,
     from_transport,
+)
+from kvflow.activities.gen_ai_telemetry import (
+    SCOPE_NAME,
+    AttemptEnd,
+    GenAiClientMetrics,
+    Server,
+    end_attributes,
+    request_attributes,
+    span_name,
 )
 from kvflow.activities.wire import (
     CONVERSATION,
@@ -62,7 +73,7 @@ from kvflow.scheduler.builtin_tokenizer import Tokenizer as BuiltinTokenizer
 from kvflow.scheduler.fleet import Pool, replica_name
 
 log = logging.getLogger(__name__)
-tracer = trace.get_tracer("kvflow.inference")
+tracer = trace.get_tracer(SCOPE_NAME)
 
 _T = TypeVar("_T")
 
@@ -92,6 +103,10 @@ class Progress:
     """False once the output must not be continued (its engine miscounted tokens)."""
     tool_calls: dict[int, dict[str, str]] = field(default_factory=dict)
     """The tool calls streamed so far, by their index: `id`, `name` and `arguments` text."""
+    response_model: str | None = None
+    """The model the server says answered (its chunks' `model`), for the span."""
+    response_id: str | None = None
+    """The server's id of the completion (its chunks' `id`), for the span."""
 
     def finished_tool_calls(self) -> list[ToolCall]:
         """The tool calls of a finished answer, in the order the model wrote them."""
@@ -232,12 +247,16 @@ class InferenceActivities:
         ledger: AttemptSink | None = None,
         store: DirectoryContextStore | None = None,
         heartbeat_interval_s: float = 0.5,
+        meter: Meter | None = None,
     ) -> None:
         self.replica = replica
         self.http = http
         self.ledger = ledger
         self.store = store or DirectoryContextStore()
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.server = Server.of(replica.base_url)
+        self.metrics = GenAiClientMetrics(meter)
+        """`gen_ai.client.*` histograms (on the global `MeterProvider` unless `meter` is given)."""
 
     @activity.defn(name=INFER_ACTIVITY)
     async def infer(self, request: InferenceRequest) -> InferenceResult:
@@ -286,13 +305,11 @@ class InferenceActivities:
         error_type: str | None = None
         text_ref: ContextRef | None = None
         with tracer.start_as_current_span(
-            "kvflow.infer",
-            attributes={
-                "kvflow.model": request.model,
-                "kvflow.replica": self.replica.name,
-                "kvflow.step": request.step,
-                "kvflow.tenant": request.tenant,
-            },
+            span_name(request),
+            kind=SpanKind.CLIENT,
+            attributes=request_attributes(
+                request, self.server, replica=self.replica.name, pool=self.replica.pool.name
+            ),
         ) as span:
             try:
                 await self._stream(request, resumed, progress)
@@ -335,16 +352,21 @@ class InferenceActivities:
                 usage = progress.usage()
                 cost = self._cost(usage)
                 ttft = (progress.first_token_at - sent) if progress.first_token_at else None
-                span.set_attributes(
-                    {
-                        "kvflow.prompt_tokens": usage.prompt_tokens,
-                        "kvflow.cached_tokens": usage.cached_tokens,
-                        "kvflow.completion_tokens": usage.completion_tokens,
-                        "kvflow.cost_micros": cost,
-                        "kvflow.outcome": outcome.value,
-                        **({"kvflow.ttft_s": ttft} if ttft is not None else {}),
-                    }
+                end = AttemptEnd(
+                    usage=usage,
+                    response_model=progress.response_model or request.model,
+                    response_id=progress.response_id,
+                    finish_reason=progress.finish_reason,
+                    reused_tokens=progress.reused_tokens,
+                    cost_micros=cost,
+                    outcome=outcome.value,
+                    # A cancelled call is no success either: backends count it with the errors.
+                    error_type=error_type
+                    or ("cancelled" if outcome is AttemptOutcome.CANCELLED else None),
+                    ttft_s=ttft,
                 )
+                span.set_attributes(end_attributes(end))
+                self.metrics.record(request, self.server, end, duration_s=time.monotonic() - sent)
                 await _finish(
                     self._record(
                         AttemptRecord(
@@ -711,6 +733,10 @@ def _apply_chunk(
     # `{}` and null say nothing: some servers send them on every chunk before the real one.
     reported = _apply_usage(usage, progress, bounds, replica) if usage else False
     progress.chunks += 1
+    if isinstance(chunk.get("model"), str):
+        progress.response_model = chunk["model"]
+    if isinstance(chunk.get("id"), str):
+        progress.response_id = chunk["id"]
     for piece in pieces:
         if progress.first_token_at is None:
             progress.first_token_at = time.monotonic()
