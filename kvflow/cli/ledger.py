@@ -31,6 +31,7 @@ from kvflow.ledger.export import (
     report_json,
     report_notes,
 )
+from kvflow.ledger.focus import focus_csv, ledger_focus_export
 from kvflow.ledger.migrations import LATEST_VERSION
 from kvflow.ledger.report import Report, ReportQuery
 from kvflow.ledger.store import (
@@ -59,6 +60,8 @@ class ReportFormat(StrEnum):
     CSV = "csv"
     JSON = "json"
     HTML = "html"
+    FOCUS = "focus"
+    """FOCUS 1.0 cost and usage rows (CSV) for FinOps tools (`kvflow.ledger.focus`)."""
 
 
 DbOption = Annotated[
@@ -91,7 +94,13 @@ def report_command(
     ] = None,
     tenant: Annotated[str | None, typer.Option("--tenant", help="only this tenant")] = None,
     output_format: Annotated[
-        ReportFormat, typer.Option("--format", help="table, csv, json or html")
+        ReportFormat,
+        typer.Option(
+            "--format",
+            help="table, csv, json, html, or focus (FOCUS 1.0 CSV for FinOps tools; its rows "
+            "are by day, tenant, workflow type, outcome, pool, model and token type, whatever "
+            "--group-by says)",
+        ),
     ] = ReportFormat.TABLE,
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="write to this file instead of stdout")
@@ -102,9 +111,14 @@ def report_command(
     Tasks are selected by when they closed. Money is in US dollars; JSON is {"rows": \[...]}.
     """
     query = _report_query(group_by, since, until, tenant)
+    focus_text, focus_rows = "", 0
     try:
         with open_ledger(db) as ledger:
-            report = ledger.report(query)
+            if output_format is ReportFormat.FOCUS:
+                report, focus = ledger_focus_export(ledger, query)
+                focus_text, focus_rows = focus_csv(focus), len(focus.charges)
+            else:
+                report = ledger.report(query)
     except LedgerError as exc:
         fail_without_secrets(str(exc), db)
 
@@ -119,8 +133,13 @@ def report_command(
         text = report_csv(report)
     elif output_format is ReportFormat.JSON:
         text = report_json(report)
-    else:
+    elif output_format is ReportFormat.HTML:
         text = report_html(report)
+    else:
+        text = focus_text
+        # A FOCUS file has no room for them: what it leaves out is said on stderr.
+        for note in report_notes(report):
+            err.print(note, style="dim", highlight=False)
 
     if output is None:
         sys.stdout.write(text)
@@ -129,9 +148,9 @@ def report_command(
         output.write_text(text, encoding="utf-8")
     except OSError as exc:
         fail(f"cannot write {output}: {exc.strerror or exc}")
+    rows = focus_rows if output_format is ReportFormat.FOCUS else len(report.rows)
     err.print(
-        f"wrote {output} ({len(report.rows)} row{'s' if len(report.rows) != 1 else ''}, "
-        f"{output_format.value})",
+        f"wrote {output} ({rows} row{'s' if rows != 1 else ''}, {output_format.value})",
         highlight=False,
     )
 

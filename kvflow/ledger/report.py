@@ -325,6 +325,8 @@ class Report:
     that a figure read earlier (the workflow's `KvflowSpendMicros`, an earlier report) can be
     told apart from a mistake.
     """
+    tasks: tuple[TaskFacts, ...] = ()
+    """The closed tasks in range the figures are computed from (the FOCUS export reads them)."""
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -413,4 +415,5 @@ def build_report(
         unclosed_attempts=unclosed_attempts,
         unclosed_spend_micros=unclosed_spend_micros,
         moved=tuple(moved),
+        tasks=tuple(tasks),
     )
