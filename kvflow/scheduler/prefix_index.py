@@ -12,8 +12,10 @@ each naming the whole prefix up to its block. Two sources fill the index:
   `BlockStored` block is re-hashed from its token ids with `kvflow.scheduler.blocks.hash_block`,
   chained from the kvflow hash of its parent (found through the engine hash → kvflow hashes
   map; no parent means `ROOT_HASH`). An engine block of `k · block_size` tokens becomes `k`
-  kvflow blocks. Placements on a precise replica add *speculative* entries that count until a
-  `BlockStored` confirms them or `speculative_ttl_s` passes.
+  kvflow blocks. An engine that hashes as kvflow does (the simulator, `kvflow_hashes`) sends
+  its hashes alone, and they are taken as they are: no token ids, no hashing. Placements on a
+  precise replica add *speculative* entries that count until a `BlockStored` confirms them or
+  `speculative_ttl_s` passes.
 
 Matching a request is O(blocks + holders of its deepest shared block), not O(replicas ×
 blocks): the index maps each block to the set of replicas holding it, and a request is matched
@@ -46,6 +48,10 @@ class BlockStored:
     parent_block_hash: EngineHash | None
     token_ids: tuple[int, ...]
     block_size: int
+    kvflow_hashes: bool = False
+    """The engine's hashes are kvflow's own (`kvflow.scheduler.blocks`, blocks of the index's
+    `block_size`), as the simulator's are: they are the index's keys, and `token_ids` may be
+    empty. vLLM hashes with its own algorithm, so its events never set this."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -443,6 +449,9 @@ class PrefixIndex:
             holders.pop(h, None)
 
     def _stored(self, replica: int, event: BlockStored) -> None:
+        if event.kvflow_hashes and event.block_size == self.block_size:
+            self._stored_keys(replica, event)
+            return
         engine_map = self._engine[replica]
         size = event.block_size
         if size % self.block_size:
@@ -486,6 +495,47 @@ class PrefixIndex:
             if entries:
                 anchor = entries[-1]
             engine_map[engine_hash] = (parent, position, anchor, tuple(entries))
+        if anchor != _NO_PARENT:
+            blocks.use(anchor)
+        self._evict(replica)
+
+    def _stored_keys(self, replica: int, event: BlockStored) -> None:
+        """`_stored` for an engine whose hashes are the index's keys: no token ids to hash.
+
+        The same entries as hashing the blocks' tokens would give; in a thrashing run, where
+        every recomputed block is stored again, hashing them was most of the ingest's cost.
+        """
+        engine_map = self._engine[replica]
+        if event.parent_block_hash is None:
+            position, anchor = -1, _NO_PARENT
+        else:
+            known = engine_map.get(event.parent_block_hash)
+            if known is None:
+                self.unmatched_events += 1
+                return
+            _, position, anchor, _ = known
+        stride = self.stride
+        speculative = self._speculative
+        first_anchor = anchor
+        entries: list[int] = []
+        for h in event.block_hashes:
+            assert isinstance(h, int)  # kvflow hashes are 64-bit ints
+            position += 1
+            if position % stride == stride - 1:
+                entries.append(h)
+                if speculative:
+                    guesses = speculative.get(h)
+                    if guesses is not None:
+                        guesses.pop(replica, None)
+                anchor = h
+                engine_map[h] = (h, position, h, (h,))
+            else:
+                engine_map[h] = (h, position, anchor, ())
+        blocks = self._blocks[replica]
+        holders = self._holders
+        bit = 1 << replica
+        for h in blocks.add_chain(first_anchor, entries):
+            holders[h] = holders.get(h, 0) | bit
         if anchor != _NO_PARENT:
             blocks.use(anchor)
         self._evict(replica)

@@ -14,8 +14,12 @@ Fed as `kvflow.workers.control_plane.ControlPlane` feeds it:
 
 - every `scrape_interval_s` (1 s, `MetricsScraper`'s default) each replica's `/metrics`
   (`update_metrics`: running, waiting, KV usage, cache size, served models);
-- every engine step's KV-cache events (`apply_kv_events`: the precise prefix index), with the
-  blocks' token ids, as vLLM sends them;
+- every engine step's KV-cache events (`apply_kv_events`: the precise prefix index). vLLM
+  sends the blocks' token ids, which the index hashes again with kvflow's hash; the simulated
+  engines hash as kvflow does, so their hashes go in alone (`BlockStored.kvflow_hashes`) and
+  the index takes them as they are: the same entries, without hashing every stored block
+  again (a thrashing run stores each recomputed block anew). `extra["kv_event_token_ids"] =
+  True` sends token ids as vLLM does;
 - a replica found down (`set_replica_up(False)`);
 - every attempt's end (`observe`: timings, tokens, cost; failures count against the circuit).
 
@@ -70,6 +74,11 @@ class KvflowPolicy:
         interval = setup.extra.get("scrape_interval_s", SCRAPE_INTERVAL_S)
         self.scrape_interval_s = float(interval) if isinstance(interval, int | float) else 1.0
         self.kv_events = bool(setup.extra.get("kv_events", True))
+        self.kv_event_token_ids = bool(setup.extra.get("kv_event_token_ids", False)) or (
+            setup.block_size != self.scheduler.block_size
+        )
+        """Send token ids with stored blocks: asked for, or needed because the engines' blocks
+        are not the index's (their hashes are then not its keys)."""
         self.priority_dispatch = bool(setup.extra.get("priority_dispatch", True))
         self._scraped_at = -math.inf
         self._retry_after: dict[str, float] = {}
@@ -145,13 +154,24 @@ class KvflowPolicy:
             )
 
     def on_step(self, replica: int, result: StepResult) -> None:
-        """The step's KV events, with token ids, into the precise prefix index."""
+        """The step's KV events into the precise prefix index (module docstring)."""
         if not self.kv_events or not result.kv_events or replica in self._down:
             return
         events: list[KvEvent] = []
         tokens_of = self.tokens_of
+        with_tokens = self.kv_event_token_ids
         for event in result.kv_events:
-            if isinstance(event, sim_events.BlockStored):
+            if isinstance(event, sim_events.BlockStored) and not with_tokens:
+                events.append(
+                    BlockStored(
+                        block_hashes=tuple(event.block_hashes),
+                        parent_block_hash=event.parent_block_hash,
+                        token_ids=(),
+                        block_size=event.block_size,
+                        kvflow_hashes=True,
+                    )
+                )
+            elif isinstance(event, sim_events.BlockStored):
                 parent = event.parent_block_hash
                 chained = ROOT_HASH if parent is None else parent
                 tokens: list[int] = []
