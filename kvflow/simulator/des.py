@@ -328,6 +328,7 @@ class DiscreteEventFleet:
         self._wake_at: list[float | None] = [None] * len(self.replicas)
         self._horizon = math.inf
         self._ids = itertools.count()
+        self._stopped = False
         self.steps = 0
 
     def submit(self, request: FleetRequest) -> None:
@@ -355,6 +356,15 @@ class DiscreteEventFleet:
                 if self.on_fail is not None:
                     self.on_fail(sim.tag, index, sim)
 
+    def refresh_metrics(self) -> None:
+        """Scrape the replicas' metrics now if the interval passed (and tell `on_scrape`)."""
+        if self.view.scrape(self.now) and self.on_scrape is not None:
+            self.on_scrape(self.now)
+
+    def stop(self) -> None:
+        """End `run` after the current event (what is left of the run no figure needs)."""
+        self._stopped = True
+
     def mark_down(self, index: int) -> None:
         """Routers see replica `index` as down from now on."""
         self.view.up[index] = False
@@ -381,7 +391,8 @@ class DiscreteEventFleet:
         events = self._events
         # Decode runs never pass `until`; arrivals cut them (see `_arrive`).
         self._horizon = math.inf if until is None else until
-        while True:
+        self._stopped = False
+        while not self._stopped:
             next_event = events[0][0] if events else math.inf
             if pending is not None and pending.arrival_time <= next_event:
                 if until is not None and pending.arrival_time > until:
@@ -417,8 +428,7 @@ class DiscreteEventFleet:
         return SimulationResult(self.records, self.now, self.steps, preemptions, unfinished)
 
     def _arrive(self, request: FleetRequest) -> None:
-        if self.view.scrape(self.now) and self.on_scrape is not None:
-            self.on_scrape(self.now)
+        self.refresh_metrics()
         index = self.router.route(request, self.view, self.now)
         if index is None or self.crashed[index]:
             if self.on_fail is None:

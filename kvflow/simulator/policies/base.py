@@ -7,8 +7,24 @@ how each attempt ended (`on_attempt_end`) and that a replica was found down
 (`on_replica_down`). A policy ignores what its source system does not use.
 
 Every policy is built from one `PolicySetup` and sees the same calls: a `FleetRequest` whose
-`context` is the call's `TaskContext`. Anchors (request routers) look only at the prompt, the
-model and the fleet; kvflow also reads the task context, as its workflow sends it.
+`context` is the call's `TaskContext`, holding only what production would know when the call
+is placed (what the task declared, what was observed so far; never the task's future). Anchors
+(request routers) look only at the prompt, the model and the fleet; kvflow also reads the task
+context, as its workflow sends it; the anchors' tuned variants read the hints in it.
+
+**Mechanisms** around placement are the harness's, the same for every policy
+(`PolicySetup.extra["mechanisms"]`, a frozenset of the names below):
+
+- `ENGINE_PRIORITY`: each call carries its tier as the engine's priority (vLLM's
+  `--scheduling-policy priority`, lower first); kvflow may refine the order within it;
+- `ROUTER_QUEUE`: calls wait in a router-side queue, strict priority by tier, while every
+  replica is saturated (llm-d's flow control); a refusal with a retry-after waits there too;
+- `HINTS`: `TaskContext.session_id` and `expected_output_tokens` are filled (Dynamo's agent
+  hints `osl` and session id, llm-d's session key); a policy that documents hints reads them
+  only when this is on;
+- `FALLBACK`: a policy may degrade a call to the model's cheaper fallback
+  (`extra["allow_fallback"]`); a task with a degraded call is counted apart, never as a
+  success. Off in the comparison.
 """
 
 from __future__ import annotations
@@ -22,23 +38,46 @@ from kvflow.scheduler.fleet import Fleet
 from kvflow.simulator.des import FleetRequest, FleetView
 from kvflow.simulator.engine import StepResult
 
+ENGINE_PRIORITY = "engine-priority"
+ROUTER_QUEUE = "router-queue"
+HINTS = "hints"
+FALLBACK = "fallback"
+MECHANISMS = (ENGINE_PRIORITY, ROUTER_QUEUE, HINTS, FALLBACK)
+"""Every mechanism the harness can apply around placement (module docstring)."""
+DEFAULT_MECHANISMS = frozenset({ENGINE_PRIORITY, ROUTER_QUEUE, HINTS})
+"""What the comparison gives every policy: all but fallback."""
+
 
 @dataclass(slots=True)
 class TaskContext:
-    """What the workflow of a call knows about its task (what kvflow's step API sends)."""
+    """What the workflow of a call knows about its task (what kvflow's step API sends).
+
+    Only what production knows when the call is placed: the task's declarations (tenant,
+    budget, expected calls), what it has done and spent, and hints estimated from observed
+    calls. Never the task's own future (its remaining steps, pauses or outputs).
+    """
 
     workflow_id: str
     tenant: str
     tier: int
     deadline_at: float | None
-    """Simulated time by which every step must have finished."""
+    """Simulated time of the task's deadline: its arrival plus its declared budget."""
     steps_remaining: int
-    """Model calls left, this one included."""
+    """Model calls left, this one included, as kvflow's step API estimates it:
+    max(1, declared expected calls − calls done)."""
     max_tokens: int
     """The call's output cap (what the workflow asks for, not what it will get)."""
     spent_micros: int = 0
     previous_replica: int | None = None
     task_retries: int = 0
+    step_deadline_at: float | None = None
+    """When the call's step is due, where the workload sets per-step deadlines (else None)."""
+    session_id: str | None = None
+    """Hint: the agent session (the workflow id); None when hints are off."""
+    expected_output_tokens: int | None = None
+    """Hint: expected output length (Dynamo's `osl`), the running mean of the completion
+    tokens of finished calls of the same application (workflow type), the workload's typical
+    output before the first; None when hints are off."""
 
 
 @dataclass(slots=True)
@@ -75,7 +114,17 @@ class PolicySetup:
     tokens_of: TokensOf
     seed: int = 0
     extra: dict[str, object] = field(default_factory=dict)
-    """Policy-specific settings (e.g. kvflow's `SchedulerConfig` under "scheduler_config")."""
+    """Policy-specific settings (e.g. kvflow's `SchedulerConfig` under "scheduler_config"),
+    and the harness's: "mechanisms" (a frozenset of `MECHANISMS`), "priority_dispatch" and
+    "allow_fallback" (booleans derived from them)."""
+
+    @property
+    def mechanisms(self) -> frozenset[str]:
+        """The mechanisms the harness applies in this run (`extra["mechanisms"]`)."""
+        value = self.extra.get("mechanisms", DEFAULT_MECHANISMS)
+        if isinstance(value, frozenset | set | tuple | list):
+            return frozenset(str(v) for v in value)
+        return frozenset()
 
 
 class PlacementPolicy(Protocol):
