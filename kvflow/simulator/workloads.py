@@ -4,26 +4,37 @@ A task belongs to a tenant (and so a tier), arrives at a time, and runs steps on
 other; a step is one model call, or a fan-out of several calls on the same context that run
 at once. Between steps the task pauses (a tool call) for seconds to minutes. Each call's
 prompt is the task's whole conversation so far: an application's shared system prompt, the
-task's own context, and every earlier step's output and next instruction. The task must
-finish all its steps before its deadline: arrival + its pauses + a per-step allowance of its
-tier (interactive tiers get seconds per step, batch tiers minutes).
+task's own context, and every earlier step's output and the tool's result.
+
+**What a task declares, and what it hides.** Like a workflow started with a `kvflow.TaskSpec`,
+a task declares its tenant, how many model calls it expects (`expected_calls`, kvflow's
+`expected_steps`) and its latency budget (`deadline_at` = arrival + budget). Both come from
+the workload's rules (`budget_rule`), computed once from a calibration sample of other tasks
+of the same workload: the expected calls are the sample's median, a tier's budget the
+`budget_quantile` of the sample's tool time plus the tier's allowance per step. Neither reads
+this task's own steps or pauses, which stay its future: the harness reveals a step only when
+it issues it. A workload with per-step deadlines (`step_deadlines`) also gives each step its
+tier's allowance from the moment it is issued.
 
 Tokens are synthetic but exact: each block's token ids are a function of its parent block's
 hash and a salt (`block_tokens`), so a task's blocks chain like vLLM's and any block can be
 turned back into token ids (`Workload.tokens_of`) for KV events. Only blocks where a
 conversation departs from a shared one (an application's first block, a task's first own
-block, a fan-out branch) carry a salt, kept in a small map.
+block, a fan-out branch) carry a salt, kept in a small map. A task's calls share one chain
+(`Call.chain`, `Call.blocks`), so a 60-turn task holds its conversation once.
 
 Generation is lazy and deterministic: task i is drawn from its own generator seeded by
-(seed, i), so the same tasks arrive at every offered load; only arrival times change.
-Arrivals are Poisson with bursts (a two-state modulated process: `burst_factor` times the
-rate for `burst_share` of the time).
+(seed, i), so the same tasks arrive at every offered load; only arrival times change
+(`Workload.at_rate` shares the drawn tasks between rates). Arrivals are Poisson with bursts
+(a two-state modulated process: `burst_factor` times the rate for `burst_share` of the time).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import random
+import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -31,6 +42,8 @@ from kvflow.scheduler.blocks import ROOT_HASH, hash_block
 
 _MIX = 0x9E3779B97F4A7C15
 _TOKEN_SPACE = 1 << 40
+CALIBRATION_TASKS = 600
+"""Tasks in the calibration sample behind a workload's declared calls and budgets."""
 
 
 def block_tokens(parent: int, salt: int, block_size: int) -> range:
@@ -41,12 +54,12 @@ def block_tokens(parent: int, salt: int, block_size: int) -> range:
 
 @dataclass(frozen=True, slots=True)
 class TierProfile:
-    """Pauses and deadline allowance of one tier's tasks."""
+    """Tool pauses and model-time allowance of one tier's tasks."""
 
     pause_s: tuple[float, float]
-    """Tool pause between steps: log-uniform in this range."""
+    """Tool pause between steps: log-uniform in this range (workloads without `tools`)."""
     step_allowance_s: float
-    """Seconds of model time a task of this tier is allowed per step (its deadline)."""
+    """Seconds of model time a task of this tier is allowed per step (its budget)."""
 
 
 INTERACTIVE = TierProfile(pause_s=(0.2, 3.0), step_allowance_s=6.0)
@@ -57,6 +70,27 @@ BATCH = TierProfile(pause_s=(5.0, 120.0), step_allowance_s=90.0)
 def tier_profile(tier: int) -> TierProfile:
     """Tiers 1–2 are interactive (seconds), 3–4 standard, 5 batch (minutes)."""
     return INTERACTIVE if tier <= 2 else STANDARD if tier <= 4 else BATCH
+
+
+def tier_class(tier: int) -> int:
+    """0 for interactive tiers (1–2), 1 for standard (3–4), 2 for batch (5)."""
+    return 0 if tier <= 2 else 1 if tier <= 4 else 2
+
+
+@dataclass(frozen=True, slots=True)
+class ToolKind:
+    """One kind of tool an agent calls between model calls: how long it runs, what it returns.
+
+    The pause is lognormal (`pause_median_s`, `pause_sigma`), capped at `pause_max_s`; the
+    tokens it appends to the conversation are log-uniform in `output_tokens`.
+    """
+
+    name: str
+    share: float
+    pause_median_s: float
+    pause_sigma: float
+    pause_max_s: float
+    output_tokens: tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -71,6 +105,8 @@ class WorkloadSpec:
     system_tokens: tuple[int, int] = (1024, 3072)
     context_tokens: tuple[int, int] = (200, 2000)
     turn_tokens: tuple[int, int] = (40, 400)
+    """Tokens a step adds before its call (tool result and instruction), uniform; workloads
+    with `tools` take them from the tool kind instead."""
     output_median: int = 120
     output_sigma: float = 0.8
     max_tokens: int = 512
@@ -84,6 +120,43 @@ class WorkloadSpec:
     burst_factor: float = 3.0
     burst_share: float = 0.1
     burst_seconds: float = 20.0
+    tools: tuple[ToolKind, ...] = ()
+    """Tool kinds between steps; empty: tier pauses (`TierProfile.pause_s`), `turn_tokens`."""
+    step_allowance_s: tuple[float, float, float] = (
+        INTERACTIVE.step_allowance_s,
+        STANDARD.step_allowance_s,
+        BATCH.step_allowance_s,
+    )
+    """Model-time allowance per step of interactive, standard and batch tiers (`tier_class`)."""
+    budget_quantile: float = 0.99
+    """A tier's budget covers this share of the calibration sample (`budget_rule`)."""
+    step_deadlines: bool = False
+    """Each step must also end within its tier's allowance from when it is issued."""
+    max_model_len: int = 16_384
+    """The engines' `max_model_len` for this workload (prompt and output)."""
+    block_size: int = 16
+    """The engines' KV block size (vLLM's `--block-size`) and the workload's hash blocks."""
+    default_load: float = 0.8
+    """Offered load of the headline table, as a multiple of the measured capacity."""
+    key_figure: str = "cost_per_successful_task_usd"
+    """The figure the workload is about (the sweep follows the anchor best on it)."""
+    quick_replicas: int = 4
+    """Replicas of a quick run (`kvflow bench policies --quick`)."""
+    sources: tuple[str, ...] = ()
+    """Where the parameters come from (published traces), for the reader."""
+
+
+# Tool kinds of a coding agent (long-agent). Sub-second file reads, edits and searches, and
+# test or build runs of a minute with a tail to ten minutes, as in the SWE-bench and BFCL
+# agents' tool traces of CacheTTL/Continuum (arXiv 2511.02230: "milliseconds to tens of
+# seconds", a heavy tail; test runs are what takes minutes). Shares: SWE-agent's action mix
+# (arXiv 2405.15793, §5: viewing/searching files dominate, then edits, then runs).
+_CODING_TOOLS = (
+    ToolKind("read", 0.30, 0.15, 0.8, 1.0, (500, 6_000)),
+    ToolKind("search", 0.25, 0.8, 0.8, 10.0, (500, 2_000)),
+    ToolKind("edit", 0.15, 0.4, 0.6, 3.0, (500, 1_200)),
+    ToolKind("test", 0.30, 120.0, 0.8, 1_200.0, (800, 5_000)),
+)
 
 
 WORKLOADS: dict[str, WorkloadSpec] = {
@@ -119,20 +192,74 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         name="faults",
         description=(
             "the agent workload; one replica crashes a third of the way through the "
-            "arrivals (found down 2 s later), another runs 4× slow throughout"
+            "counted arrivals (found down 2 s later), another runs 4× slow throughout"
         ),
+    ),
+    "long-agent": WorkloadSpec(
+        name="long-agent",
+        description=(
+            "coding agents: 10–60 turns, contexts from 4–8k to 30–100k tokens, tool results "
+            "of 0.5–6k tokens, sub-second reads and edits, test runs of minutes; running and "
+            "paused conversations need several times the fleet's KV cache (KV-bound)"
+        ),
+        steps=(10, 60),
+        applications=4,
+        system_tokens=(2_000, 4_000),
+        context_tokens=(2_000, 4_000),
+        output_median=150,
+        output_sigma=0.7,
+        max_tokens=1_024,
+        fanout_probability=0.0,
+        max_context_tokens=100_000,
+        tools=_CODING_TOOLS,
+        step_allowance_s=(15.0, 40.0, 120.0),
+        max_model_len=131_072,
+        block_size=64,
+        burst_share=0.0,
+        default_load=1.0,
+        quick_replicas=2,
+        sources=(
+            "turns and context growth: SWE-bench agent trajectories (SWE-agent, arXiv "
+            "2405.15793; OpenHands token study, openreview.net/forum?id=ZQPRZBxWEG: input "
+            "tokens dominate and grow every turn; failed runs are the long ones, arXiv "
+            "2511.00197)",
+            "tool pauses per kind, heavy-tailed: CacheTTL/Continuum (arXiv 2511.02230), "
+            "SWE-bench and BFCL tool traces",
+            "output per call: Mooncake's tool&agent trace (FAST'25) has short outputs, a "
+            "few hundred tokens, against inputs of thousands",
+        ),
+    ),
+    "overload": WorkloadSpec(
+        name="overload",
+        description=(
+            "the agent mix above capacity (compute-bound), each step due within its tier's "
+            "allowance (6 s, 20 s, 90 s) as well as the task's budget"
+        ),
+        step_deadlines=True,
+        default_load=1.5,
+        key_figure="goodput_tasks_per_s",
     ),
 }
 
 
 @dataclass(slots=True)
 class Call:
-    """One model call of a step."""
+    """One model call of a step.
+
+    `chain` is the hash chain of the conversation the call belongs to (shared by a task's
+    calls); the call's prompt and output cover its first `blocks` full blocks (all of them
+    when `blocks` is None).
+    """
 
     prompt_tokens: int
     output_tokens: int
-    block_hashes: list[int]
-    """The chain of the prompt and the output's full blocks."""
+    chain: list[int]
+    blocks: int | None = None
+
+    @property
+    def block_hashes(self) -> list[int]:
+        """The chain of the prompt and the output's full blocks."""
+        return self.chain if self.blocks is None else self.chain[: self.blocks]
 
 
 @dataclass(slots=True)
@@ -141,18 +268,27 @@ class Step:
 
     calls: list[Call]
     pause_after_s: float
+    tool: str = ""
+    """The kind of tool called after the step (workloads with `tools`)."""
 
 
 @dataclass(slots=True)
 class Task:
-    """One agent task: its tenant, arrival, deadline and steps."""
+    """One agent task: what it declares (tenant, budget, expected calls) and its steps."""
 
     index: int
     tenant: str
     tier: int
     arrival: float
     deadline_at: float
+    """Arrival plus the declared latency budget."""
     steps: list[Step] = field(default_factory=list)
+    expected_calls: int = 1
+    """Declared model calls (the workload's rule, not this task's count)."""
+    step_allowance_s: float | None = None
+    """Each step is due this long after it is issued (workloads with `step_deadlines`)."""
+    application: int = 0
+    """The application (workflow type) whose system prompt the task uses."""
 
     @property
     def calls(self) -> int:
@@ -160,10 +296,32 @@ class Task:
         return sum(len(s.calls) for s in self.steps)
 
 
-class Workload:
-    """Tasks of a `WorkloadSpec` for a fleet's tenants, lazily and deterministically.
+@dataclass(frozen=True)
+class BudgetRule:
+    """What every task of a workload declares: expected calls and a budget per tier."""
 
-    `tenants` are (name, tier) pairs; `task_rate` is the mean arrival rate in tasks per second.
+    expected_calls: int
+    budget_s: dict[int, float]
+    """Tier → latency budget in seconds from arrival."""
+    step_allowance_s: dict[int, float]
+    """Tier → model-time allowance per step (and per-step deadline where the workload has one)."""
+
+
+@dataclass(slots=True)
+class _Body:
+    """A drawn task without its arrival (the same at every rate)."""
+
+    tenant: str
+    tier: int
+    application: int
+    steps: list[Step]
+
+
+class _Drawer:
+    """Draws tasks of one workload and seed (module docstring), sharing salts and chains.
+
+    Without `hashing` it draws only shapes: the same random draws, no hash chains (the
+    calibration sample behind `budget_rule`).
     """
 
     def __init__(
@@ -171,52 +329,173 @@ class Workload:
         spec: WorkloadSpec,
         tenants: Sequence[tuple[str, int]],
         *,
-        tasks: int,
-        task_rate: float,
-        seed: int = 0,
-        block_size: int = 16,
+        seed: int | str,
+        block_size: int,
+        hashing: bool = True,
     ) -> None:
-        if task_rate <= 0:
-            raise ValueError(f"task_rate must be positive, got {task_rate}")
         self.spec = spec
         self.tenants = list(tenants)
-        self.tasks = tasks
-        self.task_rate = task_rate
-        self.seed = seed
         self.block_size = block_size
-        self.salts: dict[int, int] = {}
-        """Block hash → salt, for the blocks where a conversation departs (module docstring)."""
+        self.hashing = hashing
         weights = list(spec.tenant_weights[: len(self.tenants)])
-        weights += [1.0] * (len(self.tenants) - len(weights))
-        self._weights = weights
+        self.weights = weights + [1.0] * (len(self.tenants) - len(weights))
+        self.salts: dict[int, int] = {}
+        self.bodies: dict[int, _Body] = {}
         rng = random.Random(f"{seed}/applications")
-        self._systems: list[list[int]] = []
+        self.systems: list[list[int]] = []
         for app in range(spec.applications):
-            tokens = rng.randint(*spec.system_tokens)
-            self._systems.append(self._chain(ROOT_HASH, salt=app + 1, blocks=tokens // block_size))
-
-    def tokens_of(self, parent: int, block_hash: int) -> range:
-        """The token ids of the block `block_hash` whose parent is `parent`."""
-        return block_tokens(parent, self.salts.get(block_hash, 0), self.block_size)
+            blocks = rng.randint(*spec.system_tokens) // block_size
+            self.systems.append(
+                self._chain(ROOT_HASH, salt=app + 1, blocks=blocks) if hashing else [0] * blocks
+            )
 
     def _chain(self, parent: int, *, salt: int, blocks: int) -> list[int]:
         """`blocks` new blocks after `parent`, the first one salted (a departure)."""
         chain: list[int] = []
         size = self.block_size
+        salts = self.salts
         for j in range(blocks):
             block_salt = salt if j == 0 else 0
             parent = hash_block(parent, block_tokens(parent, block_salt, size))
             if block_salt:
-                self.salts[parent] = block_salt
+                salts[parent] = block_salt
             chain.append(parent)
         return chain
 
     def _extend(self, chain: list[int], tokens: int) -> None:
         """Grow `chain` (a conversation) to cover `tokens` tokens (unsalted continuation)."""
-        size = self.block_size
-        missing = tokens // size - len(chain)
-        if missing > 0:
+        missing = tokens // self.block_size - len(chain)
+        if missing > 0 and self.hashing:
             chain.extend(self._chain(chain[-1] if chain else ROOT_HASH, salt=0, blocks=missing))
+
+    def draw(self, rng: random.Random, index: int) -> _Body:
+        """Draw task `index` from `rng`."""
+        spec = self.spec
+        size = self.block_size
+        hashing = self.hashing
+        tenant, tier = rng.choices(self.tenants, weights=self.weights)[0]
+        application = rng.randrange(spec.applications)
+        system = self.systems[application]
+        salt = (index + 1) << 8
+        own = max(1, rng.randint(*spec.context_tokens) // size)
+        tokens = (len(system) + own) * size
+        chain = list(system) if hashing else []
+        if hashing:
+            chain.extend(self._chain(system[-1] if system else ROOT_HASH, salt=salt, blocks=own))
+        steps: list[Step] = []
+        low, high = (math.log(p) for p in tier_profile(tier).pause_s)
+        turn_max = max((t.output_tokens[1] for t in spec.tools), default=spec.turn_tokens[1])
+        added = 0
+        for step in range(rng.randint(*spec.steps)):
+            tokens += added
+            width = 1
+            if step and rng.random() < spec.fanout_probability:
+                width = rng.randint(*spec.fanout_width)
+            if tokens + width * (spec.max_tokens + turn_max) > spec.max_context_tokens:
+                break
+            calls: list[Call] = []
+            if width > 1:
+                # Branches depart at a block boundary: the shared prompt is padded to one.
+                tokens = -(-tokens // size) * size
+                self._extend(chain, tokens)
+                shared = chain[: tokens // size]
+                for branch in range(width):
+                    extra = rng.randint(*spec.turn_tokens)
+                    output = self._output(rng)
+                    branch_chain = shared
+                    if hashing:
+                        branch_chain = shared + self._chain(
+                            shared[-1],
+                            salt=salt + 1 + step * 16 + branch,
+                            blocks=max(1, (extra + output) // size),
+                        )
+                    calls.append(Call(tokens + extra, output, branch_chain))
+                chain = list(calls[0].chain)
+                tokens = calls[0].prompt_tokens + calls[0].output_tokens
+            else:
+                output = self._output(rng)
+                self._extend(chain, tokens + output)
+                calls.append(Call(tokens, output, chain, (tokens + output) // size))
+                tokens += output
+            tool, pause, added = self._tool(rng, low, high)
+            steps.append(Step(calls, pause, tool))
+        if not steps:
+            output = self._output(rng)
+            self._extend(chain, tokens + output)
+            steps.append(Step([Call(tokens, output, chain, (tokens + output) // size)], 0.0))
+        steps[-1].pause_after_s = 0.0
+        steps[-1].tool = ""
+        return _Body(tenant, tier, application, steps)
+
+    def _tool(self, rng: random.Random, low: float, high: float) -> tuple[str, float, int]:
+        """(tool kind, pause, tokens it adds to the next prompt) after a step."""
+        spec = self.spec
+        if not spec.tools:
+            return "", math.exp(rng.uniform(low, high)), rng.randint(*spec.turn_tokens)
+        kind = rng.choices(spec.tools, weights=[t.share for t in spec.tools])[0]
+        drawn = rng.lognormvariate(math.log(kind.pause_median_s), kind.pause_sigma)
+        lo, hi = (math.log(t) for t in kind.output_tokens)
+        return kind.name, min(kind.pause_max_s, drawn), int(math.exp(rng.uniform(lo, hi)))
+
+    def _output(self, rng: random.Random) -> int:
+        spec = self.spec
+        drawn = int(rng.lognormvariate(math.log(spec.output_median), spec.output_sigma))
+        return max(8, min(spec.max_tokens, drawn))
+
+
+class Workload:
+    """Tasks of a `WorkloadSpec` for a fleet's tenants, lazily and deterministically.
+
+    `tenants` are (name, tier) pairs; `task_rate` is the mean arrival rate in tasks per second.
+    Iterating gives `tasks` tasks, or (with `until_s`) every task arriving before `until_s`.
+    """
+
+    def __init__(
+        self,
+        spec: WorkloadSpec,
+        tenants: Sequence[tuple[str, int]],
+        *,
+        tasks: int | None = None,
+        task_rate: float,
+        seed: int = 0,
+        block_size: int = 16,
+        until_s: float | None = None,
+        _drawer: _Drawer | None = None,
+    ) -> None:
+        if task_rate <= 0:
+            raise ValueError(f"task_rate must be positive, got {task_rate}")
+        if tasks is None and until_s is None:
+            raise ValueError("give tasks or until_s")
+        self.spec = spec
+        self.tenants = list(tenants)
+        self.tasks = tasks
+        self.until_s = until_s
+        self.task_rate = task_rate
+        self.seed = seed
+        self.block_size = block_size
+        self.rule = budget_rule(spec, tuple(self.tenants))
+        self._drawer = _drawer or _Drawer(spec, self.tenants, seed=seed, block_size=block_size)
+        self.salts = self._drawer.salts
+        """Block hash → salt, for the blocks where a conversation departs (module docstring)."""
+
+    def at_rate(
+        self, task_rate: float, *, tasks: int | None = None, until_s: float | None = None
+    ) -> Workload:
+        """The same tasks arriving at `task_rate` (drawn tasks and chains are shared)."""
+        return Workload(
+            self.spec,
+            self.tenants,
+            tasks=tasks,
+            task_rate=task_rate,
+            seed=self.seed,
+            block_size=self.block_size,
+            until_s=until_s,
+            _drawer=self._drawer,
+        )
+
+    def tokens_of(self, parent: int, block_hash: int) -> range:
+        """The token ids of the block `block_hash` whose parent is `parent`."""
+        return block_tokens(parent, self.salts.get(block_hash, 0), self.block_size)
 
     def arrivals(self) -> Iterator[float]:
         """Arrival times: Poisson at `task_rate` on average, with bursts (module docstring)."""
@@ -241,65 +520,63 @@ class Workload:
 
     def __iter__(self) -> Iterator[Task]:
         """The tasks in arrival order."""
-        for index, arrival in zip(range(self.tasks), self.arrivals(), strict=False):
+        for index, arrival in enumerate(self.arrivals()):
+            if self.tasks is not None and index >= self.tasks:
+                return
+            if self.until_s is not None and arrival >= self.until_s:
+                return
             yield self.task(index, arrival)
 
     def task(self, index: int, arrival: float) -> Task:
         """Task `index`, arriving at `arrival` (the same task whatever the arrival)."""
-        spec = self.spec
-        size = self.block_size
-        rng = random.Random(f"{self.seed}/task/{index}")
-        tenant, tier = rng.choices(self.tenants, weights=self._weights)[0]
-        profile = tier_profile(tier)
-        system = self._systems[rng.randrange(len(self._systems))]
-        salt = (index + 1) << 8
-        chain = list(system)
-        own = rng.randint(*spec.context_tokens)
-        chain.extend(self._chain(system[-1], salt=salt, blocks=max(1, own // size)))
-        tokens = len(chain) * size
-        steps: list[Step] = []
-        low, high = (math.log(p) for p in profile.pause_s)
-        for step in range(rng.randint(*spec.steps)):
-            if step:
-                tokens += rng.randint(*spec.turn_tokens)
-            width = 1
-            if step and rng.random() < spec.fanout_probability:
-                width = rng.randint(*spec.fanout_width)
-            if tokens + width * (spec.max_tokens + spec.turn_tokens[1]) > spec.max_context_tokens:
-                break
-            calls: list[Call] = []
-            if width > 1:
-                # Branches depart at a block boundary: the shared prompt is padded to one.
-                tokens = -(-tokens // size) * size
-                self._extend(chain, tokens)
-                shared = chain[: tokens // size]
-                for branch in range(width):
-                    extra = rng.randint(*spec.turn_tokens)
-                    output = self._output(rng)
-                    blocks = (extra + output) // size
-                    branch_chain = shared + self._chain(
-                        shared[-1], salt=salt + 1 + step * 16 + branch, blocks=max(1, blocks)
-                    )
-                    calls.append(Call(tokens + extra, output, branch_chain))
-                chain = list(calls[0].block_hashes)
-                tokens = calls[0].prompt_tokens + calls[0].output_tokens
-            else:
-                output = self._output(rng)
-                self._extend(chain, tokens + output)
-                calls.append(Call(tokens, output, chain[: (tokens + output) // size]))
-                tokens += output
-            pause = math.exp(rng.uniform(low, high))
-            steps.append(Step(calls, pause))
-        if not steps:
-            output = self._output(rng)
-            self._extend(chain, tokens + output)
-            steps.append(Step([Call(tokens, output, chain[: (tokens + output) // size])], 0.0))
-        steps[-1].pause_after_s = 0.0
-        pauses = sum(s.pause_after_s for s in steps)
-        deadline = arrival + pauses + profile.step_allowance_s * len(steps)
-        return Task(index, tenant, tier, arrival, deadline, steps)
+        bodies = self._drawer.bodies
+        body = bodies.get(index)
+        if body is None:
+            body = self._drawer.draw(random.Random(f"{self.seed}/task/{index}"), index)
+            bodies[index] = body
+        rule = self.rule
+        return Task(
+            index=index,
+            tenant=body.tenant,
+            tier=body.tier,
+            arrival=arrival,
+            deadline_at=arrival + rule.budget_s[body.tier],
+            steps=body.steps,
+            expected_calls=rule.expected_calls,
+            step_allowance_s=rule.step_allowance_s[body.tier] if self.spec.step_deadlines else None,
+            application=body.application,
+        )
 
-    def _output(self, rng: random.Random) -> int:
-        spec = self.spec
-        drawn = int(rng.lognormvariate(math.log(spec.output_median), spec.output_sigma))
-        return max(8, min(spec.max_tokens, drawn))
+
+def calibration_sample(
+    spec: WorkloadSpec, tenants: tuple[tuple[str, int], ...]
+) -> list[tuple[int, list[Step]]]:
+    """(tier, steps) of `CALIBRATION_TASKS` tasks drawn apart from every run's tasks (shapes)."""
+    drawer = _Drawer(spec, tenants, seed="calibration", block_size=16, hashing=False)
+    sample: list[tuple[int, list[Step]]] = []
+    for index in range(CALIBRATION_TASKS):
+        body = drawer.draw(random.Random(f"calibration/task/{index}"), index)
+        sample.append((body.tier, body.steps))
+    return sample
+
+
+@functools.cache
+def budget_rule(spec: WorkloadSpec, tenants: tuple[tuple[str, int], ...]) -> BudgetRule:
+    """Declared calls and per-tier budgets of `spec`'s tasks, from its calibration sample.
+
+    expected calls = the median calls of the sample's tasks;
+    budget(tier)   = the `budget_quantile` over the sample's tasks of that tier (all tasks
+                     when the tier has none) of Σ tool pauses + allowance(tier) × steps.
+    """
+    sample = calibration_sample(spec, tenants)
+    expected = max(1, round(statistics.median(sum(len(s.calls) for s in st) for _, st in sample)))
+    budgets: dict[int, float] = {}
+    allowances: dict[int, float] = {}
+    for _, tier in tenants:
+        allowance = spec.step_allowance_s[tier_class(tier)]
+        allowances[tier] = allowance
+        own = [steps for t, steps in sample if t == tier] or [steps for _, steps in sample]
+        totals = sorted(sum(s.pause_after_s for s in st) + allowance * len(st) for st in own)
+        at = min(len(totals) - 1, max(0, math.ceil(spec.budget_quantile * len(totals)) - 1))
+        budgets[tier] = totals[at]
+    return BudgetRule(expected_calls=expected, budget_s=budgets, step_allowance_s=allowances)
