@@ -8,6 +8,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from decimal import Decimal
 from pathlib import Path
 from typing import Annotated
@@ -25,7 +26,17 @@ from kvflow.scheduler.bench import (
     measure_quality,
 )
 from kvflow.scheduler.build import scheduler_build
-from kvflow.simulator.policy_bench import WorkloadResult, default_sizes, run_workload
+from kvflow.simulator.bench_figures import Interval, MoneyInterval, mean_ci, money_ci
+from kvflow.simulator.policies import POLICIES
+from kvflow.simulator.policies.base import DEFAULT_MECHANISMS, MECHANISMS
+from kvflow.simulator.policies.oracle import GREEDY_REFERENCE
+from kvflow.simulator.policy_bench import (
+    WorkloadResult,
+    default_sizes,
+    policy_factories,
+    role,
+    run_workload,
+)
 from kvflow.simulator.workloads import WORKLOADS
 
 bench_app = typer.Typer(
@@ -189,126 +200,163 @@ def scheduler_latency(
 
 # ---------------------------------------------------------------------------- policies
 
-_WORKLOAD_NAMES = ("agent", "hotspot", "heterogeneous", "faults")
+_WORKLOAD_NAMES = ("agent", "hotspot", "heterogeneous", "faults", "long-agent", "overload")
 
 
 def _usd(value: Decimal | None) -> str:
     return "—" if value is None else f"${value:.6f}"
 
 
+def _pm(interval: Interval | None, spec: str = ".3f", scale: float = 1.0) -> str:
+    """`mean ±half-width` of an interval over seeds (the mean alone for one seed)."""
+    if interval is None:
+        return "—"
+    text = format(interval.mean * scale, spec)
+    if interval.low is None or interval.high is None:
+        return text
+    return f"{text} ±{format((interval.high - interval.low) / 2 * scale, spec)}"
+
+
+def _money_pm(interval: MoneyInterval | None) -> str:
+    if interval is None:
+        return "—"
+    text = f"${interval.mean:.6f}"
+    if interval.low is None or interval.high is None:
+        return text
+    return f"{text} ±{(interval.high - interval.low) / 2:.6f}"
+
+
+def _ratio(interval: Interval | None) -> str:
+    """A ratio to kvflow and its interval: `0.91 [0.88, 0.95]`."""
+    if interval is None:
+        return "—"
+    if interval.low is None or interval.high is None:
+        return f"{interval.mean:.2f}"
+    return f"{interval.mean:.2f} [{interval.low:.2f}, {interval.high:.2f}]"
+
+
 def _policy_table(result: WorkloadResult) -> Table:
+    capacity = result.capacity
     table = Table(
         title=(
-            f"{result.name}: {result.replicas} replicas, {result.tasks} tasks (the first "
-            f"{result.warmup_tasks} warm-up), {result.offered_load:.0%} offered load "
-            f"({result.task_rate:.2f} tasks/s; the oracle's engines busy "
-            f"{result.oracle.utilisation:.0%}), seed {result.seed}"
+            f"{result.name}: {result.replicas} replicas, {result.load:.0%} of capacity "
+            f"({result.task_rate:.3g} tasks/s; capacity {capacity.tasks_per_s:.3g} tasks/s, "
+            f"{capacity.policy}), seeds {result.seeds[0]}–{result.seeds[-1]}, "
+            f"mechanisms for every policy: {', '.join(sorted(result.mechanisms)) or 'none'}"
         ),
         caption=result.description,
     )
-    tiers = sorted({t for f in result.policies.values() for t in f.slo_attainment}, key=int)
+    tiers = sorted({t for s in result.summaries.values() for t in s.slo}, key=int)
     columns = [
         "policy",
         "$/successful task",
-        "kvflow ×",
+        "kvflow × cost",
+        "GPU-s/task",
         "success",
         *[f"SLO t{t}" for t in tiers],
         "goodput/s",
-        "TTFT p50/p90/p99 s",
-        "hit (oracle)",
+        "kvflow × goodput",
+        "task s mean/p99",
+        "model s mean/p99",
+        "hit",
         "wasted",
-        "util",
         "busiest",
     ]
     for column in columns:
         table.add_column(column, justify="left" if column == "policy" else "right")
-    kvflow = result.policies.get("kvflow")
-    ours = kvflow.cost_per_successful_task_usd if kvflow is not None else None
-    rows = [*result.policies.values(), result.oracle]
-    for fig in rows:
-        cost = fig.cost_per_successful_task_usd
-        ratio = "—" if ours is None or not cost else f"{ours / cost:.2f}"
+    for name, summary in result.summaries.items():
+        gpu = summary.intervals.get("gpu_seconds_per_successful_task")
         table.add_row(
-            fig.policy if fig is not result.oracle else "oracle (bound)",
-            _usd(cost),
-            ratio,
-            f"{fig.success_rate:.1%}",
-            *[f"{fig.slo_attainment.get(t, 0.0):.1%}" for t in tiers],
-            f"{fig.goodput_tasks_per_s:.3f}",
-            f"{fig.ttft_p50_s:.2f}/{fig.ttft_p90_s:.2f}/{fig.ttft_p99_s:.2f}",
-            f"{fig.prefix_hit_rate:.1%} ({fig.oracle_prefix_hit_rate:.1%})",
-            f"{fig.wasted_spend_share:.1%}",
-            f"{fig.utilisation:.1%}",
-            f"{fig.max_replica_load_share:.1%} ({fig.max_replica_load_over_mean:.2f}×)",
+            name if role(name) != "reference" else f"{name} (reference)",
+            _money_pm(summary.cost),
+            _ratio(summary.ratios.get("cost_per_successful_task_usd")),
+            _pm(gpu, ".1f"),
+            _pm(summary.intervals.get("success_rate"), ".1%"),
+            *[_pm(summary.slo.get(t), ".1%") for t in tiers],
+            _pm(summary.intervals.get("goodput_tasks_per_s"), ".3g"),
+            _ratio(summary.ratios.get("goodput_tasks_per_s")),
+            f"{summary.mean('mean_task_s') or 0:.0f}/{summary.mean('p99_task_s') or 0:.0f}",
+            f"{summary.mean('mean_model_s') or 0:.1f}/{summary.mean('p99_model_s') or 0:.1f}",
+            f"{summary.mean('prefix_hit_rate') or 0:.1%}",
+            f"{summary.mean('wasted_spend_share') or 0:.1%}",
+            f"{summary.mean('max_replica_load_over_mean') or 0:.2f}×",
         )
-    if result.floor is not None:
-        floor = result.floor.cost_per_task_usd
-        cells = ["" for _ in columns[3:]]
-        cells[columns.index("hit (oracle)") - 3] = f"{result.floor.prefix_hit_rate:.1%}"
-        table.add_row(
-            "zero-miss floor",
-            _usd(floor),
-            "—" if ours is None or not floor else f"{ours / floor:.2f}",
-            *cells,
-        )
-    return table
-
-
-def _ablation_table(result: WorkloadResult) -> Table:
-    table = Table(
-        title=f"{result.name}: kvflow with one axis switched off ({result.offered_load:.0%} load)"
-    )
-    tiers = sorted({t for f in result.ablations.values() for t in f.slo_attainment}, key=int)
-    for column in (
-        "axis off",
-        "$/successful task",
-        "× kvflow",
-        "success",
-        *[f"SLO t{t}" for t in tiers],
-        "TTFT p99 s",
-        "hit",
-        "busiest",
-    ):
-        table.add_column(column, justify="left" if column == "axis off" else "right")
-    kvflow = result.policies.get("kvflow")
-    ours = kvflow.cost_per_successful_task_usd if kvflow is not None else None
-    for axis, fig in result.ablations.items():
-        cost = fig.cost_per_successful_task_usd
-        table.add_row(
-            axis,
-            _usd(cost),
-            "—" if not ours or cost is None else f"{cost / ours:.3f}",
-            f"{fig.success_rate:.1%}",
-            *[f"{fig.slo_attainment.get(t, 0.0):.1%}" for t in tiers],
-            f"{fig.ttft_p99_s:.2f}",
-            f"{fig.prefix_hit_rate:.1%}",
-            f"{fig.max_replica_load_over_mean:.2f}×",
-        )
+    floor = money_ci([f.cost_per_task_usd for f in result.floors if f.cost_per_task_usd])
+    hit = mean_ci([f.prefix_hit_rate for f in result.floors])
+    cells = ["" for _ in columns[2:]]
+    cells[columns.index("hit") - 2] = "" if hit is None else f"{hit.mean:.1%}"
+    table.add_row("zero-miss floor", _money_pm(floor), *cells)
     return table
 
 
 def _sweep_table(result: WorkloadResult) -> Table:
     table = Table(
-        title=(f"{result.name}: $/successful task, tier-1 SLO and engines busy, by offered load")
+        title=(
+            f"{result.name}: $/successful task, tier-1 SLO and goodput/s by load "
+            f"(× capacity {result.capacity.tasks_per_s:.3g} tasks/s), mean ± 95% half-width"
+        )
     )
     loads = sorted(result.sweep)
     table.add_column("policy")
     for load in loads:
-        table.add_column(f"{load:.0%}", justify="right")
-    for name in result.policies:
+        table.add_column(f"{load:.2g}×", justify="right")
+    names = sorted(
+        {n for cell in result.sweep.values() for n in cell}, key=list(result.summaries).index
+    )
+    for name in names:
         cells = []
         for load in loads:
-            fig = result.sweep[load].get(name)
-            if fig is None:
+            summary = result.sweep[load].get(name)
+            if summary is None:
                 cells.append("—")
                 continue
-            tier1 = fig.slo_attainment.get("1")
             cells.append(
-                f"{_usd(fig.cost_per_successful_task_usd)} "
-                f"{'—' if tier1 is None else f'{tier1:.0%}'} {fig.utilisation:.0%}"
+                f"{_money_pm(summary.cost)} {_pm(summary.slo.get('1'), '.0%')} "
+                f"{_pm(summary.intervals.get('goodput_tasks_per_s'), '.3g')}"
             )
         table.add_row(name, *cells)
     return table
+
+
+def _ablation_table(result: WorkloadResult) -> Table:
+    table = Table(title=f"{result.name}: kvflow with one axis switched off ({result.load:.0%})")
+    for column in ("axis off", "$/successful task", "kvflow × cost", "success", "SLO t1", "hit"):
+        table.add_column(column, justify="left" if column == "axis off" else "right")
+    for axis, summary in result.ablations.items():
+        table.add_row(
+            axis,
+            _money_pm(summary.cost),
+            _ratio(summary.ratios.get("cost_per_successful_task_usd")),
+            _pm(summary.intervals.get("success_rate"), ".1%"),
+            _pm(summary.slo.get("1"), ".1%"),
+            f"{summary.mean('prefix_hit_rate') or 0:.1%}",
+        )
+    return table
+
+
+def _notes(result: WorkloadResult) -> list[str]:
+    """What the reader needs beside the table: the bounds, the load, the warm-up."""
+    notes: list[str] = []
+    ceiling = mean_ci([c.overall for c in result.ceilings])
+    if ceiling is not None:
+        notes.append(f"an idle fleet finishes {ceiling.mean:.1%} of the tasks in time (ceiling)")
+    reference = result.summaries.get(GREEDY_REFERENCE)
+    if reference is not None:
+        demand = reference.mean("kv_demand") or 0.0
+        warm = reference.mean("warmup_task_lifetimes") or 0.0
+        util = reference.mean("utilisation") or 0.0
+        notes.append(
+            f"under {GREEDY_REFERENCE}: open conversations need {demand:.2f}× the fleet's KV "
+            f"cache, engines busy {util:.0%}, warm-up {warm:.1f} task lifetimes"
+        )
+    short = [n for n, s in result.summaries.items() if (s.mean("warmup_task_lifetimes") or 0) < 2]
+    if short:
+        notes.append(
+            "[yellow]warm-up under two measured lifetimes[/] for "
+            + ", ".join(short)
+            + " (their tasks live longer than the estimate)"
+        )
+    return notes
 
 
 def _plot(results: list[WorkloadResult], path: Path) -> None:
@@ -324,23 +372,35 @@ def _plot(results: list[WorkloadResult], path: Path) -> None:
     swept = [r for r in results if len(r.sweep) > 1] or results
     figure, axes = plt.subplots(len(swept), 2, figsize=(12, 4 * len(swept)), squeeze=False)
     for row, result in zip(axes, swept, strict=True):
-        loads = sorted(result.sweep)
-        for name in result.policies:
-            costs = [result.sweep[at][name].cost_per_successful_task_usd for at in loads]
-            slo = [result.sweep[at][name].slo_attainment.get("1", 0.0) for at in loads]
-            # Plotting needs floats; the figures themselves stay exact.
-            row[0].plot(
-                [a * 100 for a in loads],
-                [float(c) if c is not None else float("nan") for c in costs],
-                marker="o",
-                label=name,
-            )
-            row[1].plot([a * 100 for a in loads], [s * 100 for s in slo], marker="o", label=name)
-        row[0].set_title(f"{result.name}: cost per successful task")
-        row[0].set_xlabel("offered load (%)")
+        cells = result.sweep if len(result.sweep) > 1 else {result.load: result.summaries}
+        loads = sorted(cells)
+        names = sorted({n for c in cells.values() for n in c}, key=list(result.summaries).index)
+        for name in names:
+            xs, costs, cost_err, slo, slo_err = [], [], [], [], []
+            for at in loads:
+                summary = cells[at].get(name)
+                if summary is None or summary.cost is None:
+                    continue
+                xs.append(at)
+                # Plotting needs floats; the figures themselves stay exact.
+                costs.append(float(summary.cost.mean))
+                cost_err.append(
+                    0.0
+                    if summary.cost.high is None
+                    else float(summary.cost.high - summary.cost.mean)
+                )
+                tier1 = summary.slo.get("1")
+                slo.append(0.0 if tier1 is None else tier1.mean * 100)
+                slo_err.append(
+                    0.0 if tier1 is None or tier1.high is None else (tier1.high - tier1.mean) * 100
+                )
+            row[0].errorbar(xs, costs, yerr=cost_err, marker="o", capsize=3, label=name)
+            row[1].errorbar(xs, slo, yerr=slo_err, marker="o", capsize=3, label=name)
+        row[0].set_title(f"{result.name}: cost per successful task (95% interval)")
+        row[0].set_xlabel("load (× capacity)")
         row[0].set_ylabel("USD")
         row[1].set_title(f"{result.name}: tier-1 SLO attainment")
-        row[1].set_xlabel("offered load (%)")
+        row[1].set_xlabel("load (× capacity)")
         row[1].set_ylabel("%")
         row[1].legend(fontsize="small")
     figure.tight_layout()
@@ -348,10 +408,25 @@ def _plot(results: list[WorkloadResult], path: Path) -> None:
     plt.close(figure)
 
 
+def _names(text: str, flag: str, known: Sequence[str], *, none: bool = False) -> list[str]:
+    """A comma-separated list of names from `known` (or `none` for an empty one)."""
+    if none and text.strip() == "none":
+        return []
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise _usage_error(
+            f"{flag}: unknown {', '.join(repr(n) for n in unknown) or 'empty list'}; "
+            f"choose from {', '.join(known)}" + (" (or none)" if none else "")
+        )
+    return names
+
+
 @bench_app.command("policies")
 def policies_bench(
     quick: Annotated[
-        bool, typer.Option("--quick", help="8 replicas, 400 tasks, 3 loads (under 2 minutes)")
+        bool,
+        typer.Option("--quick", help="a small fleet, a one-lifetime window, loads 0.5×, 1×, 2×"),
     ] = False,
     workload: Annotated[
         str | None,
@@ -359,25 +434,75 @@ def policies_bench(
             "--workload", help=f"one of {', '.join(_WORKLOAD_NAMES)} (default: all of them)"
         ),
     ] = None,
-    fleet_file: Annotated[
-        Path | None, typer.Option("--fleet", help="fleet.toml to simulate instead of the default")
+    seeds: Annotated[
+        int | None,
+        typer.Option("--seeds", min=1, max=100, help="seeds per cell (default 5 quick, 10 full)"),
     ] = None,
-    load: Annotated[float, typer.Option("--load", help="offered load, e.g. 0.8 for 80%")] = 0.8,
-    seed: Annotated[int, typer.Option("--seed", help="random seed of the workloads")] = 0,
-    tasks: Annotated[
-        int | None, typer.Option("--tasks", min=1, help="tasks per run (default by mode)")
+    seed: Annotated[int, typer.Option("--seed", help="the first seed")] = 0,
+    load: Annotated[
+        float | None,
+        typer.Option("--load", help="load as a multiple of capacity (default: the workload's)"),
     ] = None,
     replicas: Annotated[
         int | None,
         typer.Option("--replicas", min=1, max=1024, help="replicas of the default fleet"),
     ] = None,
+    policies: Annotated[
+        str | None,
+        typer.Option("--policies", help="policies to compare, comma-separated (default: all)"),
+    ] = None,
+    mechanisms: Annotated[
+        str,
+        typer.Option(
+            "--mechanisms",
+            help=(
+                "mechanisms applied around every policy, comma-separated, or none: "
+                + ", ".join(MECHANISMS)
+            ),
+        ),
+    ] = ",".join(sorted(DEFAULT_MECHANISMS)),
     sweep: Annotated[
-        bool, typer.Option("--sweep/--no-sweep", help="also run the agent workload at 50–110%")
+        bool, typer.Option("--sweep/--no-sweep", help="also run the sweep of loads")
     ] = True,
+    sweep_policies: Annotated[
+        str | None,
+        typer.Option(
+            "--sweep-policies",
+            help="policies of the sweep (default: kvflow and the best anchor at --load)",
+        ),
+    ] = None,
+    capacity: Annotated[
+        float | None,
+        typer.Option("--capacity", help="tasks/s of 1× load; skips measuring it"),
+    ] = None,
+    window_lifetimes: Annotated[
+        float | None,
+        typer.Option(
+            "--window-lifetimes",
+            min=0.01,
+            max=100,
+            help="counting window in task lifetimes (default 1 quick, 3 full)",
+        ),
+    ] = None,
+    min_tasks: Annotated[
+        int | None,
+        typer.Option(
+            "--min-tasks",
+            min=0,
+            help="lengthen the window until this many tasks arrive in it (100 quick, 500 full)",
+        ),
+    ] = None,
+    jobs: Annotated[
+        int | None,
+        typer.Option("--jobs", min=1, max=256, help="processes (default: CPU cores, ≤ seeds)"),
+    ] = None,
     ablate: Annotated[
         bool,
         typer.Option("--ablate", help="also run kvflow with each axis switched off in turn"),
     ] = False,
+    fleet_file: Annotated[
+        Path | None, typer.Option("--fleet", help="fleet.toml to simulate instead of the default")
+    ] = None,
     json_file: Annotated[
         Path | None, typer.Option("--json", help="also write the figures to this JSON file")
     ] = None,
@@ -393,52 +518,61 @@ def policies_bench(
             f"--workload: unknown workload {workload!r}; choose one of "
             + ", ".join(_WORKLOAD_NAMES)
         )
-    if not math.isfinite(load) or load <= 0 or load > 10:
-        raise _usage_error(f"--load: {load} is not an offered load; give a number in (0, 10]")
+    if load is not None and (not math.isfinite(load) or load <= 0 or load > 10):
+        raise _usage_error(f"--load: {load} is not a load; give a multiple of capacity in (0, 10]")
+    if capacity is not None and (not math.isfinite(capacity) or capacity <= 0):
+        raise _usage_error(f"--capacity: {capacity} is not a rate; give tasks per second > 0")
     for path, flag in ((json_file, "--json"), (plot_file, "--plot")):
         if path is not None and not path.parent.exists():
             raise _usage_error(f"{flag}: folder {path.parent} does not exist")
+    known = list(policy_factories())
+    compared = list(POLICIES) if policies is None else _names(policies, "--policies", known)
+    chosen = frozenset(_names(mechanisms, "--mechanisms", MECHANISMS, none=True))
+    swept = None if sweep_policies is None else _names(sweep_policies, "--sweep-policies", known)
     fleet = None
     if fleet_file is not None:
         from kvflow.workers.console import load_fleet_or_exit
 
         fleet = load_fleet_or_exit(fleet_file)
-        if any(name == "heterogeneous" for name in names) and workload is None:
+        if "heterogeneous" in names and workload is None:
             names.remove("heterogeneous")  # the fleet file is the heterogeneity
-    count, default_tasks, sweep_loads = default_sizes(quick)
-    count = replicas or count
-    if fleet is None and count < 4 and "heterogeneous" in names:
-        raise _usage_error("--replicas: the heterogeneous fleet needs at least 4")
+    count = seeds or (5 if quick else 10)
+    seed_list = list(range(seed, seed + count))
+    workers = jobs or max(1, min(count, os.cpu_count() or 1))
     logging.getLogger("kvflow").setLevel(logging.ERROR)
+    logging.getLogger("scheduler").setLevel(logging.ERROR)
     results: list[WorkloadResult] = []
     started = time.perf_counter()
     with _out.status("simulating...") as status:
         for name in names:
+            spec = WORKLOADS[name]
+            default_replicas, window, least, loads = default_sizes(quick, spec)
+            size = replicas or default_replicas
+            if fleet is None and size < 4 and name == "heterogeneous":
+                raise _usage_error("--replicas: the heterogeneous fleet needs at least 4")
             results.append(
                 run_workload(
                     name,
                     fleet=fleet,
-                    replicas=count,
-                    tasks=tasks or default_tasks,
+                    replicas=size,
+                    seeds=seed_list,
                     load=load,
-                    seed=seed,
-                    sweep_loads=sweep_loads if sweep and name == "agent" else (),
+                    policies=compared,
+                    sweep_loads=loads if sweep else (),
+                    sweep_policies=swept,
+                    window_lifetimes=window if window_lifetimes is None else window_lifetimes,
+                    min_counted=least if min_tasks is None else min_tasks,
+                    mechanisms=chosen,
+                    capacity_tasks_per_s=capacity,
                     progress=lambda text: status.update(f"simulating {text}..."),
                     ablate=ablate,
+                    workers=workers,
                 )
             )
     for result in results:
         _out.print(_policy_table(result))
-        oracle = result.oracle
-        if oracle.warmup_lifetimes < 1:
-            _out.print(
-                f"  [yellow]not a steady load:[/] the warm-up's arrivals span "
-                f"{oracle.warmup_lifetimes:.2f} of a task's mean lifetime "
-                f"({oracle.mean_task_s:.0f} s under the oracle), so the counted tasks arrive "
-                "while the fleet still fills; more --tasks or fewer --replicas reach a steady "
-                "load",
-                highlight=False,
-            )
+        for note in _notes(result):
+            _out.print(f"  {note}", highlight=False)
         for goal in result.goals:
             mark = "[green]met[/]" if goal.met else "[red]not met[/]"
             _out.print(f"  goal: {goal.text}: {mark} ({goal.detail})", highlight=False)
@@ -446,21 +580,26 @@ def policies_bench(
             _out.print(_sweep_table(result))
         if result.ablations:
             _out.print(_ablation_table(result))
+        _out.print(f"  {result.name}: {result.elapsed_s:.0f} s", highlight=False)
     _out.print(
-        "kvflow ×: kvflow's cost per successful task over the row's (below 1: kvflow is "
-        "cheaper). hit (oracle): cached prompt tokens / prompt tokens, and the oracle policy's "
-        "(knows every cache and load). zero-miss floor: every call finds cached all that an "
-        "earlier call computed, at the cheapest prices; no placement costs less. busiest: "
-        "the busiest replica's share of attempts, and over the mean. benchmarks/README.md "
-        "explains the method. "
+        "Means over seeds ± the 95% interval's half-width (Student t). kvflow ×: kvflow's "
+        "figure over the row's, seed by seed, with its interval (cost below 1 and goodput "
+        "above 1: kvflow does better). GPU-s/task: engine busy time × GPUs over successful "
+        "tasks. model s: task time less the task's own tool pauses. zero-miss floor: every "
+        "call finds cached all that an earlier call computed, at the cheapest prices; no "
+        "placement costs less. busiest: the busiest replica's attempts over the mean. "
+        "benchmarks/README.md explains the method. "
         f"Simulated in {time.perf_counter() - started:.0f} s.",
         highlight=False,
     )
     if json_file is not None:
-        if len(results) == 1:
-            payload: dict[str, object] = results[0].as_json()
-        else:
-            payload = {"workloads": {r.name: r.as_json() for r in results}}
+        payload = {
+            "seeds": seed_list,
+            "mechanisms": sorted(chosen),
+            "quick": quick,
+            "elapsed_s": round(time.perf_counter() - started, 1),
+            "workloads": {r.name: r.as_json() for r in results},
+        }
         json_file.write_text(json.dumps(payload, indent=2) + "\n")
         _out.print(f"wrote {json_file}", highlight=False)
     if plot_file is not None:
