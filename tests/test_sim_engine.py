@@ -5,13 +5,24 @@ No test sleeps: time is whatever the engine says a step costs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 from kvflow.scheduler.blocks import block_hashes
 from kvflow.scheduler.fleet import ModelSpec
-from kvflow.simulator import BUILTIN_MODELS, EngineConfig, EngineCore, SimReplica, SimRequest
+from kvflow.simulator import (
+    BUILTIN_MODELS,
+    AgentWorkload,
+    EngineConfig,
+    EngineCore,
+    SimReplica,
+    SimRequest,
+    simulate,
+)
 from kvflow.simulator.engine import StepResult
 from kvflow.simulator.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvflow.simulator.kvcache import BlockPool
 
 MODEL = BUILTIN_MODELS["llama-3.1-8b"]
 SMALL = BUILTIN_MODELS["llama-3.2-1b"]
@@ -522,3 +533,39 @@ def test_output_stops_at_the_context_length() -> None:
     request = one_request(engine, prompt(1, 120), max_tokens=100)
     assert request.finish_reason == "length"
     assert request.num_tokens == 128
+
+
+@pytest.mark.timeout(120)
+def test_a_blocked_head_is_not_looked_up_again_until_something_could_let_it_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    lookups = [0]
+    lookup = BlockPool.longest_cached_prefix
+
+    def counted(pool: BlockPool, hashes: Sequence[int], max_blocks: int) -> list[int]:
+        lookups[0] += 1
+        return lookup(pool, hashes, max_blocks)
+
+    monkeypatch.setattr(BlockPool, "longest_cached_prefix", counted)
+    # Agent sessions on two replicas whose caches are too small for them: requests wait at
+    # the head of the queue for many steps, and some are preempted.
+    config = EngineConfig(max_model_len=16384, num_gpu_blocks=1100)
+
+    def run(skip: bool) -> tuple[int, int, int, list[tuple[str, int, int, int, float]]]:
+        lookups[0] = 0
+        replicas = [SimReplica(gpu, [MODEL], config, name=gpu) for gpu in ("H100", "L4")]
+        for replica in replicas:
+            for engine in replica.engines.values():
+                engine._skip_blocked = skip
+        workload = AgentWorkload(model=MODEL.name, tasks=40, task_rate=4.0, seed=1)
+        result = simulate(list(workload), replicas)
+        records = sorted(
+            (r.request.request_id, r.replica, r.cached_tokens, r.preemptions, round(r.ttft, 9))
+            for r in result.records
+        )
+        return lookups[0], result.steps, result.preemptions, records
+
+    skipping, every_step = run(skip=True), run(skip=False)
+    assert skipping[1:] == every_step[1:]
+    assert skipping[2] > 0  # preemptions: the caches were under pressure
+    assert skipping[0] < every_step[0] / 2

@@ -378,6 +378,11 @@ class EngineCore:
         self.stats = EngineStats()
         self._by_priority = config.scheduling_policy == "priority"
         self._arrivals = 0
+        self._blocked: tuple[SimRequest, int, int | None] | None = None
+        """The waiting request at the head that did not fit, the pool's `releases` then, and
+        the first block of its prompt that was not cached (None: none could be)."""
+        self._skip_blocked = True
+        """Skip looking the blocked head up again while nothing that could let it in changed."""
         self.loaded = warm
         self.ready_at: float | None = None if not warm else 0.0
         self._inflight: list[tuple[SimRequest, int]] | None = None
@@ -834,12 +839,25 @@ class EngineCore:
             stats = self.stats
             while waiting and budget > 0 and len(running) < max_seqs:
                 request = waiting[0]
+                blocked = self._blocked
+                if (
+                    blocked is not None
+                    and blocked[0] is request
+                    and blocked[1] == pool.releases
+                    and (blocked[2] is None or not pool.is_cached(blocked[2]))
+                ):
+                    # It did not fit, and since then no block was freed and its first missing
+                    # block was not cached: free blocks only went down, its hits only down
+                    # (or back up to where they were), so it still does not fit. A blocked
+                    # head is otherwise looked up every step, the most of a thrashing run.
+                    break
                 num_tokens = request.num_prompt_tokens + request.num_output_tokens
                 hits: list[int] = []
-                if request.block_hashes:
-                    # Leave at least the last token to compute, as vLLM does.
-                    max_blocks = (num_tokens - 1) // block_size
-                    hits = pool.longest_cached_prefix(request.block_hashes, max_blocks)
+                hashes = request.block_hashes
+                # Leave at least the last token to compute, as vLLM does.
+                max_blocks = min((num_tokens - 1) // block_size, len(hashes or ()))
+                if hashes:
+                    hits = pool.longest_cached_prefix(hashes, max_blocks)
                 num_cached = len(hits) * block_size
                 num_new = num_tokens - num_cached
                 if num_new > budget:
@@ -849,9 +867,15 @@ class EngineCore:
                 available = pool.num_free_blocks - (pool.count_free(hits) if hits else 0)
                 if reserve_full:
                     if -(-num_tokens // block_size) - len(hits) > available:
+                        if self._skip_blocked:
+                            missing = (
+                                hashes[len(hits)] if hashes and len(hits) < max_blocks else None
+                            )
+                            self._blocked = (request, pool.releases, missing)
                         break
                 elif needed > available:
                     break
+                self._blocked = None
                 pool.touch(hits)
                 blocks = pool.allocate(needed)
                 assert blocks is not None

@@ -42,6 +42,7 @@ class BlockPool:
         "block_size",
         "enable_caching",
         "num_blocks",
+        "releases",
     )
 
     def __init__(
@@ -67,6 +68,8 @@ class BlockPool:
         self._copies: dict[int, list[int]] = {}
         """Hash → further blocks registered under it, in registration order."""
         self._events = events
+        self.releases = 0
+        """Blocks that went back to the free queue so far."""
 
     @property
     def num_usable_blocks(self) -> int:
@@ -96,6 +99,10 @@ class BlockPool:
         # thrashing run's time.
         found = takewhile(bool, map(self._cached.get, islice(block_hashes, max_blocks)))
         return cast(list[int], list(found))
+
+    def is_cached(self, block_hash: int) -> bool:
+        """Whether some block holds `block_hash` (a lookup would find it)."""
+        return block_hash in self._cached
 
     def cached_prefix_blocks(self, block_hashes: Sequence[int]) -> int:
         """How many blocks from the first of `block_hashes` are cached (a read-only probe)."""
@@ -155,6 +162,7 @@ class BlockPool:
         for block in reversed(blocks):
             ref_cnt[block] -= 1
             if ref_cnt[block] == 0:
+                self.releases += 1
                 if block_hash[block] is None:
                     reuse_first.append(block)
                 else:
