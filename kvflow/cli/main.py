@@ -19,12 +19,14 @@ import typer
 from rich.table import Table
 
 from kvflow.cli.bench import bench_app
+from kvflow.cli.codec import codec_app_cli
 from kvflow.cli.context import context_app
 from kvflow.cli.demo import demo
 from kvflow.cli.ledger import ledger_app, report_command
 from kvflow.cli.sim import sim_app
 from kvflow.cli.worker import worker_app
 from kvflow.scheduler.redact import redact_url
+from kvflow.workers.codec_server import local_codec_server
 from kvflow.workers.console import (
     PortOption,
     StateDirOption,
@@ -50,6 +52,7 @@ app.add_typer(ledger_app, name="ledger")
 app.add_typer(context_app, name="context")
 app.add_typer(sim_app, name="sim")
 app.add_typer(bench_app, name="bench")
+app.add_typer(codec_app_cli, name="codec")
 app.command("report")(report_command)
 
 
@@ -166,15 +169,19 @@ def server(
     ] = False,
 ) -> None:
     """Run the embedded Temporal dev server (with the Web UI) until Ctrl-C."""
+    # The UI decodes claim-checked payloads (prompts, answers) through it: text, not references.
+    codec = local_codec_server(state_dir / "context", ui_port)
     temporal = EmbeddedTemporal(
         port=port,
         ui_port=ui_port,
         state_dir=state_dir,
         db_filename=None if in_memory else "temporal.db",
+        codec_endpoint=codec.url,
     )
     try:
         temporal.start()
     except DevServerError as exc:
+        codec.stop()
         fail(str(exc))
     try:
         # Before the banner: a Ctrl-C right after "Ctrl-C stops it." must stop it in order.
@@ -185,9 +192,11 @@ def server(
             highlight=False,
         )
         out.print(f"Web UI: [bold]{temporal.ui_url}[/]   Ctrl-C stops it.", highlight=False)
+        out.print(f"Codec server (the UI decodes payloads with it): {codec.url}", highlight=False)
         _wait_for_stop_signal(temporal, stop)
     finally:
         temporal.stop()
+        codec.stop()
     out.print("Temporal dev server stopped.")
 
 
