@@ -16,6 +16,7 @@ from typing import Annotated
 import typer
 
 from kvflow.cli.url_options import fail_without_secrets, http_url_or_exit, url_list_option
+from kvflow.workers.codec_server import local_codec_server
 from kvflow.workers.config import EXAMPLE_FLEET
 from kvflow.workers.console import (
     PortOption,
@@ -176,7 +177,11 @@ def demo(
                 "or unreadable); give the folder that holds config.json and the weights"
             )
     log_file = log_to_file(state_dir / "demo.log")
-    temporal = EmbeddedTemporal(port=port, ui_port=ui_port, state_dir=state_dir)
+    # The UI decodes claim-checked payloads (prompts, answers) through it: text, not references.
+    codec = local_codec_server(state_dir / "context", ui_port)
+    temporal = EmbeddedTemporal(
+        port=port, ui_port=ui_port, state_dir=state_dir, codec_endpoint=codec.url
+    )
     if engine is Engine.SIM and not urls:
         where = (
             f"fleet {fleet}: {len(config.pools)} pools, "
@@ -224,6 +229,7 @@ def demo(
                     highlight=False,
                     soft_wrap=True,
                 )
+            stack.callback(codec.stop)
             stack.callback(temporal.stop)
             temporal.start()
             if engine is Engine.VLLM:

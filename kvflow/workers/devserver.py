@@ -192,8 +192,11 @@ class EmbeddedTemporal:
         state_dir: Path = DEFAULT_STATE_DIR,
         db_filename: str | None = "temporal.db",
         startup_timeout_s: float = 30.0,
+        codec_endpoint: str | None = None,
     ) -> None:
         self.port = port
+        self.codec_endpoint = codec_endpoint
+        """The remote codec server the Web UI decodes payloads with (`kvflow codec serve`)."""
         self.ui_port = ui_port
         self.state_dir = state_dir
         self.db_path = state_dir / db_filename if db_filename else None
@@ -230,6 +233,8 @@ class EmbeddedTemporal:
             "warn",
         ]
         cmd += ["--ui-port", str(self.ui_port)] if self.ui_port else ["--headless"]
+        if self.ui_port and self.codec_endpoint:
+            cmd += ["--ui-codec-endpoint", self.codec_endpoint]
         if self.db_path:
             cmd += ["--db-filename", str(self.db_path)]
         return cmd + search_attribute_args() + dynamic_config_args()
