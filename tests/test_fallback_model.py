@@ -16,12 +16,15 @@ from kvflow.scheduler.core import Scheduler
 from kvflow.scheduler.fleet import Fleet
 from kvflow.scheduler.placement import Placement, PlacementRequest, Refusal, RefusalReason
 from kvflow.scheduler.state import ReplicaMetrics
+from kvflow.simulator import BUILTIN_MODELS, EngineConfig, SimReplica
 from kvflow.simulator.des import DiscreteEventFleet, FleetRequest
 from kvflow.simulator.policies.base import PolicySetup, TaskContext
 from kvflow.simulator.policies.kvflow_scheduler import KvflowPolicy
-from kvflow.simulator.policy_bench import bench_fleet, simulated_replicas
+from kvflow.simulator.policy_bench import bench_fleet
 
 BIG, SMALL = "llama-3.1-8b", "llama-3.2-1b"
+ENGINE = EngineConfig(max_model_len=16384)
+"""The simulated replicas' engines (the bench's, without KV events)."""
 
 
 def fleet(*, endpoints: Any = "simulated", small_pool: bool = False) -> Fleet:
@@ -140,21 +143,26 @@ def test_a_fallback_some_replica_serves_is_still_degraded_to() -> None:
     assert (answer.model, answer.replica, answer.degraded_from) == (SMALL, "small/0", BIG)
 
 
-@pytest.mark.timeout(60)
-def test_kvflow_in_the_simulated_fleet_refuses_a_call_rather_than_run_an_unserved_fallback() -> (
-    None
-):
-    # The bench's fleet lists the 1B fallback, but its replicas run only the 8B.
-    fleet = bench_fleet("agent", 2)
-    assert [p.warm_models for p in fleet.pools] == [[BIG]]
-    replicas = simulated_replicas(fleet)
+def run_in_simulated_fleet(
+    fleet: Fleet, deadlines: dict[str, float], extra: dict[str, object] | None = None
+) -> tuple[list[str], list[tuple[str, str]]]:
+    """kvflow places one call per deadline on `fleet`'s simulated replicas, as the bench does.
+
+    Returns the calls refused, and (call, model it ran on) for the calls that finished.
+    """
+    specs = {m.name: BUILTIN_MODELS[m.name] for m in fleet.models}
+    replicas = [
+        SimReplica(pool.gpu, [specs[m] for m in pool.warm_models], ENGINE, name=name)
+        for pool in fleet.pools
+        for name in pool.replica_names()
+    ]
     setup = PolicySetup(
         fleet=fleet,
         replica_names=[n for p in fleet.pools for n in p.replica_names()],
-        block_size=replicas[0].config.block_size,
+        block_size=ENGINE.block_size,
         clock=lambda: sim.now,
         tokens_of=lambda parent, block: (),
-        extra={"kv_events": False},
+        extra={"kv_events": False, **(extra or {})},
     )
     policy = KvflowPolicy(setup)
     refused: list[str] = []
@@ -165,8 +173,8 @@ def test_kvflow_in_the_simulated_fleet_refuses_a_call_rather_than_run_an_unserve
         on_fail=lambda request, replica, _: refused.append(request.request_id),
     )
 
-    def call(name: str, seed: int, deadline_s: float) -> FleetRequest:
-        """A call of one 1000-token prompt and OUTPUT_TOKENS of output, due at `deadline_s`."""
+    def call(seed: int, name: str, deadline_s: float) -> FleetRequest:
+        """One 1000-token prompt and OUTPUT_TOKENS of output, due at `deadline_s`."""
         tokens = [(seed * 7919 + i * 31) % 50_000 for i in range(1000)]
         task = TaskContext(
             workflow_id=name,
@@ -188,6 +196,29 @@ def test_kvflow_in_the_simulated_fleet_refuses_a_call_rather_than_run_an_unserve
             context=task,
         )
 
-    result = sim.run([call("tight", 1, TIGHT_S), call("roomy", 2, 600.0)])
+    calls = [call(seed, name, due) for seed, (name, due) in enumerate(deadlines.items())]
+    result = sim.run(calls)
+    return refused, sorted((r.request.request_id, r.request.model) for r in result.records)
+
+
+@pytest.mark.timeout(60)
+def test_kvflow_in_the_simulated_fleet_refuses_a_call_rather_than_run_an_unserved_fallback() -> (
+    None
+):
+    # The bench's fleet lists the 1B fallback, but its replicas run only the 8B.
+    bench = bench_fleet("agent", 2)
+    assert [p.warm_models for p in bench.pools] == [[BIG]]
+    refused, ran = run_in_simulated_fleet(bench, {"tight": TIGHT_S, "roomy": 600.0})
     assert refused == ["tight"]
-    assert [(r.request.request_id, r.request.model) for r in result.records] == [("roomy", BIG)]
+    assert ran == [("roomy", BIG)]
+
+
+@pytest.mark.timeout(60)
+def test_kvflow_in_the_simulated_fleet_degrades_only_when_the_bench_allows_it() -> None:
+    # Here a pool of its own serves the 1B fallback.
+    deadlines = {"tight": TIGHT_S, "roomy": 600.0}
+    with_small = fleet(small_pool=True)
+    refused, ran = run_in_simulated_fleet(with_small, deadlines, {"allow_fallback": True})
+    assert (refused, ran) == ([], [("roomy", BIG), ("tight", SMALL)])
+    refused, ran = run_in_simulated_fleet(with_small, deadlines, {"allow_fallback": False})
+    assert (refused, ran) == (["tight"], [("roomy", BIG)])

@@ -26,7 +26,8 @@ Fed as `kvflow.workers.control_plane.ControlPlane` feeds it:
 Each call is a `PlacementRequest` built as `kvflow.workflows.agent` builds it: the task's
 tenant, remaining deadline and steps, previous replica, spend so far, excluded replicas,
 attempt and retries. A refusal with a retry-after is tried again after it (saturation); any
-other refusal fails the call. A placement on a fallback model runs that model.
+other refusal fails the call. A placement on a fallback model runs that model;
+`extra["allow_fallback"] = False` forbids degrading (`PlacementRequest.allow_fallback`).
 
 Dispatched as kvflow dispatches: a call waits in its replica's Temporal task queue with
 `Priority(priority_key=tier)`, so a replica's backlog is served tier 1 first, then by arrival.
@@ -80,6 +81,7 @@ class KvflowPolicy:
         """Send token ids with stored blocks: asked for, or needed because the engines' blocks
         are not the index's (their hashes are then not its keys)."""
         self.priority_dispatch = bool(setup.extra.get("priority_dispatch", True))
+        self.allow_fallback = bool(setup.extra.get("allow_fallback", True))
         self._scraped_at = -math.inf
         self._retry_after: dict[str, float] = {}
         self._placed: dict[str, Placement] = {}
@@ -112,6 +114,7 @@ class KvflowPolicy:
                 workflow_id=task.workflow_id,
                 attempt=request.attempt,
                 task_retries=task.task_retries,
+                allow_fallback=self.allow_fallback,
             )
         )
         self.scheduler.settle()
