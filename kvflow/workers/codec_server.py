@@ -62,8 +62,8 @@ from kvflow.activities.claim_check import (
     is_claim_check,
     workflow_scope,
 )
-from kvflow.activities.context_store import DirectoryContextStore
-from kvflow.activities.wire import INLINE_LIMIT_BYTES
+from kvflow.activities.context_store import ContextNotFound, DirectoryContextStore
+from kvflow.activities.wire import INLINE_LIMIT_BYTES, ContextRef
 from kvflow.workflows.search_attributes import TENANT
 
 log = logging.getLogger(__name__)
@@ -89,11 +89,14 @@ class Caller:
     name: str
     tenants: frozenset[str]
 
+    @property
+    def reads_all(self) -> bool:
+        """Whether this caller may read every tenant's content (`*`)."""
+        return ALL_TENANTS in self.tenants
+
     def may_read(self, tenant: str | None) -> bool:
         """Whether this caller may read a payload of `tenant` (None: tenant unknown)."""
-        if ALL_TENANTS in self.tenants:
-            return True
-        return tenant is not None and tenant in self.tenants
+        return self.reads_all or (tenant is not None and tenant in self.tenants)
 
 
 @dataclass(frozen=True)
@@ -251,8 +254,30 @@ def _text_payload(text: str) -> Payload:
     return Payload(metadata={"encoding": b"json/plain"}, data=json.dumps(text).encode())
 
 
+@dataclass
+class _DecodeTally:
+    """What one decode request opened and refused, for the log (never the content)."""
+
+    opened: dict[str, int] = field(default_factory=dict)
+    refused: dict[str, int] = field(default_factory=dict)
+    missing: int = 0
+
+    def count(self, into: dict[str, int], label: str) -> None:
+        into[label] = into.get(label, 0) + 1
+
+
 class PayloadOpener:
-    """Decodes and encodes payload lists for one caller at a time, by what it may read."""
+    """Decodes and encodes payload lists for one caller at a time, by what it may read.
+
+    Two kinds of reference stand for content in history, and both are opened:
+
+    - a claim-checked payload (a whole payload over 2 KB) is restored, or replaced by a
+      `NOT_YOURS` placeholder payload;
+    - a context reference inside a JSON payload (`{"digest", "size", "preview", "tenant"}`:
+      a prompt, an answer or a tool result the agent stored) gets a `"text"` key beside its
+      fields with the content, or the placeholder. The reference keeps its fields, so what
+      the UI shows still parses as the `ContextRef` the workflow saw.
+    """
 
     def __init__(
         self,
@@ -263,53 +288,110 @@ class PayloadOpener:
     ) -> None:
         # No scope: it follows the scope each reference names (access is checked here first).
         self._codec = ClaimCheckCodec(store, threshold_bytes)
+        self._store = store
         self._tenant_of = tenant_of
 
     async def decode(
         self, payloads: Sequence[Payload], caller: Caller, namespace: str
     ) -> list[Payload]:
-        """`payloads` with every reference `caller` may read restored, the rest placeholders."""
-        decoded: list[Payload] = []
-        opened: dict[str, int] = {}
-        refused: dict[str, int] = {}
-        missing = 0
-        for payload in payloads:
-            if not is_claim_check(payload):
-                decoded.append(payload)
-                continue
-            named = payload.metadata.get(SCOPE_METADATA)
-            scope = None if named is None else named.decode("ascii", "replace")
-            label = scope[:12] if scope else "unscoped"
-            tenant = None if scope is None else await self._tenant_of(namespace, scope)
-            if not caller.may_read(tenant):
-                refused[label] = refused.get(label, 0) + 1
-                decoded.append(_text_payload(NOT_YOURS))
-                continue
-            try:
-                [restored] = await self._codec.decode([payload])
-            except ClaimCheckMissing as exc:
-                log.warning("codec decode: %s", exc)
-                missing += 1
-                decoded.append(_text_payload(NOT_STORED))
-                continue
-            opened[label] = opened.get(label, 0) + 1
-            decoded.append(restored)
-        if opened or refused or missing:
+        """`payloads` with every reference `caller` may read opened, the rest placeholders."""
+        tally = _DecodeTally()
+        decoded = [await self._decode_one(p, caller, namespace, tally) for p in payloads]
+        if tally.opened or tally.refused or tally.missing:
             log.info(
-                "codec decode by %s in namespace %r: %d payloads, opened %s, refused %s, "
+                "codec decode by %s in namespace %r: %d payloads; opened %s; refused %s; "
                 "%d not in the store",
                 caller.name,
                 namespace,
                 len(payloads),
-                opened or "none",
-                refused or "none",
-                missing,
+                tally.opened or "none",
+                tally.refused or "none",
+                tally.missing,
             )
         return decoded
+
+    async def _decode_one(
+        self, payload: Payload, caller: Caller, namespace: str, tally: _DecodeTally
+    ) -> Payload:
+        if is_claim_check(payload):
+            named = payload.metadata.get(SCOPE_METADATA)
+            scope = None if named is None else named.decode("ascii", "replace")
+            label = f"workflow {scope[:12]}" if scope else "unscoped payload"
+            tenant = None if scope is None else await self._tenant_of(namespace, scope)
+            if not caller.may_read(tenant):
+                tally.count(tally.refused, label)
+                return _text_payload(NOT_YOURS)
+            try:
+                [payload] = await self._codec.decode([payload])
+            except ClaimCheckMissing as exc:
+                log.warning("codec decode: %s", exc)
+                tally.missing += 1
+                return _text_payload(NOT_STORED)
+            tally.count(tally.opened, label)
+        return await self._with_context_texts(payload, caller, tally)
+
+    async def _with_context_texts(
+        self, payload: Payload, caller: Caller, tally: _DecodeTally
+    ) -> Payload:
+        """`payload`, each context reference in its JSON given the text it stands for."""
+        if payload.metadata.get("encoding") != b"json/plain" or b'"digest"' not in payload.data:
+            return payload
+        try:
+            value = json.loads(payload.data)
+        except ValueError:
+            return payload
+        refs: list[dict[str, Any]] = []
+        _collect_context_refs(value, refs)
+        if not refs:
+            return payload
+        for ref in refs:
+            tenant = ref.get("tenant")
+            label = f"tenant {tenant}" if tenant else "shared"
+            # Shared text was stored for no tenant on purpose: any caller may read it.
+            if tenant is not None and not caller.may_read(tenant):
+                tally.count(tally.refused, label)
+                ref["text"] = NOT_YOURS
+                continue
+            try:
+                context = ContextRef.model_validate(ref)
+                # A caller of some tenants reads shared text from `shared/` only, never from
+                # the earlier versions' folder, which mixes every tenant's content.
+                reader = None if caller.reads_all else (tenant or min(caller.tenants))
+                ref["text"] = await self._store.aget(context, reader)
+            except (ValueError, ContextNotFound) as exc:
+                log.warning("codec decode: %s", exc)
+                tally.missing += 1
+                ref["text"] = NOT_STORED
+                continue
+            tally.count(tally.opened, label)
+        return Payload(
+            metadata=payload.metadata, data=json.dumps(value, ensure_ascii=False).encode()
+        )
 
     async def encode(self, payloads: Sequence[Payload]) -> list[Payload]:
         """`payloads` as workers encode them outside a workflow (large ones: references)."""
         return await self._codec.encode(payloads)
+
+
+_CONTEXT_REF_KEYS = frozenset(ContextRef.model_fields)
+
+
+def _collect_context_refs(value: Any, into: list[dict[str, Any]]) -> None:
+    """Every JSON object in `value` that is a `ContextRef` (its fields, and a digest)."""
+    if isinstance(value, dict):
+        if (
+            "digest" in value
+            and "size" in value
+            and value.keys() <= _CONTEXT_REF_KEYS
+            and isinstance(value["digest"], str)
+        ):
+            into.append(value)
+            return
+        for item in value.values():
+            _collect_context_refs(item, into)
+    elif isinstance(value, list):
+        for item in value:
+            _collect_context_refs(item, into)
 
 
 def _error(status: int, message: str, headers: Mapping[str, str] | None = None) -> Response:
