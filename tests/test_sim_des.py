@@ -22,6 +22,8 @@ from kvflow.simulator import (
 )
 from kvflow.simulator.kv_events import BlockStored
 
+pytestmark = pytest.mark.timeout(60)
+
 MODEL = BUILTIN_MODELS["llama-3.1-8b"]
 CONFIG = EngineConfig(max_model_len=16384)
 
@@ -128,3 +130,28 @@ def test_a_model_no_replica_serves_is_refused() -> None:
     request = FleetRequest(arrival_time=0.0, model="unknown", prompt_tokens=10, output_tokens=5)
     with pytest.raises(ValueError, match="no replica serves model 'unknown'"):
         simulate([request], fleet(["H100"]))
+
+
+def test_stop_ends_the_run_after_the_current_event() -> None:
+    requests = workload(tasks=40)
+    sim = DiscreteEventFleet(fleet(["H100"] * 2), LeastLoadedRouter())
+    sim.schedule(3.0, sim.stop)
+    result = sim.run(requests)
+    assert result.simulated_seconds == 3.0
+    assert len(result.records) < len(requests)
+    assert result.unfinished > 0
+    # A later run goes on from there: what the engines hold finishes.
+    assert sim.run().unfinished == 0
+
+
+def test_metrics_refresh_on_demand_at_most_once_per_interval() -> None:
+    scrapes: list[float] = []
+    sim = DiscreteEventFleet(
+        fleet(["H100"]), LeastLoadedRouter(), on_scrape=scrapes.append, metrics_interval_s=0.05
+    )
+    sim.submit(FleetRequest(arrival_time=0.0, model=MODEL.name, prompt_tokens=64, output_tokens=8))
+    for when in (0.01, 0.02, 0.07, 0.08):
+        sim.schedule(when, sim.refresh_metrics)
+    sim.run()
+    assert scrapes == [0.0, 0.07]
+    assert sim.view.metrics[0].at == 0.07
