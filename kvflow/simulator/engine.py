@@ -194,7 +194,8 @@ class SimRequest:
         self.ignore_eos = ignore_eos
         self.tag = tag
         self.priority = priority
-        """Lower runs first among the waiting (vLLM's `priority`; 0 for all: arrival order)."""
+        """vLLM's `priority`: under the priority policy, lower runs first among the waiting
+        and is preempted last; the fcfs policy ignores it."""
         self.status = RequestStatus.WAITING
         self.arrival_time = 0.0
         self.arrival_order = 0
