@@ -127,7 +127,10 @@ def serve(
         float, typer.Option("--gpu-memory-utilization", min=0.01, max=1.0)
     ] = 0.9,
     num_gpu_blocks: Annotated[
-        int | None, typer.Option("--num-gpu-blocks", min=1, help="override the KV size")
+        int | None,
+        typer.Option(
+            "--num-gpu-blocks", min=2, help="override the KV size (block 0 is the null block)"
+        ),
     ] = None,
     tensor_parallel: Annotated[
         int | None, typer.Option("--tensor-parallel-size", min=1, max=64)
