@@ -8,6 +8,10 @@ namespace in `X-Namespace` and the caller's `Authorization` header; this server 
 the payloads restored from the context store. Only the last path segment picks the route, so
 `/{namespace}/decode` works as well.
 
+Two kinds of reference are opened (`PayloadOpener`): claim-checked payloads, restored whole,
+and the context references (`ContextRef`) in which the agent keeps long prompts, answers and
+tool results, which get a `"text"` key with their content beside their own fields.
+
 Who may read what (`CodecAccess`):
 
 - No tokens: every caller reads everything. The server then listens on loopback only, for
@@ -23,8 +27,9 @@ kvflow workflows and caches their scopes). A reference without a scope (payloads
 outside any workflow, and those of versions before scopes) has no known tenant: only callers
 who may read every tenant open it.
 
-Every decode that opens or refuses tenant data is logged: caller, namespace, scopes, how many
-payloads; never their content.
+A context reference names its tenant itself; one with no tenant is shared text, which any
+caller reads. Every decode that opens or refuses tenant data is logged: caller, namespace,
+scopes, how many payloads; never their content.
 """
 
 from __future__ import annotations
@@ -345,6 +350,11 @@ class PayloadOpener:
         if not refs:
             return payload
         for ref in refs:
+            # "text" first, so the UI's one-line summary of the event shows it, not a digest.
+            fields = dict(ref)
+            ref.clear()
+            ref["text"] = ""
+            ref.update(fields)
             tenant = ref.get("tenant")
             label = f"tenant {tenant}" if tenant else "shared"
             # Shared text was stored for no tenant on purpose: any caller may read it.
