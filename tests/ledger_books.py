@@ -16,7 +16,7 @@ from temporalio.client import WorkflowExecutionStatus, WorkflowHandle
 from kvflow.ledger.records import TaskBook, TaskOutcome
 from kvflow.workflows import search_attributes
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
-from tests.test_workflows import Stack
+from tests.stacks import Stack
 
 OUTCOMES = {
     WorkflowExecutionStatus.COMPLETED: {TaskOutcome.SUCCEEDED},

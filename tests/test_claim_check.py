@@ -39,7 +39,7 @@ from kvflow.workers.plugin import KvflowPlugin
 from kvflow.workflows import errors
 from tests import agent_workflows as wf
 from tests.history import payloads_in
-from tests.test_workflows import MODEL, PoolPlan, _spec, stack
+from tests.stacks import MODEL, PoolPlan, fleet_stack, task_spec
 
 
 async def _client(
@@ -61,8 +61,8 @@ async def test_large_prompt_and_structured_answer_stay_out_of_history(
     brief = "Write the quarterly report on these findings. " + "finding " * 600
     assert len(brief.encode()) > INLINE_LIMIT_BYTES
     pools = [PoolPlan("big", gpu="H200", max_model_len=16384)]
-    async with stack(client, tmp_path, pools) as s:
-        task = wf.ReportInput(spec=_spec(expected_steps=1), model=MODEL, brief=brief)
+    async with fleet_stack(client, tmp_path, pools) as s:
+        task = wf.ReportInput(spec=task_spec(expected_steps=1), model=MODEL, brief=brief)
         handle = await s.start(wf.LongReport.run, task)
         report = await handle.result()
         history = await handle.fetch_history()
@@ -213,9 +213,9 @@ async def test_a_tenants_claim_checked_input_opens_for_no_other_tenant(
 ):
     client = await _client(temporal_client, tmp_path / "context")  # the stack's store
     marker = f"globex-private-{secrets.token_hex(8)}"
-    async with stack(client, tmp_path, [PoolPlan("solo")]) as s:
+    async with fleet_stack(client, tmp_path, [PoolPlan("solo")]) as s:
         secret = wf.StepsInput(
-            spec=_spec(tenant="globex", expected_steps=1),
+            spec=task_spec(tenant="globex", expected_steps=1),
             model=MODEL,
             steps=0,  # no model call: the input is what matters
             context=f"{marker} merger terms " * 370,
@@ -245,7 +245,7 @@ async def test_a_tenants_claim_checked_input_opens_for_no_other_tenant(
         reads = [
             await s.start(
                 wf.ReadContext.run,
-                wf.ReadInput(spec=_spec(tenant="acme", expected_steps=1), ref=ref),
+                wf.ReadInput(spec=task_spec(tenant="acme", expected_steps=1), ref=ref),
             )
             for ref in refs
         ]

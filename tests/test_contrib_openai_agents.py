@@ -18,8 +18,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
+from contextlib import AbstractAsyncContextManager, contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -49,7 +48,6 @@ from temporalio.worker import Replayer, Worker
 
 import samples.openai_agents_travel as travel
 from kvflow.activities.claim_check import ClaimCheckCodec, is_claim_check
-from kvflow.activities.context_store import DirectoryContextStore
 from kvflow.activities.wire import ChatMessage, Sampling, ToolCall, ToolSpec
 from kvflow.contrib.openai_agents import (
     KvflowAgentsPayloadConverter,
@@ -64,50 +62,16 @@ from kvflow.contrib.openai_agents import (
     tool_choice,
     tool_specs,
 )
-from kvflow.ledger.records import AttemptRecord, TaskOutcome, TaskRecord
-from kvflow.ledger.store import AsyncLedger, open_async_ledger
-from kvflow.scheduler.fleet import Fleet
+from kvflow.ledger.records import TaskOutcome
 from kvflow.simulator.faults import FaultSpec
-from kvflow.workers.embedded import EmbeddedFleet
 from kvflow.workers.plugin import KvflowPlugin, role_worker
-from kvflow.workers.workflow_worker import workflow_worker
 from kvflow.workflows import search_attributes
 from kvflow.workflows.agent import SPEND_QUERY, AttemptSpend, SpendBreakdown, StepSpend
 from kvflow.workflows.errors import TaskErrorType
 from tests import agents_sdk_workflows as wf
-from tests.test_workflows import MODEL, PoolPlan, _spec, cheap_pool_that_crashes, fleet_for
+from tests.stacks import MODEL, PoolPlan, Stack, cheap_pool_that_crashes, fleet_stack, task_spec
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@dataclass
-class Stack:
-    client: Client
-    """The workflow worker's client: `KvflowPlugin` and `KvflowAgentsPlugin`."""
-    ledger: AsyncLedger
-    task_queue: str
-    context_dir: Path
-    fleet: EmbeddedFleet
-    ledger_path: Path
-
-    async def start(self, run: Any, arg: Any) -> WorkflowHandle[Any, Any]:
-        return await self.client.start_workflow(
-            run, arg, id=f"agents-{uuid.uuid4()}", task_queue=self.task_queue
-        )
-
-    def task_rows(self, handle: WorkflowHandle[Any, Any]) -> list[str]:
-        """The outcome of every task row the ledger holds for the workflow, any run."""
-        with sqlite3.connect(self.ledger_path) as db:
-            rows = db.execute("SELECT outcome FROM tasks WHERE workflow_id = ?", (handle.id,))
-            return [outcome for (outcome,) in rows]
-
-    async def rows(
-        self, handle: WorkflowHandle[Any, Any]
-    ) -> tuple[TaskRecord | None, list[AttemptRecord]]:
-        run_id = (await handle.describe()).run_id or ""
-        return await self.ledger.task(handle.id, run_id), await self.ledger.attempts_for(
-            handle.id, run_id
-        )
 
 
 def plugins(context_dir: Path) -> list[Any]:
@@ -115,49 +79,30 @@ def plugins(context_dir: Path) -> list[Any]:
     return [KvflowPlugin(context_dir=context_dir), KvflowAgentsPlugin()]
 
 
-@asynccontextmanager
-async def agents_stack(
+def agents_stack(
     temporal_client: Client,
     tmp_path: Path,
-    fleet: Fleet,
+    pools: list[PoolPlan],
     faults: dict[str, FaultSpec] | None = None,
-) -> AsyncIterator[Stack]:
-    context_dir = tmp_path / "context"
-    # The GPU workers' client: kvflow's converter and codec, no agents plugin.
-    gpu_client = Client(
-        temporal_client.service_client,
-        namespace=temporal_client.namespace,
-        plugins=[KvflowPlugin(context_dir=context_dir)],
+) -> AbstractAsyncContextManager[Stack]:
+    """`fleet_stack` for this module's workflows: the tasks' and the workflow worker's client
+    carries the agents plugin, the GPU workers' client kvflow's alone."""
+    return fleet_stack(
+        temporal_client,
+        tmp_path,
+        pools,
+        workflows=wf.WORKFLOWS,
+        activities=wf.ACTIVITIES,
+        plugins=[KvflowAgentsPlugin()],
+        faults=faults,
     )
-    client = Client(
-        temporal_client.service_client,
-        namespace=temporal_client.namespace,
-        plugins=plugins(context_dir),
-    )
-    ledger_path = tmp_path / "ledger.db"
-    ledger = await open_async_ledger(f"sqlite:///{ledger_path}", migrate=True)
-    task_queue = f"agents-{uuid.uuid4()}"
-    try:
-        async with EmbeddedFleet(
-            gpu_client,
-            fleet,
-            ledger=ledger,
-            store=DirectoryContextStore(context_dir),
-            max_model_len=4096,
-            faults=faults,
-        ) as embedded:
-            assert embedded.control_plane is not None
-            worker = await workflow_worker(
-                client,
-                embedded.control_plane,
-                workflows=wf.WORKFLOWS,
-                activities=wf.ACTIVITIES,
-                task_queue=task_queue,
-            )
-            async with worker:
-                yield Stack(client, ledger, task_queue, context_dir, embedded, ledger_path)
-    finally:
-        await ledger.close()
+
+
+def task_rows(stack: Stack, handle: WorkflowHandle[Any, Any]) -> list[str]:
+    """The outcome of every task row the ledger holds for the workflow, any run."""
+    with sqlite3.connect(stack.ledger_url.removeprefix("sqlite:///")) as db:
+        rows = db.execute("SELECT outcome FROM tasks WHERE workflow_id = ?", (handle.id,))
+        return [outcome for (outcome,) in rows]
 
 
 @pytest.fixture(scope="module")
@@ -165,9 +110,7 @@ async def stack(
     temporal_client: Client, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Stack]:
     tmp_path = tmp_path_factory.mktemp("openai-agents")
-    async with agents_stack(
-        temporal_client, tmp_path, fleet_for([PoolPlan("gpu", replicas=2)])
-    ) as s:
+    async with agents_stack(temporal_client, tmp_path, [PoolPlan("gpu", replicas=2)]) as s:
         yield s
 
 
@@ -232,7 +175,9 @@ async def test_travel_sample_answers_and_every_model_call_is_a_billed_kvflow_ste
 
 @pytest.mark.timeout(60)
 async def test_runner_outside_a_kvflow_agent_block_fails_with_the_fix(stack: Stack):
-    handle = await stack.start(wf.Writer.run, wf.OneAgentInput(spec=_spec(), kvflow_block=False))
+    handle = await stack.start(
+        wf.Writer.run, wf.OneAgentInput(spec=task_spec(), kvflow_block=False)
+    )
     with pytest.raises(WorkflowFailureError) as failed:
         await handle.result()
     cause = failed.value.cause
@@ -246,14 +191,14 @@ async def test_runner_outside_a_kvflow_agent_block_fails_with_the_fix(stack: Sta
 async def test_failing_tools_follow_the_sdk(stack: Stack):
     # A function tool's error goes back to the model, which answers.
     handle = await stack.start(
-        wf.FailingTool.run, wf.ToolFailureInput(spec=_spec(), activity_tool=False)
+        wf.FailingTool.run, wf.ToolFailureInput(spec=task_spec(), activity_tool=False)
     )
     out = await handle.result()
     assert out.requests == 2 and "visa service does not know" in out.tool_outputs[0]
     # An activity tool that fails for good fails the workflow, and kvflow records the task
     # as failed with the model call it paid for.
     handle = await stack.start(
-        wf.FailingTool.run, wf.ToolFailureInput(spec=_spec(), activity_tool=True)
+        wf.FailingTool.run, wf.ToolFailureInput(spec=task_spec(), activity_tool=True)
     )
     with pytest.raises(WorkflowFailureError) as failed:
         await handle.result()
@@ -270,7 +215,7 @@ async def test_failing_tools_follow_the_sdk(stack: Stack):
 
 @pytest.mark.timeout(60)
 async def test_a_handoff_runs_the_next_agent_on_kvflow_under_its_own_name(stack: Stack):
-    handle = await stack.start(wf.Triage.run, wf.OneAgentInput(spec=_spec()))
+    handle = await stack.start(wf.Triage.run, wf.OneAgentInput(spec=task_spec()))
     out = await handle.result()
     assert out.final_output.startswith("flight-agent: ") and out.requests == 2
     _, attempts = await stack.rows(handle)
@@ -282,10 +227,8 @@ async def test_a_handoff_runs_the_next_agent_on_kvflow_under_its_own_name(stack:
 async def test_replica_cut_mid_answer_resumes_elsewhere_and_both_attempts_are_billed(
     temporal_client: Client, tmp_path: Path
 ):
-    pools = cheap_pool_that_crashes()
-    faults = {"cheap/0": pools[0].faults}
-    async with agents_stack(temporal_client, tmp_path, fleet_for(pools), faults) as s:
-        handle = await s.start(wf.Writer.run, wf.OneAgentInput(spec=_spec(expected_steps=1)))
+    async with agents_stack(temporal_client, tmp_path, cheap_pool_that_crashes()) as s:
+        handle = await s.start(wf.Writer.run, wf.OneAgentInput(spec=task_spec(expected_steps=1)))
         out = await handle.result()
         spend = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
         [step] = spend.steps
@@ -312,9 +255,8 @@ async def test_the_sdk_costs_what_the_same_calls_through_agent_infer_cost(
 ):
     async def bills(name: str, run: Any) -> list[tuple[Any, ...]]:
         # A fresh fleet for each, so that neither finds the other's prefix cached.
-        fleet = fleet_for([PoolPlan(name)])
-        async with agents_stack(temporal_client, tmp_path / name, fleet) as s:
-            handle = await s.start(run, wf.OneAgentInput(spec=_spec()))
+        async with agents_stack(temporal_client, tmp_path / name, [PoolPlan(name)]) as s:
+            handle = await s.start(run, wf.OneAgentInput(spec=task_spec()))
             await handle.result()
             _, attempts = await s.rows(handle)
         return [
@@ -364,7 +306,7 @@ async def test_starter_runs_its_worker_and_plans_one_trip_on_a_running_fleet(
     # The module's fleet as a fleet file; its GPU workers and simulators are the ones running.
     fleet_file = tmp_path / "fleet.toml"
     fleet_file.write_text(FLEET_FILE.format(model=MODEL))
-    endpoints = [f"--endpoint={name}={sim.base_url}" for name, sim in stack.fleet.sims.items()]
+    endpoints = [f"--endpoint={name}={sim.base_url}" for name, sim in stack.embedded.sims.items()]
     starter = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -433,7 +375,7 @@ async def failure_of(handle: WorkflowHandle[Any, Any]) -> ApplicationError:
 
 async def assert_recorded_as_failed(stack: Stack, handle: WorkflowHandle[Any, Any]) -> None:
     """One task row, failed, and the workflow's KvflowOutcome says so to the Temporal UI."""
-    assert stack.task_rows(handle) == [TaskOutcome.FAILED]
+    assert task_rows(stack, handle) == [TaskOutcome.FAILED]
     description = await handle.describe()
     assert description.typed_search_attributes.get(search_attributes.OUTCOME) == "failed"
 
@@ -451,7 +393,9 @@ async def assert_recorded_as_failed(stack: Stack, handle: WorkflowHandle[Any, An
 async def test_sdk_error_that_ends_the_run_fails_the_task_at_once_under_its_type(
     stack: Stack, error: wf.SdkError, error_type: str, message: str
 ):
-    handle = await stack.start(wf.EndsInSdkError.run, wf.SdkErrorInput(spec=_spec(), error=error))
+    handle = await stack.start(
+        wf.EndsInSdkError.run, wf.SdkErrorInput(spec=task_spec(), error=error)
+    )
     failure = await failure_of(handle)
     assert failure.type == error_type and message in failure.message
     await assert_recorded_as_failed(stack, handle)
@@ -463,10 +407,9 @@ async def test_model_settings_timeout_stops_a_stalled_call_and_fails_the_task(
 ):
     # The only replica never answers: the agent's 1 s timeout is what ends the call.
     faults = {"stalled/0": FaultSpec(stall_after=0)}
-    fleet = fleet_for([PoolPlan("stalled")])
-    async with agents_stack(temporal_client, tmp_path, fleet, faults) as s:
+    async with agents_stack(temporal_client, tmp_path, [PoolPlan("stalled")], faults) as s:
         handle = await s.start(
-            wf.EndsInSdkError.run, wf.SdkErrorInput(spec=_spec(), error="timeout")
+            wf.EndsInSdkError.run, wf.SdkErrorInput(spec=task_spec(), error="timeout")
         )
         failure = await failure_of(handle)
         assert (
@@ -495,7 +438,9 @@ async def test_model_settings_timeout_stops_a_stalled_call_and_fails_the_task(
 async def test_run_asking_for_what_kvflow_does_not_offer_fails_with_the_fix_before_any_call(
     stack: Stack, refusal: wf.Refusal, error_type: str, message: str
 ):
-    handle = await stack.start(wf.RefusedRun.run, wf.RefusalInput(spec=_spec(), refusal=refusal))
+    handle = await stack.start(
+        wf.RefusedRun.run, wf.RefusalInput(spec=task_spec(), refusal=refusal)
+    )
     failure = await failure_of(handle)
     assert failure.type == error_type and message in failure.message
     await assert_recorded_as_failed(stack, handle)
@@ -516,7 +461,7 @@ async def test_settings_kvflow_does_not_send_are_named_in_one_warning(
         "temperature": 0.2,
     }
     handle = await stack.start(
-        wf.ConfiguredWriter.run, wf.SettingsInput(spec=_spec(), settings=settings)
+        wf.ConfiguredWriter.run, wf.SettingsInput(spec=task_spec(), settings=settings)
     )
     assert (await handle.result()).final_output
     warned = [r.getMessage() for r in caplog.records if "does not send" in r.getMessage()]
@@ -536,7 +481,7 @@ def engine_requests(stack: Stack) -> Iterator[list[dict[str, Any]]]:
         if request.url.path.endswith("/chat/completions"):
             sent.append(json.loads(request.content))
 
-    clients = [worker.http for worker in stack.fleet.gpu_workers.values()]
+    clients = [worker.http for worker in stack.gpu_workers.values()]
     for client in clients:
         hooks = client.event_hooks
         client.event_hooks = {**hooks, "request": [*hooks["request"], record]}
@@ -553,7 +498,7 @@ async def test_sampling_the_agent_leaves_unset_reaches_the_engine_unset(stack: S
     with engine_requests(stack) as sent:
         for settings in ({}, {"temperature": 0.7, "top_p": 0.9}):
             handle = await stack.start(
-                wf.ConfiguredWriter.run, wf.SettingsInput(spec=_spec(), settings=settings)
+                wf.ConfiguredWriter.run, wf.SettingsInput(spec=task_spec(), settings=settings)
             )
             await handle.result()
     unset, given = sent
@@ -601,8 +546,7 @@ async def test_kvflow_plugin_beside_temporals_agents_plugin_or_without_kvflows_i
     with pytest.raises(ValueError, match=replace):
         client_of(OpenAIAgentsPlugin(), KvflowPlugin(context_dir=context_dir))
     # Without kvflow's agents plugin the sandbox would refuse the SDK's imports.
-    assert stack.fleet.control_plane is not None
-    workflow_worker_plugin = KvflowPlugin(control_plane=stack.fleet.control_plane)
+    workflow_worker_plugin = KvflowPlugin(control_plane=stack.control)
     with pytest.raises(ValueError, match=r"^workflow \w+ runs OpenAI Agents SDK agents, which"):
         role_worker(
             client_of(KvflowPlugin(context_dir=context_dir)),

@@ -11,9 +11,7 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
-import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -21,27 +19,23 @@ import pytest
 from pydantic_ai import UserError
 from pydantic_ai.durable_exec.temporal import PydanticAIPayloadConverter
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
+from temporalio.client import Client, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Replayer, Worker
 
 import samples.pydantic_ai_support as sample
 from kvflow.activities.claim_check import ClaimCheckCodec, is_claim_check
-from kvflow.activities.context_store import DirectoryContextStore
 from kvflow.activities.inference import INFER_ACTIVITY
 from kvflow.activities.wire import Sampling
 from kvflow.contrib.pydantic_ai import KvflowPydanticAIPlugin, sampling_of
 from kvflow.ledger.records import TaskOutcome
-from kvflow.ledger.store import open_async_ledger
 from kvflow.scheduler.fleet import task_queue_for
-from kvflow.simulator.faults import FaultSpec
-from kvflow.workers.embedded import EmbeddedFleet
 from kvflow.workers.plugin import KvflowPlugin
 from kvflow.workflows import errors
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
 from tests import pydantic_ai_workflows as wf
 from tests.history import payloads_in
-from tests.test_workflows import MODEL, PoolPlan, Stack, _attempts, _spec, fleet_for
+from tests.stacks import MODEL, PoolPlan, Stack, cheap_pool_that_crashes, fleet_stack, task_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOWS: list[type] = [sample.WORKFLOW, *wf.ALL_WORKFLOWS]
@@ -52,41 +46,19 @@ def _plugins(context_dir: Path) -> list[Any]:
     return [KvflowPlugin(context_dir=context_dir), KvflowPydanticAIPlugin()]
 
 
-@asynccontextmanager
-async def pai_stack(
+def pai_stack(
     temporal_client: Client, tmp_path: Path, pools: list[PoolPlan]
-) -> AsyncIterator[Stack]:
-    """The fleet of `pools`, its GPU workers, and a workflow worker for this module's workflows.
-
-    One client serves them all, so every worker decodes the payloads the codec claim-checked.
-    """
-    context_dir = tmp_path / "context"
-    client = await Client.connect(
-        temporal_client.service_client.config.target_host,
-        namespace=temporal_client.namespace,
-        plugins=_plugins(context_dir),
+) -> AbstractAsyncContextManager[Stack]:
+    """`fleet_stack` for this module's workflows, the tasks' and the workflow worker's client
+    carrying `_plugins`; every worker decodes the payloads the codec claim-checked."""
+    return fleet_stack(
+        temporal_client,
+        tmp_path,
+        pools,
+        workflows=WORKFLOWS,
+        activities=(),
+        plugins=[KvflowPydanticAIPlugin()],
     )
-    fleet = fleet_for(pools)
-    by_name = {p.name: p for p in pools}
-    replicas = [name for pool in fleet.pools for name in pool.replica_names()]
-    ledger = await open_async_ledger(f"sqlite:///{tmp_path}/ledger.db", migrate=True)
-    task_queue = f"pydantic-ai-{uuid.uuid4()}"
-    try:
-        async with EmbeddedFleet(
-            client,
-            fleet,
-            ledger=ledger,
-            store=DirectoryContextStore(context_dir),
-            faults={r: by_name[r.split("/")[0]].faults for r in replicas},
-        ) as embedded:
-            worker = await embedded.workflow_worker(workflows=WORKFLOWS, task_queue=task_queue)
-            async with worker:
-                assert embedded.control_plane is not None
-                yield Stack(
-                    client, fleet, ledger, task_queue, embedded.control_plane, embedded.gpu_workers
-                )
-    finally:
-        await ledger.close()
 
 
 def _scheduled(history: Any) -> list[Any]:
@@ -96,10 +68,6 @@ def _scheduled(history: Any) -> list[Any]:
         for e in history.events
         if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
     ]
-
-
-async def _task_row(s: Stack, handle: WorkflowHandle[Any, Any]) -> Any:
-    return await s.ledger.task(handle.id, (await handle.describe()).run_id or "")
 
 
 @pytest.mark.timeout(60)
@@ -127,7 +95,7 @@ async def test_sample_agent_answers_with_each_model_call_placed_and_billed_by_kv
         assert not [a for a in scheduled if "model_request" in a.activity_type.name]
         assert tools[0].activity_type.name.startswith("agent__support__")
         assert tools[0].task_queue.name == s.task_queue
-        attempts = await _attempts(s, handle)
+        _, attempts = await s.rows(handle)
         assert [a.step for a in attempts] == ["support", "support"]
         assert all(a.outcome == "ok" and a.cost_micros > 0 for a in attempts)
         for call, attempt in zip(infers, attempts, strict=True):
@@ -139,7 +107,7 @@ async def test_sample_agent_answers_with_each_model_call_placed_and_billed_by_kv
 
         # Finance: the task row, the attempt rows and the spend query agree.
         breakdown = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
-        row = await _task_row(s, handle)
+        row, _ = await s.rows(handle)
         assert row is not None and row.outcome == TaskOutcome.SUCCEEDED and row.attempts == 2
         assert row.spend_micros == breakdown.spend_micros == sum(a.cost_micros for a in attempts)
         assert [st.name for st in breakdown.steps] == ["support", "support"]
@@ -186,14 +154,14 @@ async def test_registered_model_of_another_provider_keeps_its_activity(
     temporal_client: Client, tmp_path: Path
 ) -> None:
     async with pai_stack(temporal_client, tmp_path, [PoolPlan("gpu")]) as s:
-        task = wf.Question(spec=_spec(expected_steps=1), question="Say hello.")
+        task = wf.Question(spec=task_spec(expected_steps=1), question="Say hello.")
         handle = await s.start(wf.MixedModels.run, task)
         on_fleet, offline = await handle.result()
         assert on_fleet and offline == "offline"
         names = [a.activity_type.name for a in _scheduled(await handle.fetch_history())]
         assert names.count(INFER_ACTIVITY) == 1
         assert [n for n in names if "model_request" in n] == ["agent__mixed__model_request"]
-        [attempt] = await _attempts(s, handle)
+        _, [attempt] = await s.rows(handle)
         assert attempt.step == "mixed"
 
 
@@ -201,18 +169,12 @@ async def test_registered_model_of_another_provider_keeps_its_activity(
 async def test_text_answer_cut_by_a_crash_resumes_on_the_backup_and_both_attempts_are_billed(
     temporal_client: Client, tmp_path: Path
 ) -> None:
-    pools = [
-        PoolPlan(
-            "cheap", gpu="H200", prices=("0.05", "0.005", "0.15"), faults=FaultSpec(crash_after=20)
-        ),
-        PoolPlan("backup", gpu="H100", prices=("0.40", "0.04", "1.20")),
-    ]
-    async with pai_stack(temporal_client, tmp_path, pools) as s:
+    async with pai_stack(temporal_client, tmp_path, cheap_pool_that_crashes()) as s:
         # A question whose answer runs to the agent's 60 output tokens.
-        task = wf.Question(spec=_spec(expected_steps=1), question="Why do agents retry?")
+        task = wf.Question(spec=task_spec(expected_steps=1), question="Why do agents retry?")
         handle = await s.start(wf.BriefAnswer.run, task)
         answer = await handle.result()
-        cut, whole = await _attempts(s, handle)
+        _, (cut, whole) = await s.rows(handle)
         assert (cut.replica, whole.replica) == ("cheap/0", "backup/0")
         assert cut.outcome != "ok" and cut.completion_tokens > 0 and cut.cost_micros > 0
         # The backup continued from what the crashed replica had streamed, and the agent got
@@ -237,7 +199,7 @@ async def test_same_conversation_costs_the_same_through_pydantic_ai_as_through_a
             handle = await s.start(run, task)
             out = await handle.result()
             reply = out.reply if isinstance(out, sample.SupportAnswer) else out
-            attempts = await _attempts(s, handle)
+            _, attempts = await s.rows(handle)
             bills.append(
                 (
                     reply,
@@ -266,14 +228,14 @@ async def test_agent_outside_the_task_bracket_or_streamed_fails_with_the_fix(
         assert isinstance(cause, ApplicationError) and cause.non_retryable
         assert cause.type == errors.TaskErrorType.INVALID_TASK
         assert "'support'" in cause.message and "async with kvflow.Agent(spec)" in cause.message
-        assert await _attempts(s, handle) == [] and await _task_row(s, handle) is None
+        assert await s.rows(handle) == (None, [])
 
         handle = await s.start(wf.StreamedSupport.run, question)
         with pytest.raises(WorkflowFailureError) as failed:
             await handle.result()
         assert "does not stream" in str(failed.value.cause)
         assert "agent.run()" in str(failed.value.cause)
-        row = await _task_row(s, handle)
+        row, _ = await s.rows(handle)
         assert row is not None and row.outcome == TaskOutcome.FAILED and row.attempts == 0
 
     # Outside any workflow there is no task to bill the call to.
@@ -286,7 +248,7 @@ async def test_tool_asking_to_retry_sends_its_prompt_back_to_the_model(
     temporal_client: Client, tmp_path: Path
 ) -> None:
     async with pai_stack(temporal_client, tmp_path, [PoolPlan("gpu")]) as s:
-        task = wf.Question(spec=_spec(expected_steps=2), question="Find invoice 7 for me.")
+        task = wf.Question(spec=task_spec(expected_steps=2), question="Find invoice 7 for me.")
         handle = await s.start(wf.PickyLookup.run, task)
         *kinds, output = await handle.result()
         # The model called the tool, the tool raised ModelRetry, the model answered in text.
@@ -297,7 +259,7 @@ async def test_tool_asking_to_retry_sends_its_prompt_back_to_the_model(
             if "call_tool" in a.activity_type.name
         ]
         assert len(tools) == 1
-        first, second = await _attempts(s, handle)
+        _, (first, second) = await s.rows(handle)
         assert second.prompt_tokens > first.prompt_tokens  # the retry prompt is in it
 
 

@@ -19,9 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -33,7 +31,6 @@ from temporalio.client import Client, WorkflowHandle, WorkflowHistory
 from temporalio.worker import Replayer, Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
-from kvflow.activities.context_store import DirectoryContextStore
 from kvflow.activities.inference import (
     INFER_ACTIVITY,
     InferenceActivities,
@@ -50,7 +47,6 @@ from kvflow.ledger import (
     open_ledger,
 )
 from kvflow.ledger.spool import AttemptSpool, SpooledAttemptWriter
-from kvflow.ledger.store import open_async_ledger
 from kvflow.scheduler.fleet import Tenant, task_queue_for
 from kvflow.workers.devserver import free_port
 from kvflow.workers.embedded import EmbeddedFleet
@@ -58,7 +54,7 @@ from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
 from tests import agent_workflows as wf
 from tests.fixtures_ledger import attempt_record, task_record, with_schema
 from tests.ledger_books import assert_books_balance
-from tests.test_workflows import MODEL, PoolPlan, Stack, _spec, fleet_for
+from tests.stacks import MODEL, PoolPlan, Stack, fleet_for, fleet_stack, task_spec
 from tests.waiting import eventually
 
 # This file defines a workflow, so the sandbox re-imports it; pass kvflow through.
@@ -108,45 +104,19 @@ def _pools() -> list[PoolPlan]:
     ]
 
 
-@asynccontextmanager
-async def ledger_stack(
+def ledger_stack(
     client: Client, tmp_path: Path, ledger_url: str, pools: list[PoolPlan]
-) -> AsyncIterator[tuple[Stack, EmbeddedFleet]]:
-    """`tests.test_workflows.stack` on the ledger at `ledger_url` (SQLite or PostgreSQL)."""
-    fleet = fleet_for(pools, [Tenant(name="acme", tier=1, fairness_weight=3.0)])
-    by_name = {p.name: p for p in pools}
-    replicas = [name for pool in fleet.pools for name in pool.replica_names()]
-    ledger = await open_async_ledger(ledger_url, migrate=True)
-    task_queue = f"agents-{uuid.uuid4()}"
-    try:
-        async with EmbeddedFleet(
-            client,
-            fleet,
-            ledger=ledger,
-            store=DirectoryContextStore(tmp_path / "context"),
-            max_model_len=4096,
-            without_gpu_worker=[r for r in replicas if not by_name[r.split("/")[0]].gpu_worker],
-        ) as embedded:
-            worker = await embedded.workflow_worker(
-                workflows=[*wf.ALL_WORKFLOWS, AnswersThenWaits],
-                activities=wf.ALL_ACTIVITIES,
-                task_queue=task_queue,
-            )
-            async with worker:
-                assert embedded.control_plane is not None
-                yield (
-                    Stack(
-                        client,
-                        fleet,
-                        ledger,
-                        task_queue,
-                        embedded.control_plane,
-                        embedded.gpu_workers,
-                    ),
-                    embedded,
-                )
-    finally:
-        await ledger.close()
+) -> AbstractAsyncContextManager[Stack]:
+    """`fleet_stack` on the ledger at `ledger_url` (SQLite or PostgreSQL), tenant acme alone,
+    with `AnswersThenWaits` among the workflows."""
+    return fleet_stack(
+        client,
+        tmp_path,
+        pools,
+        fleet=fleet_for(pools, [Tenant(name="acme", tier=1, fairness_weight=3.0)]),
+        workflows=[*wf.ALL_WORKFLOWS, AnswersThenWaits],
+        ledger_url=ledger_url,
+    )
 
 
 class HeldRows:
@@ -248,10 +218,10 @@ async def test_completion_lost_after_the_worker_billed_it_is_counted_once_at_its
     temporal_client: Client, tmp_path: Path, ledger_url: str
 ) -> None:
     async with (
-        ledger_stack(temporal_client, tmp_path, ledger_url, _pools()) as (s, embedded),
-        LosesCompletions(temporal_client, embedded, "lossy/0", s.ledger) as lossy,
+        ledger_stack(temporal_client, tmp_path, ledger_url, _pools()) as s,
+        LosesCompletions(temporal_client, s.embedded, "lossy/0", s.ledger) as lossy,
     ):
-        task = wf.StepsInput(spec=_spec(expected_steps=2), model=MODEL, steps=2, max_tokens=24)
+        task = wf.StepsInput(spec=task_spec(expected_steps=2), model=MODEL, steps=2, max_tokens=24)
         handles = [await s.start(wf.MultiStepAgent.run, task) for _ in range(3)]
         outs = await asyncio.wait_for(asyncio.gather(*(h.result() for h in handles)), 180)
         assert all(r == "backup/0" for out in outs for r in out.replicas)
@@ -271,10 +241,10 @@ async def test_worker_row_that_arrives_after_the_estimate_replaces_it_before_the
 ) -> None:
     held = HeldRows()
     async with (
-        ledger_stack(temporal_client, tmp_path, ledger_url, _pools()) as (s, embedded),
-        LosesCompletions(temporal_client, embedded, "lossy/0", held) as lossy,
+        ledger_stack(temporal_client, tmp_path, ledger_url, _pools()) as s,
+        LosesCompletions(temporal_client, s.embedded, "lossy/0", held) as lossy,
     ):
-        task = PausedInput(spec=_spec(expected_steps=1), model=MODEL)
+        task = PausedInput(spec=task_spec(expected_steps=1), model=MODEL)
         handle = await s.start(AnswersThenWaits.run, task)
 
         # The step is answered by the backup once the lossy call went silent.
@@ -524,9 +494,9 @@ async def test_ledger_connection_cut_mid_run_loses_no_row_and_doubles_none(
     proxy = CuttableTcpProxy(upstream.hostname or "127.0.0.1", upstream.port or 5432).start()
     caplog.set_level(logging.WARNING, logger="kvflow.ledger.spool")
     pools = [PoolPlan("gpu", gpu="H100", replicas=2)]
-    task = wf.StepsInput(spec=_spec(expected_steps=3), model=MODEL, steps=3, max_tokens=24)
+    task = wf.StepsInput(spec=task_spec(expected_steps=3), model=MODEL, steps=3, max_tokens=24)
     try:
-        async with ledger_stack(temporal_client, tmp_path, proxy.url(direct), pools) as (s, _):
+        async with ledger_stack(temporal_client, tmp_path, proxy.url(direct), pools) as s:
             handles = [await s.start(wf.MultiStepAgent.run, task) for _ in range(4)]
             async with AsyncLedger(open_ledger(direct)) as books:
                 first = handles[0]

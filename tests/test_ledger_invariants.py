@@ -38,6 +38,7 @@ from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
 from tests import agent_workflows as wf
 from tests.history import wait_until_streaming
 from tests.ledger_books import OUTCOMES, assert_books_balance, settled
+from tests.stacks import MODEL, PoolPlan, cheap_pool_that_crashes, fleet_stack, task_spec
 from tests.test_exactly_once import (
     AnswersThenWaits,
     HeldRows,
@@ -46,7 +47,6 @@ from tests.test_exactly_once import (
     _pools,
     ledger_stack,
 )
-from tests.test_workflows import MODEL, PoolPlan, _spec, cheap_pool_that_crashes, stack
 from tests.waiting import eventually
 
 __all__ = ["OUTCOMES", "assert_books_balance"]  # what other suites take from here
@@ -58,11 +58,11 @@ async def test_every_way_a_task_ends_leaves_the_ledger_exact(
     wf.REFUNDS.clear()
     wf.REVERSED.clear()
     # The cheap replica dies mid-stream on its first long call; the backups take over.
-    async with stack(temporal_client, tmp_path, cheap_pool_that_crashes(backups=2)) as s:
+    async with fleet_stack(temporal_client, tmp_path, cheap_pool_that_crashes(backups=2)) as s:
         # Short answers first: they fit under the cheap replica's crash point.
         normal = await s.start(
             wf.MultiStepAgent.run,
-            wf.StepsInput(spec=_spec(expected_steps=3), model=MODEL, steps=3, max_tokens=8),
+            wf.StepsInput(spec=task_spec(expected_steps=3), model=MODEL, steps=3, max_tokens=8),
         )
         await settled(normal)
         # Another writer holds the ledger's write lock for longer than a heartbeat timeout
@@ -75,7 +75,7 @@ async def test_every_way_a_task_ends_leaves_the_ledger_exact(
         release.start()
         slow_ledger = await s.start(
             wf.MultiStepAgent.run,
-            wf.StepsInput(spec=_spec(expected_steps=2), model=MODEL, steps=2, max_tokens=8),
+            wf.StepsInput(spec=task_spec(expected_steps=2), model=MODEL, steps=2, max_tokens=8),
         )
         await settled(slow_ledger)
         release.join()
@@ -83,21 +83,21 @@ async def test_every_way_a_task_ends_leaves_the_ledger_exact(
         # A long answer: the cheap replica dies mid-stream and the call resumes on backup.
         cut = await s.start(
             wf.MultiStepAgent.run,
-            wf.StepsInput(spec=_spec(expected_steps=1), model=MODEL, steps=1, max_tokens=60),
+            wf.StepsInput(spec=task_spec(expected_steps=1), model=MODEL, steps=1, max_tokens=60),
         )
         await settled(cut)
         refund = wf.Refund(account="C-9", amount_cents=300)
         cancelled = await s.start(
             wf.RefundThenReply.run,
             wf.RefundInput(
-                spec=_spec(expected_steps=2), model=MODEL, refund=refund, max_tokens=3000
+                spec=task_spec(expected_steps=2), model=MODEL, refund=refund, max_tokens=3000
             ),
         )
         await wait_until_streaming(cancelled)
         await cancelled.cancel()
         timed_out = await s.client.start_workflow(
             wf.MultiStepAgent.run,
-            wf.StepsInput(spec=_spec(expected_steps=2), model=MODEL, steps=2, max_tokens=3000),
+            wf.StepsInput(spec=task_spec(expected_steps=2), model=MODEL, steps=2, max_tokens=3000),
             id=f"timed-out-{tmp_path.name}",
             task_queue=s.task_queue,
             execution_timeout=timedelta(seconds=3),
@@ -130,17 +130,17 @@ async def test_cancelled_call_whose_row_was_spooled_is_counted_when_replayed(
 ) -> None:
     held = HeldRows()  # the GPU worker's ledger is down: its rows wait in the spool
     pools = [PoolPlan("spooling", gpu_worker=False)]
-    async with ledger_stack(temporal_client, tmp_path, ledger_url, pools) as (s, embedded):
+    async with ledger_stack(temporal_client, tmp_path, ledger_url, pools) as s:
         binding = ReplicaBinding(
-            pool=embedded.fleet.pool("spooling"),
+            pool=s.fleet.pool("spooling"),
             index=0,
-            base_url=embedded.sims["spooling/0"].base_url,
+            base_url=s.embedded.sims["spooling/0"].base_url,
         )
         worker = GpuWorker(
             temporal_client,
             binding,
             ledger=held,
-            store=embedded.store,
+            store=s.embedded.store,
             heartbeat_interval_s=0.2,
             spool_dir=None,
         )
@@ -149,7 +149,7 @@ async def test_cancelled_call_whose_row_was_spooled_is_counted_when_replayed(
             handle = await s.start(
                 wf.RefundThenReply.run,
                 wf.RefundInput(
-                    spec=_spec(expected_steps=2), model=MODEL, refund=refund, max_tokens=3000
+                    spec=task_spec(expected_steps=2), model=MODEL, refund=refund, max_tokens=3000
                 ),
             )
             await wait_until_streaming(handle)
@@ -181,8 +181,8 @@ async def test_lost_attempts_exact_row_landing_before_the_task_row_is_counted(
 ) -> None:
     held = HeldRows()
     async with (
-        ledger_stack(temporal_client, tmp_path, ledger_url, _pools()) as (s, embedded),
-        LosesCompletions(temporal_client, embedded, "lossy/0", held) as lossy,
+        ledger_stack(temporal_client, tmp_path, ledger_url, _pools()) as s,
+        LosesCompletions(temporal_client, s.embedded, "lossy/0", held) as lossy,
     ):
         write_task_row = s.ledger.record_task
 
@@ -195,7 +195,7 @@ async def test_lost_attempts_exact_row_landing_before_the_task_row_is_counted(
 
         s.ledger.record_task = exact_row_lands_first  # type: ignore[method-assign]
         handle = await s.start(
-            AnswersThenWaits.run, PausedInput(spec=_spec(expected_steps=1), model=MODEL)
+            AnswersThenWaits.run, PausedInput(spec=task_spec(expected_steps=1), model=MODEL)
         )
         await eventually(lambda: lossy.lost, within=60, what="a call goes silent on lossy/0")
         await handle.signal(AnswersThenWaits.finish)

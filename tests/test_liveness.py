@@ -9,9 +9,7 @@ simulated replicas and real GPU workers, and read where calls went from the ledg
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,10 +20,8 @@ from temporalio.api.enums.v1 import EventType, TimeoutType
 from temporalio.client import Client, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
 
-from kvflow.activities.context_store import DirectoryContextStore
 from kvflow.activities.inference import INFER_ACTIVITY, ReplicaBinding
 from kvflow.ledger.records import AttemptRecord
-from kvflow.ledger.store import AsyncLedger, open_async_ledger
 from kvflow.scheduler.config import (
     CircuitBreakerConfig,
     LatencyConfig,
@@ -38,15 +34,13 @@ from kvflow.scheduler.fleet import Fleet
 from kvflow.scheduler.telemetry import MetricsScraper
 from kvflow.simulator import SimServer
 from kvflow.simulator.faults import FaultSpec
-from kvflow.workers.control_plane import ControlPlane
 from kvflow.workers.devserver import EmbeddedTemporal, free_port
-from kvflow.workers.embedded import EmbeddedFleet
 from kvflow.workers.gpu_worker import GpuWorker
 from kvflow.workflows.agent import TaskSpec
 from tests import agent_workflows as wf
 from tests.fixtures_sim import sim_settings
 from tests.history import wait_until_streaming
-from tests.test_workflows import MODEL, PoolPlan, fleet_for
+from tests.stacks import MODEL, PoolPlan, Stack, fleet_for, fleet_stack
 
 VLLM_PAGE = """\
 # TYPE vllm:num_requests_running gauge
@@ -66,38 +60,23 @@ def cheap_first(cheap: PoolPlan | None = None) -> list[PoolPlan]:
     ]
 
 
-@dataclass
-class Stack:
-    client: Client
-    ledger: AsyncLedger
-    task_queue: str
-    embedded: EmbeddedFleet
+async def start(
+    s: Stack, tenant: str = "acme", steps: int = 1, max_tokens: int = 16
+) -> WorkflowHandle[Any, Any]:
+    """Start a `MultiStepAgent` task of `steps` calls of `max_tokens` each for `tenant`."""
+    task = wf.StepsInput(
+        spec=TaskSpec(tenant=tenant, expected_steps=steps),
+        model=MODEL,
+        steps=steps,
+        max_tokens=max_tokens,
+    )
+    return await s.start(wf.MultiStepAgent.run, task)
 
-    @property
-    def control(self) -> ControlPlane:
-        assert self.embedded.control_plane is not None
-        return self.embedded.control_plane
 
-    async def run(self, tenant: str = "acme", steps: int = 1, max_tokens: int = 16) -> Any:
-        handle = await self.start(tenant, steps, max_tokens)
-        return await handle.result()
-
-    async def start(
-        self, tenant: str = "acme", steps: int = 1, max_tokens: int = 16
-    ) -> WorkflowHandle[Any, Any]:
-        task = wf.StepsInput(
-            spec=TaskSpec(tenant=tenant, expected_steps=steps),
-            model=MODEL,
-            steps=steps,
-            max_tokens=max_tokens,
-        )
-        return await self.client.start_workflow(
-            wf.MultiStepAgent.run, task, id=f"task-{uuid.uuid4()}", task_queue=self.task_queue
-        )
-
-    async def attempts(self, handle: WorkflowHandle[Any, Any]) -> list[AttemptRecord]:
-        run_id = (await handle.describe()).run_id or ""
-        return await self.ledger.attempts_for(handle.id, run_id)
+async def attempts(s: Stack, handle: WorkflowHandle[Any, Any]) -> list[AttemptRecord]:
+    """The attempt rows of `handle`'s run."""
+    _, rows = await s.rows(handle)
+    return rows
 
 
 @dataclass
@@ -123,43 +102,6 @@ async def calls_of(handle: WorkflowHandle[Any, Any]) -> Calls:
             kind = TimeoutType.Name(failure.timeout_failure_info.timeout_type)
             calls.timeouts.append(kind.removeprefix("TIMEOUT_TYPE_"))
     return calls
-
-
-@asynccontextmanager
-async def fleet_stack(
-    client: Client,
-    tmp_path: Path,
-    pools: list[PoolPlan],
-    *,
-    scheduler: SchedulerConfig | None = None,
-    scrape_interval_s: float = 0.5,
-    time_scale: float = 20.0,
-) -> AsyncIterator[Stack]:
-    """Simulated replicas, a GPU worker each, the control plane and a workflow worker."""
-    fleet = fleet_for(pools)
-    faults = {
-        pool.replica_names()[0]: plan.faults for pool, plan in zip(fleet.pools, pools, strict=True)
-    }
-    ledger = await open_async_ledger(f"sqlite:///{tmp_path}/ledger.db", migrate=True)
-    task_queue = f"agents-{uuid.uuid4()}"
-    try:
-        async with EmbeddedFleet(
-            client,
-            fleet,
-            ledger=ledger,
-            store=DirectoryContextStore(tmp_path / "context"),
-            scheduler_config=scheduler,
-            faults=faults,
-            scrape_interval_s=scrape_interval_s,
-            time_scale=time_scale,
-        ) as embedded:
-            worker = await embedded.workflow_worker(
-                workflows=wf.ALL_WORKFLOWS, activities=wf.ALL_ACTIVITIES, task_queue=task_queue
-            )
-            async with worker:
-                yield Stack(client, ledger, task_queue, embedded)
-    finally:
-        await ledger.close()
 
 
 def up(scheduler: Scheduler) -> dict[str, bool]:
@@ -246,15 +188,15 @@ async def test_a_crashed_replica_takes_no_second_call(
     async with fleet_stack(
         temporal_client, tmp_path, cheap_first(crashing), scrape_interval_s=60.0
     ) as s:
-        first = await s.start(max_tokens=60)
+        first = await start(s, max_tokens=60)
         assert (await first.result()).replicas == ["backup/0"]
-        assert [a.replica for a in await s.attempts(first)] == ["cheap/0", "backup/0"]
+        assert [a.replica for a in await attempts(s, first)] == ["cheap/0", "backup/0"]
         # The failed call's own check (not the scrape a minute away) marks the replica down.
         await wait_for(lambda: up(s.control.scheduler) == {"cheap/0": False, "backup/0": True})
         for _ in range(3):
-            handle = await s.start(max_tokens=60)
+            handle = await start(s, max_tokens=60)
             assert (await handle.result()).replicas == ["backup/0"]
-            assert [a.replica for a in await s.attempts(handle)] == ["backup/0"]
+            assert [a.replica for a in await attempts(s, handle)] == ["backup/0"]
 
 
 # ---- a dead GPU worker -----------------------------------------------------------------------
@@ -272,13 +214,14 @@ async def test_a_replica_whose_gpu_worker_died_takes_no_calls_until_a_worker_pol
     temporal_client: Client, tmp_path: Path
 ) -> None:
     async with fleet_stack(temporal_client, tmp_path, cheap_first(), scheduler=WATCHFUL) as s:
-        assert (await s.run()).replicas == ["cheap/0"]
+        warm_up = await start(s)
+        assert (await warm_up.result()).replicas == ["cheap/0"]
         # The cheap replica's worker stops polling; its engine keeps serving /metrics.
         await s.embedded.gpu_workers["cheap/0"].shutdown()
 
         # The first call sent there waits out its schedule-to-start timeout: that is how the
         # control plane learns that nobody polls the queue.
-        first = await s.start()
+        first = await start(s)
         assert (await first.result()).replicas == ["backup/0"]
         assert await calls_of(first) == Calls([CHEAP_QUEUE, BACKUP_QUEUE], ["SCHEDULE_TO_START"])
         await wait_for(lambda: not up(s.control.scheduler)["cheap/0"])
@@ -287,7 +230,7 @@ async def test_a_replica_whose_gpu_worker_died_takes_no_calls_until_a_worker_pol
 
         # From then on every call goes to the live replica, and none waits to start in vain.
         for _ in range(4):
-            handle = await s.start()
+            handle = await start(s)
             assert (await handle.result()).replicas == ["backup/0"]
             assert await calls_of(handle) == Calls([BACKUP_QUEUE], [])
 
@@ -296,7 +239,7 @@ async def test_a_replica_whose_gpu_worker_died_takes_no_calls_until_a_worker_pol
         binding = ReplicaBinding(pool=pool, index=0, base_url=s.embedded.sims["cheap/0"].base_url)
         async with GpuWorker(temporal_client, binding, ledger=s.ledger, spool_dir=None):
             await wait_for(lambda: up(s.control.scheduler)["cheap/0"])
-            handle = await s.start()
+            handle = await start(s)
             assert (await handle.result()).replicas == ["cheap/0"]
             assert await calls_of(handle) == Calls([CHEAP_QUEUE], [])
 
@@ -318,7 +261,7 @@ async def test_a_busy_replica_with_a_backlog_stays_up(
         await wait_for(lambda: s.control.worker_watch is not None)
         watch = s.control.worker_watch
         assert watch is not None
-        handles = [await s.start(max_tokens=100) for _ in range(6)]
+        handles = [await start(s, max_tokens=100) for _ in range(6)]
         views, ups = [], []
         while not all([(await h.describe()).close_time for h in handles]):
             views.append(await watch.view("busy/0"))
@@ -356,7 +299,7 @@ async def test_an_outage_of_temporal_opens_no_circuit_and_spends_no_retry_budget
     async with fleet_stack(
         client, tmp_path, cheap_first(), scheduler=unforgiving, time_scale=4.0
     ) as s:
-        handles = [await s.start(tenant="globex", max_tokens=2000) for _ in range(3)]
+        handles = [await start(s, tenant="globex", max_tokens=2000) for _ in range(3)]
         for handle in handles:
             await wait_until_streaming(handle)
         # Temporal goes away for longer than a heartbeat timeout (2 s), then comes back.
@@ -371,6 +314,6 @@ async def test_an_outage_of_temporal_opens_no_circuit_and_spends_no_retry_budget
             assert calls.timeouts == ["HEARTBEAT"] and len(calls.queues) == 2
             assert len(out.replicas) == 1
             # Both attempts are billed (the cut one at what its GPU worker counted).
-            rows = await s.attempts(handle)
+            rows = await attempts(s, handle)
             assert len(rows) == 2 and all(row.cost_micros > 0 for row in rows)
         assert {status.circuit for status in s.control.scheduler.status()} == {"closed"}

@@ -60,7 +60,7 @@ from kvflow.workers.gpu_worker import connect
 from kvflow.workflows import errors, search_attributes
 from tests import agent_workflows as wf
 from tests.fixtures_ledger import attempt_record, task_record
-from tests.test_workflows import MODEL, PoolPlan, _spec, cheap_pool_that_crashes, stack
+from tests.stacks import MODEL, PoolPlan, cheap_pool_that_crashes, fleet_stack, task_spec
 
 runner = CliRunner()
 
@@ -192,17 +192,17 @@ async def test_api_key_stays_out_of_logs_histories_attributes_and_the_ledger(
     assert client.service_client.config.api_key == canary
     assert client.namespace == temporal_client.namespace
 
-    async with stack(client, tmp_path, cheap_pool_that_crashes()) as s:
+    async with fleet_stack(client, tmp_path, cheap_pool_that_crashes()) as s:
         handles = [
             # A stream cut by a crash and resumed elsewhere (the code that logs warnings and
             # errors runs too), with a system prompt large enough for the context store.
             await s.start(
                 wf.MultiStepAgent.run,
-                wf.StepsInput(spec=_spec(), model=MODEL, steps=2, context=LONG_SYSTEM_PROMPT),
+                wf.StepsInput(spec=task_spec(), model=MODEL, steps=2, context=LONG_SYSTEM_PROMPT),
             ),
             await s.start(
                 wf.StructuredVerdict.run,
-                wf.VerdictInput(spec=_spec(tenant="globex", expected_steps=1), model=MODEL),
+                wf.VerdictInput(spec=task_spec(tenant="globex", expected_steps=1), model=MODEL),
             ),
         ]
         for handle in handles:
@@ -376,13 +376,13 @@ async def test_a_tenants_context_does_not_open_in_another_tenants_task(
     marker = f"acme-private-{secrets.token_hex(8)}"
     text = f"{marker} quarterly figures " * 200
     assert len(text.encode()) > INLINE_LIMIT_BYTES
-    async with stack(temporal_client, tmp_path, [PoolPlan("solo")]) as s:
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("solo")]) as s:
         ref = DirectoryContextStore(tmp_path / "context").put(text, tenant="acme")
 
         async def read(
             tenant: str, ref: ContextRef, model: str | None = None
         ) -> WorkflowHandle[Any, Any]:
-            spec = _spec(tenant=tenant, expected_steps=1)
+            spec = task_spec(tenant=tenant, expected_steps=1)
             return await s.start(wf.ReadContext.run, wf.ReadInput(spec=spec, ref=ref, model=model))
 
         own = await read("acme", ref)
@@ -433,9 +433,11 @@ async def test_ui_filter_on_kvflow_tenant_lists_that_tenants_tasks_only(
 ) -> None:
     handles: dict[str, list[WorkflowHandle[Any, Any]]] = {t: [] for t in ("acme", "globex")}
     handles[SQL_TENANT] = []
-    async with stack(temporal_client, tmp_path, [PoolPlan("solo")]) as s:
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("solo")]) as s:
         for tenant in ["acme", "acme", "globex", SQL_TENANT]:
-            task = wf.StepsInput(spec=_spec(tenant=tenant, expected_steps=1), model=MODEL, steps=1)
+            task = wf.StepsInput(
+                spec=task_spec(tenant=tenant, expected_steps=1), model=MODEL, steps=1
+            )
             handle = await s.start(wf.MultiStepAgent.run, task)
             handles[tenant].append(handle)
             if tenant != SQL_TENANT:

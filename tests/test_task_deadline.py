@@ -15,7 +15,7 @@ from temporalio.client import Client, WorkflowFailureError
 
 from kvflow.ledger.records import TaskOutcome
 from tests import agent_workflows as wf
-from tests.test_workflows import PoolPlan, _spec, stack
+from tests.stacks import PoolPlan, fleet_stack, task_spec
 
 
 @pytest.mark.timeout(90)
@@ -24,11 +24,11 @@ async def test_tool_of_another_library_is_cut_at_the_deadline_and_the_saga_still
 ) -> None:
     wf.REVERSED.clear()
     refund = wf.Refund(account="D-1", amount_cents=120)
-    async with stack(temporal_client, tmp_path, [PoolPlan("gpu")]) as s:
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("gpu")]) as s:
         # 2 s of budget, a tool that takes 30 s under its own 60 s timeout.
         handle = await s.start(
             wf.RawActivityInBlock.run,
-            wf.RawActivityInput(spec=_spec(latency_budget_s=2.0), seconds=30.0, refund=refund),
+            wf.RawActivityInput(spec=task_spec(latency_budget_s=2.0), seconds=30.0, refund=refund),
         )
         with pytest.raises(WorkflowFailureError):
             await handle.result()

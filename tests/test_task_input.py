@@ -2,7 +2,7 @@
 message that names the value and the fix; the latency budget counts from the workflow's start.
 
 Real Temporal dev server, simulated replicas, real GPU workers and a SQLite ledger, built by
-`tests.test_workflows.stack`.
+`tests.stacks.fleet_stack`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from kvflow.workers.workflow_worker import workflow_worker
 from kvflow.workflows import errors
 from kvflow.workflows.agent import TaskSpec
 from tests import agent_workflows as wf
-from tests.test_workflows import MODEL, PoolPlan, Stack, stack
+from tests.stacks import MODEL, PoolPlan, Stack, fleet_stack
 
 RESULT_TIMEOUT_S = 60
 """How long a test waits for a task's result before it calls the task hung."""
@@ -40,7 +40,9 @@ async def one_pool(
     temporal_client: Client, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Stack]:
     """One stack for the module: its fleet has tenants acme and globex and one model."""
-    async with stack(temporal_client, tmp_path_factory.mktemp("input"), [PoolPlan("only")]) as s:
+    async with fleet_stack(
+        temporal_client, tmp_path_factory.mktemp("input"), [PoolPlan("only")]
+    ) as s:
         yield s
 
 

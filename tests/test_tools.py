@@ -4,7 +4,7 @@ and a tool retried after its answer was lost finds its first attempt's work by i
 
 A task cut off at its deadline does not outlive its latency budget by more than one heartbeat
 timeout plus the time its compensations took. Real Temporal dev server, simulated replicas,
-real GPU workers and a SQLite ledger, built by `tests.test_workflows.stack`.
+real GPU workers and a SQLite ledger, built by `tests.stacks.fleet_stack`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from kvflow.ledger.records import TaskOutcome
 from kvflow.workflows import errors
 from kvflow.workflows.agent import HEARTBEAT_TIMEOUT, SPEND_QUERY, SpendBreakdown, TaskSpec
 from tests import agent_workflows as wf
-from tests.test_workflows import PoolPlan, Stack, assert_replays, stack
+from tests.stacks import PoolPlan, Stack, assert_replays, fleet_stack
 from tests.waiting import slowdown
 
 RESULT_TIMEOUT_S = 60
@@ -114,7 +114,7 @@ async def test_tool_that_keeps_raising_fails_the_task_with_tool_failed_and_undoe
 ):
     budget_s = 8.0
     trip = _trip()
-    async with stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
         task = wf.TripInput(spec=TaskSpec(tenant="acme", latency_budget_s=budget_s), trip=trip)
         cause, history = await _run_trip(s, task)
 
@@ -157,7 +157,7 @@ async def test_tool_retried_without_limit_is_cut_off_at_the_deadline_and_compens
 ):
     budget_s = 4.0
     trip = _trip()
-    async with stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
         task = wf.TripInput(
             spec=TaskSpec(tenant="acme", latency_budget_s=budget_s), trip=trip, charge_attempts=0
         )
@@ -182,7 +182,7 @@ async def test_booking_retried_after_its_answer_was_lost_is_made_once_under_one_
     temporal_client: Client, tmp_path: Path
 ):
     trip = _trip(card_declined=False, lose_first_booking_answer=True)
-    async with stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
         handle = await s.start(
             wf.BookTrip.run, wf.TripInput(spec=TaskSpec(tenant="acme"), trip=trip)
         )
@@ -202,7 +202,7 @@ async def test_booking_retried_after_its_answer_was_lost_is_made_once_under_one_
 async def test_a_tool_that_heartbeats_is_retried_when_its_heartbeats_stop(
     temporal_client: Client, tmp_path: Path
 ) -> None:
-    async with stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
         trip = _trip()
         handle = await s.start(
             wf.CheckIn.run, wf.TripInput(spec=TaskSpec(tenant="acme"), trip=trip)

@@ -27,15 +27,13 @@ from kvflow.activities.context_store import DirectoryContextStore
 from kvflow.activities.inference import ReplicaBinding
 from kvflow.activities.wire import INLINE_LIMIT_BYTES, ContextRef
 from kvflow.ledger.records import AttemptOutcome
-from kvflow.ledger.store import open_async_ledger
 from kvflow.simulator.faults import FaultSpec
-from kvflow.workers.embedded import EmbeddedFleet
 from kvflow.workers.gpu_worker import GpuWorker
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
 from tests import agent_workflows as wf
 from tests.fixtures_ledger import with_schema
 from tests.ledger_books import assert_books_balance
-from tests.test_workflows import MODEL, PoolPlan, Stack, _spec, fleet_for
+from tests.stacks import MODEL, PoolPlan, Stack, fleet_stack, task_spec
 
 FULL = "full/0"
 """The replica whose GPU worker's disk is full: the cheapest, so the scheduler's first choice."""
@@ -65,50 +63,27 @@ async def full_disk_stack(
     """A cheap replica (`full/0`, faults `full`) whose GPU worker's disk is full, and a dearer
     healthy backup; every other part of the stack is the real one."""
     pools = [
-        PoolPlan("full", gpu="H200", prices=("0.05", "0.005", "0.15"), gpu_worker=False),
+        PoolPlan(
+            "full", gpu="H200", prices=("0.05", "0.005", "0.15"), faults=full, gpu_worker=False
+        ),
         PoolPlan("backup", gpu="H100", prices=("0.40", "0.04", "1.20")),
     ]
-    fleet = fleet_for(pools)
-    ledger = await open_async_ledger(ledger_url, migrate=True)
-    task_queue = f"agents-{uuid.uuid4()}"
-    store = DirectoryContextStore(tmp_path / "context")
-    try:
-        async with EmbeddedFleet(
+    async with fleet_stack(client, tmp_path, pools, ledger_url=ledger_url) as s:
+        binding = ReplicaBinding(
+            pool=s.fleet.pool("full"), index=0, base_url=s.embedded.sims[FULL].base_url
+        )
+        # The stack's GPU worker for the replica, but on a full disk.
+        gpu_worker = GpuWorker(
             client,
-            fleet,
-            ledger=ledger,
-            store=store,
-            max_model_len=4096,
-            faults={FULL: full},
-            without_gpu_worker=[FULL],
-        ) as embedded:
-            binding = ReplicaBinding(
-                pool=fleet.pool("full"), index=0, base_url=embedded.sims[FULL].base_url
-            )
-            gpu_worker = GpuWorker(
-                client,
-                binding,
-                ledger=ledger,
-                store=FullDisk(store.root),
-                spool_dir=tmp_path / "spool-full",
-                graceful_shutdown_s=1.0,
-                heartbeat_interval_s=0.2,
-            )
-            worker = await embedded.workflow_worker(
-                workflows=wf.ALL_WORKFLOWS, activities=wf.ALL_ACTIVITIES, task_queue=task_queue
-            )
-            async with gpu_worker, worker:
-                assert embedded.control_plane is not None
-                yield Stack(
-                    client,
-                    fleet,
-                    ledger,
-                    task_queue,
-                    embedded.control_plane,
-                    {**embedded.gpu_workers, FULL: gpu_worker},
-                )
-    finally:
-        await ledger.close()
+            binding,
+            ledger=s.ledger,
+            store=FullDisk(s.context_dir),
+            spool_dir=tmp_path / "spool-full",
+            graceful_shutdown_s=1.0,
+            heartbeat_interval_s=0.2,
+        )
+        async with gpu_worker:
+            yield s
 
 
 async def _failure_messages(handle: WorkflowHandle[Any, Any]) -> list[tuple[str, str]]:
@@ -158,7 +133,9 @@ async def test_answer_a_full_disk_cannot_store_is_placed_again_and_billed_as_its
 ) -> None:
     async with full_disk_stack(temporal_client, tmp_path, postgres_ledger_url, FaultSpec()) as s:
         # An answer of about 6 KB: over the inline limit, so the GPU worker must store it.
-        task = wf.StepsInput(spec=_spec(expected_steps=1), model=MODEL, steps=1, max_tokens=1200)
+        task = wf.StepsInput(
+            spec=task_spec(expected_steps=1), model=MODEL, steps=1, max_tokens=1200
+        )
         handle = await s.start(wf.MultiStepAgent.run, task)
         await _check_billed_and_placed_again(s, handle, "ContextStoreFailed")
         [(error_type, message)] = await _failure_messages(handle)
@@ -176,7 +153,9 @@ async def test_call_cut_on_a_full_disk_keeps_its_typed_error_and_its_bill(
     # the failure's details cannot carry it without the store; they still carry the bill.
     cut = FaultSpec(disconnect_after=800)
     async with full_disk_stack(temporal_client, tmp_path, postgres_ledger_url, cut) as s:
-        task = wf.StepsInput(spec=_spec(expected_steps=1), model=MODEL, steps=1, max_tokens=1200)
+        task = wf.StepsInput(
+            spec=task_spec(expected_steps=1), model=MODEL, steps=1, max_tokens=1200
+        )
         handle = await s.start(wf.MultiStepAgent.run, task)
         await _check_billed_and_placed_again(s, handle, "StreamCut")
         breakdown = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)

@@ -3,7 +3,7 @@ with how the task ended, cancelled and resumed attempts billed as they were, and
 keeps offloaded content out and replays after the recorded types change.
 
 Real Temporal dev server, simulated replicas, real GPU workers and a SQLite ledger, built by
-`tests.test_workflows.stack`.
+`tests.stacks.fleet_stack`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from kvflow.workflows import errors, search_attributes
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown, TaskSpec
 from tests import agent_workflows as wf
 from tests.history import wait_until_streaming
-from tests.test_workflows import MODEL, PoolPlan, cheap_pool_that_crashes, stack
+from tests.stacks import MODEL, PoolPlan, cheap_pool_that_crashes, fleet_stack
 from tests.waiting import eventually
 
 DATA = Path(__file__).parent / "data"
@@ -75,7 +75,7 @@ async def test_unknown_tenant_fails_the_task_at_once_with_its_fix_and_runs_compe
 ):
     wf.REFUNDS.clear()
     wf.REVERSED.clear()
-    async with stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
         refund = wf.Refund(account="T-1", amount_cents=400)
         task = wf.RefundInput(
             spec=_spec(tenant="acmee", expected_steps=2), model=MODEL, refund=refund
@@ -125,7 +125,7 @@ class TaskRowsFail:
 async def test_task_row_that_cannot_be_written_leaves_a_succeeded_task_for_reconcile(
     temporal_client: Client, tmp_path: Path
 ):
-    async with stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
         task = wf.StepsInput(spec=_spec(), model=MODEL, steps=1)
 
         # A ledger that is down for a moment: the row is written on a retry.
@@ -166,7 +166,7 @@ async def test_task_row_that_cannot_be_written_leaves_a_succeeded_task_for_recon
 async def test_search_attributes_upsert_what_changed_and_end_exact(
     temporal_client: Client, tmp_path: Path
 ):
-    async with stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
         steps = 8
         handle = await s.start(
             wf.MultiStepAgent.run, wf.StepsInput(spec=_spec(), model=MODEL, steps=steps)
@@ -212,7 +212,7 @@ async def test_cancelled_call_is_billed_and_the_scheduler_frees_its_replica(
 ):
     wf.REFUNDS.clear()
     wf.REVERSED.clear()
-    async with stack(temporal_client, tmp_path, [PoolPlan("only", gpu="L4")]) as s:
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only", gpu="L4")]) as s:
         refund = wf.Refund(account="C-4", amount_cents=700)
         task = wf.RefundInput(
             spec=_spec(expected_steps=2), model=MODEL, refund=refund, max_tokens=3000
@@ -249,7 +249,7 @@ async def test_cancelled_call_is_billed_and_the_scheduler_frees_its_replica(
 async def test_cut_attempt_continued_elsewhere_is_recorded_resumed_and_not_wasted(
     temporal_client: Client, tmp_path: Path
 ):
-    async with stack(temporal_client, tmp_path, cheap_pool_that_crashes()) as s:
+    async with fleet_stack(temporal_client, tmp_path, cheap_pool_that_crashes()) as s:
         task = wf.StepsInput(spec=_spec(), model=MODEL, steps=1, max_tokens=60)
         handle = await s.start(wf.MultiStepAgent.run, task)
         out = await _result(handle)
@@ -306,7 +306,7 @@ class OffloadingReplica:
 async def test_schema_repair_shows_the_model_its_whole_offloaded_answer(
     temporal_client: Client, tmp_path: Path
 ):
-    async with stack(temporal_client, tmp_path, [PoolPlan("other", gpu_worker=False)]) as s:
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("other", gpu_worker=False)]) as s:
         store = DirectoryContextStore(tmp_path / "context")
         replica = OffloadingReplica(store)
         async with Worker(
@@ -327,7 +327,7 @@ async def test_offloaded_context_leaves_no_preview_in_history(
     temporal_client: Client, tmp_path: Path
 ):
     secret = "Quarterly numbers for the board, do not share: "
-    async with stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
         task = wf.StepsInput(spec=_spec(), model=MODEL, steps=1, context=secret * 60)
         handle = await s.start(wf.MultiStepAgent.run, task)
         await _result(handle)
@@ -397,7 +397,7 @@ async def test_recorded_placements_replay_after_fields_are_added(
 )
 async def test_record_the_placed_history(temporal_client: Client, tmp_path: Path):
     """Run one placed step and keep its history as `PLACE_HISTORY`."""
-    async with stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
         handle = await s.start(
             wf.MultiStepAgent.run, wf.StepsInput(spec=_spec(), model=MODEL, steps=1)
         )
@@ -420,7 +420,9 @@ async def test_a_busy_fleet_makes_the_lower_tier_wait_while_tier_1_is_admitted(
     config = SchedulerConfig(
         admission=AdmissionConfig(saturation_by_tier=(4.0, 2.0, 0.1, 0.1, 0.1), retry_after_s=0.5)
     )
-    async with stack(temporal_client, tmp_path, [PoolPlan("only", gpu="L4")], config) as s:
+    async with fleet_stack(
+        temporal_client, tmp_path, [PoolPlan("only", gpu="L4")], scheduler=config
+    ) as s:
         long = wf.StepsInput(spec=_spec(expected_steps=1), model=MODEL, steps=1, max_tokens=3000)
         busy = [await s.start(wf.MultiStepAgent.run, long) for _ in range(2)]
         for handle in busy:
@@ -464,7 +466,7 @@ async def test_bug_in_workflow_code_closes_nothing_and_undoes_nothing(
     """Only the end of a workflow closes its task: a workflow-task failure is retried."""
     wf.REFUNDS.clear()
     wf.REVERSED.clear()
-    async with stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
         refund = wf.Refund(account="C-1", amount_cents=5)
         handle = await s.start(
             wf.BugAfterRefund.run,

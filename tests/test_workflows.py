@@ -13,10 +13,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -34,7 +30,7 @@ from temporalio.client import (
 )
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import Replayer, Worker
+from temporalio.worker import Worker
 
 from kvflow.activities.context_store import (
     TENANTS_DIR,
@@ -52,7 +48,6 @@ from kvflow.activities.wire import (
     UnreadableDetails,
 )
 from kvflow.ledger.records import TaskOutcome
-from kvflow.ledger.store import AsyncLedger, open_async_ledger
 from kvflow.scheduler.config import LatencyConfig, SchedulerConfig
 from kvflow.scheduler.core import Scheduler
 from kvflow.scheduler.fleet import Fleet, Pool, Tenant, TokenPrices, task_queue_for
@@ -66,107 +61,19 @@ from kvflow.scheduler.placement import (
 from kvflow.simulator import BUILTIN_MODELS, EngineConfig, ServerSettings, SimServer
 from kvflow.simulator.faults import FaultSpec
 from kvflow.workers.config import load_fleet
-from kvflow.workers.control_plane import ControlPlane
-from kvflow.workers.embedded import EmbeddedFleet
-from kvflow.workers.gpu_worker import GpuWorker
 from kvflow.workflows import errors, search_attributes
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown, TaskSpec
 from tests import agent_workflows as wf
 from tests.history import wait_until_streaming
+from tests.stacks import (
+    MODEL,
+    PoolPlan,
+    assert_replays,
+    cheap_pool_that_crashes,
+    fleet_stack,
+    task_spec,
+)
 from tests.waiting import eventually
-
-MODEL = "llama-3.2-1b"
-
-
-@dataclass
-class PoolPlan:
-    """One pool of the test fleet: its GPU, size, prices and what is wrong with it."""
-
-    name: str
-    gpu: str = "H100"
-    replicas: int = 1
-    prices: tuple[str, str, str] = ("0.20", "0.02", "0.60")
-    faults: FaultSpec = field(default_factory=FaultSpec)
-    gpu_worker: bool = True
-    max_model_len: int = 4096
-    max_concurrency: int = 16
-
-
-def fleet_for(pools: list[PoolPlan], tenants: list[Tenant] | None = None) -> Fleet:
-    """The test fleet of `pools`, all serving `MODEL`; tenants acme (tier 1) and globex (3)."""
-    return Fleet(
-        models=[BUILTIN_MODELS[MODEL]],
-        pools=[
-            Pool(
-                name=plan.name,
-                gpu=plan.gpu,
-                replicas=plan.replicas,
-                price_per_gpu_hour_usd=Decimal("2.00"),
-                token_prices=TokenPrices(
-                    input_per_mtok_usd=Decimal(plan.prices[0]),
-                    cached_input_per_mtok_usd=Decimal(plan.prices[1]),
-                    output_per_mtok_usd=Decimal(plan.prices[2]),
-                ),
-                warm_models=[MODEL],
-                max_concurrency=plan.max_concurrency,
-            )
-            for plan in pools
-        ],
-        tenants=tenants
-        or [Tenant(name="acme", tier=1, fairness_weight=3.0), Tenant(name="globex", tier=3)],
-    )
-
-
-@dataclass
-class Stack:
-    client: Client
-    fleet: Fleet
-    ledger: AsyncLedger
-    task_queue: str
-    control: ControlPlane
-    gpu_workers: dict[str, GpuWorker]
-
-    async def start(self, run: Callable[..., Any], arg: Any) -> WorkflowHandle[Any, Any]:
-        return await self.client.start_workflow(
-            run, arg, id=f"task-{uuid.uuid4()}", task_queue=self.task_queue
-        )
-
-
-@asynccontextmanager
-async def stack(
-    client: Client, tmp_path: Path, pools: list[PoolPlan], scheduler: SchedulerConfig | None = None
-) -> AsyncIterator[Stack]:
-    fleet = fleet_for(pools)
-    by_name = {p.name: p for p in pools}
-    replicas = [name for pool in fleet.pools for name in pool.replica_names()]
-    ledger = await open_async_ledger(f"sqlite:///{tmp_path}/ledger.db", migrate=True)
-    task_queue = f"agents-{uuid.uuid4()}"
-    try:
-        async with EmbeddedFleet(
-            client,
-            fleet,
-            ledger=ledger,
-            store=DirectoryContextStore(tmp_path / "context"),
-            scheduler_config=scheduler,
-            max_model_len=max(p.max_model_len for p in pools),
-            faults={r: by_name[r.split("/")[0]].faults for r in replicas},
-            without_gpu_worker=[r for r in replicas if not by_name[r.split("/")[0]].gpu_worker],
-        ) as embedded:
-            worker = await embedded.workflow_worker(
-                workflows=wf.ALL_WORKFLOWS, activities=wf.ALL_ACTIVITIES, task_queue=task_queue
-            )
-            async with worker:
-                assert embedded.control_plane is not None
-                yield Stack(
-                    client,
-                    fleet,
-                    ledger,
-                    task_queue,
-                    embedded.control_plane,
-                    embedded.gpu_workers,
-                )
-    finally:
-        await ledger.close()
 
 
 async def _heartbeated(handle: WorkflowHandle[Any, Any]) -> bool:
@@ -179,38 +86,12 @@ async def _inferring(handle: WorkflowHandle[Any, Any]) -> bool:
     return bool(pending) and pending[0].activity_type.name == "kvflow.infer"
 
 
-async def assert_replays(handle: WorkflowHandle[Any, Any]) -> None:
-    history = await handle.fetch_history()
-    replayer = Replayer(workflows=wf.ALL_WORKFLOWS, data_converter=handle._client.data_converter)
-    await replayer.replay_workflow(history)
-
-
-def cheap_pool_that_crashes(backups: int = 1) -> list[PoolPlan]:
-    """The scheduler's first choice, whose only replica dies 20 tokens into a stream, and a
-    dearer backup pool where the cut call resumes."""
-    return [
-        PoolPlan(
-            "cheap", gpu="H200", prices=("0.05", "0.005", "0.15"), faults=FaultSpec(crash_after=20)
-        ),
-        PoolPlan("backup", gpu="H100", replicas=backups, prices=("0.40", "0.04", "1.20")),
-    ]
-
-
-def _spec(**kwargs: Any) -> TaskSpec:
-    return TaskSpec(**{"tenant": "acme", "expected_steps": 5, **kwargs})
-
-
-async def _attempts(stack: Stack, handle: WorkflowHandle[Any, Any]) -> list[Any]:
-    description = await handle.describe()
-    return await stack.ledger.attempts_for(handle.id, description.run_id or "")
-
-
 async def test_five_step_task_runs_where_the_scheduler_placed_each_step(
     temporal_client: Client, tmp_path: Path
 ):
     pools = [PoolPlan("fast", gpu="H200", replicas=2), PoolPlan("slow", gpu="L4")]
-    async with stack(temporal_client, tmp_path, pools) as s:
-        handle = await s.start(wf.MultiStepAgent.run, wf.StepsInput(spec=_spec(), model=MODEL))
+    async with fleet_stack(temporal_client, tmp_path, pools) as s:
+        handle = await s.start(wf.MultiStepAgent.run, wf.StepsInput(spec=task_spec(), model=MODEL))
         out = await handle.result()
         assert len(out.replicas) == 5
 
@@ -246,10 +127,9 @@ async def test_five_step_task_runs_where_the_scheduler_placed_each_step(
         assert "part-5" in metadata.current_details and out.replicas[4] in metadata.current_details
 
         # The ledger: five billed attempts and one succeeded task whose spend is their sum.
-        attempts = await _attempts(s, handle)
+        task, attempts = await s.rows(handle)
         assert len(attempts) == 5
         assert sum(a.cost_micros for a in attempts) == breakdown.spend_micros
-        task = await s.ledger.task(handle.id, (await handle.describe()).run_id or "")
         assert task is not None and task.outcome == TaskOutcome.SUCCEEDED
         assert task.spend_micros == breakdown.spend_micros and task.attempts == 5
         # Later steps share the conversation's prefix: the scheduler kept them where it was
@@ -262,8 +142,8 @@ async def test_five_step_task_runs_where_the_scheduler_placed_each_step(
 async def test_replica_that_crashes_mid_stream_is_resumed_elsewhere_and_both_attempts_billed(
     temporal_client: Client, tmp_path: Path
 ):
-    async with stack(temporal_client, tmp_path, cheap_pool_that_crashes()) as s:
-        task = wf.StepsInput(spec=_spec(expected_steps=1), model=MODEL, steps=1, max_tokens=60)
+    async with fleet_stack(temporal_client, tmp_path, cheap_pool_that_crashes()) as s:
+        task = wf.StepsInput(spec=task_spec(expected_steps=1), model=MODEL, steps=1, max_tokens=60)
         handle = await s.start(wf.MultiStepAgent.run, task)
         out = await handle.result()
         assert out.replicas == ["backup/0"]
@@ -276,7 +156,7 @@ async def test_replica_that_crashes_mid_stream_is_resumed_elsewhere_and_both_att
         assert second.reused_tokens > 0
         assert second.completion_tokens == 60 - second.reused_tokens
         assert breakdown.retries == 1
-        attempts = await _attempts(s, handle)
+        _, attempts = await s.rows(handle)
         assert {a.replica for a in attempts} == {"cheap/0", "backup/0"}
         assert all(a.cost_micros > 0 for a in attempts)
         assert breakdown.spend_micros == sum(a.cost_micros for a in attempts)
@@ -293,8 +173,8 @@ async def test_queue_without_a_worker_times_out_to_start_and_is_replaced(
     fast_timeouts = SchedulerConfig(
         latency=LatencyConfig(schedule_to_start_margin_s=1.0, min_schedule_to_start_s=1.0)
     )
-    async with stack(temporal_client, tmp_path, pools, fast_timeouts) as s:
-        task = wf.StepsInput(spec=_spec(expected_steps=1), model=MODEL, steps=1)
+    async with fleet_stack(temporal_client, tmp_path, pools, scheduler=fast_timeouts) as s:
+        task = wf.StepsInput(spec=task_spec(expected_steps=1), model=MODEL, steps=1)
         handle = await s.start(wf.MultiStepAgent.run, task)
         out = await handle.result()
         assert out.replicas == ["served/0"]
@@ -318,7 +198,7 @@ async def test_deadline_too_tight_fails_fast_and_runs_the_compensation(
 ):
     wf.REFUNDS.clear()
     wf.REVERSED.clear()
-    async with stack(temporal_client, tmp_path, [PoolPlan("only", gpu="L4")]) as s:
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only", gpu="L4")]) as s:
         refund = wf.Refund(account="A-17", amount_cents=2_500)
         task = wf.RefundInput(
             spec=TaskSpec(tenant="globex", latency_budget_s=0.05, expected_steps=2),
@@ -353,9 +233,12 @@ async def test_exhausted_retry_budget_fails_with_its_own_error_and_bills_every_a
     # 3 is the scheduler's own cap too (`max_task_retries`): the task still gets all three.
     replicas = budget + 1
     pools = [PoolPlan("flaky", gpu="H100", replicas=replicas, faults=FaultSpec(disconnect_after=8))]
-    async with stack(temporal_client, tmp_path, pools) as s:
+    async with fleet_stack(temporal_client, tmp_path, pools) as s:
         task = wf.StepsInput(
-            spec=_spec(expected_steps=1, retry_budget=budget), model=MODEL, steps=1, max_tokens=60
+            spec=task_spec(expected_steps=1, retry_budget=budget),
+            model=MODEL,
+            steps=1,
+            max_tokens=60,
         )
         handle = await s.start(wf.MultiStepAgent.run, task)
         with pytest.raises(WorkflowFailureError) as failed:
@@ -366,7 +249,7 @@ async def test_exhausted_retry_budget_fails_with_its_own_error_and_bills_every_a
             and cause.type == errors.TaskErrorType.RETRY_BUDGET_EXHAUSTED
         )
         assert f"{budget} re-placements are used up" in cause.message
-        attempts = await _attempts(s, handle)
+        _, attempts = await s.rows(handle)
         assert len(attempts) == replicas and all(a.cost_micros > 0 for a in attempts)
         assert len({a.replica for a in attempts}) == replicas
         run_id = (await handle.describe()).run_id or ""
@@ -388,9 +271,9 @@ async def test_failure_details_that_do_not_validate_park_the_task_with_a_typed_e
     wf.REFUNDS.clear()
     wf.REVERSED.clear()
     pools = [PoolPlan("other", gpu="H100", gpu_worker=False)]
-    async with stack(temporal_client, tmp_path, pools) as s:
+    async with fleet_stack(temporal_client, tmp_path, pools) as s:
         refund = wf.Refund(account="A-18", amount_cents=900)
-        task = wf.RefundInput(spec=_spec(expected_steps=2), model=MODEL, refund=refund)
+        task = wf.RefundInput(spec=task_spec(expected_steps=2), model=MODEL, refund=refund)
         async with Worker(
             temporal_client,
             task_queue=task_queue_for("other", 0),
@@ -450,9 +333,9 @@ def test_heartbeat_details_are_read_back_as_a_typed_record():
 async def test_structured_output_comes_back_as_the_pydantic_model(
     temporal_client: Client, tmp_path: Path
 ):
-    async with stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
         handle = await s.start(
-            wf.StructuredVerdict.run, wf.VerdictInput(spec=_spec(expected_steps=1), model=MODEL)
+            wf.StructuredVerdict.run, wf.VerdictInput(spec=task_spec(expected_steps=1), model=MODEL)
         )
         verdict = await handle.result()
         assert isinstance(verdict, wf.Verdict)
@@ -462,9 +345,9 @@ async def test_structured_output_comes_back_as_the_pydantic_model(
 async def test_long_conversation_keeps_history_small(temporal_client: Client, tmp_path: Path):
     steps, tokens = 40, 500
     pools = [PoolPlan("big", gpu="H200", max_model_len=32768)]
-    async with stack(temporal_client, tmp_path, pools) as s:
+    async with fleet_stack(temporal_client, tmp_path, pools) as s:
         task = wf.StepsInput(
-            spec=_spec(expected_steps=steps), model=MODEL, steps=steps, max_tokens=tokens
+            spec=task_spec(expected_steps=steps), model=MODEL, steps=steps, max_tokens=tokens
         )
         handle = await s.start(wf.MultiStepAgent.run, task)
         out = await handle.result()
@@ -534,9 +417,11 @@ class SaturatedFor:
 async def test_step_waits_for_admission_when_the_fleet_is_saturated(
     temporal_client: Client, tmp_path: Path
 ):
-    async with stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
         s.control.activities.scheduler = SaturatedFor(s.control.scheduler, times=2)
-        task = wf.StepsInput(spec=_spec(tenant="globex", expected_steps=1), model=MODEL, steps=1)
+        task = wf.StepsInput(
+            spec=task_spec(tenant="globex", expected_steps=1), model=MODEL, steps=1
+        )
         handle = await s.start(wf.MultiStepAgent.run, task)
         out = await handle.result()
         assert out.replicas == ["only/0"]
@@ -552,10 +437,12 @@ async def test_step_waits_for_admission_when_the_fleet_is_saturated(
 async def test_admission_wait_that_would_pass_the_deadline_fails_fast(
     temporal_client: Client, tmp_path: Path
 ):
-    async with stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
         s.control.activities.scheduler = SaturatedFor(s.control.scheduler, times=100)
         # A gate that never opens within the budget: the step waits while it can, then fails.
-        task = wf.StepsInput(spec=_spec(expected_steps=1, latency_budget_s=2), model=MODEL, steps=1)
+        task = wf.StepsInput(
+            spec=task_spec(expected_steps=1, latency_budget_s=2), model=MODEL, steps=1
+        )
         handle = await s.start(wf.MultiStepAgent.run, task)
         with pytest.raises(WorkflowFailureError) as failed:
             await handle.result()
@@ -574,8 +461,10 @@ async def test_gpu_worker_that_shuts_down_mid_call_hands_it_back_and_it_is_repla
         PoolPlan("leaving", gpu="L4", prices=("0.05", "0.005", "0.15")),
         PoolPlan("staying", gpu="H100", prices=("0.40", "0.04", "1.20")),
     ]
-    async with stack(temporal_client, tmp_path, pools) as s:
-        task = wf.StepsInput(spec=_spec(expected_steps=1), model=MODEL, steps=1, max_tokens=3000)
+    async with fleet_stack(temporal_client, tmp_path, pools) as s:
+        task = wf.StepsInput(
+            spec=task_spec(expected_steps=1), model=MODEL, steps=1, max_tokens=3000
+        )
         handle = await s.start(wf.MultiStepAgent.run, task)
         # Wait until the call runs on the cheap replica, then shut its GPU worker down.
         await eventually(
@@ -635,24 +524,15 @@ async def test_kv_events_from_the_engines_make_the_prefix_index_precise(
             ],
             tenants=[Tenant(name="acme", tier=1)],
         )
-        ledger = await open_async_ledger(f"sqlite:///{tmp_path}/ledger.db", migrate=True)
-        queue = f"evented-{uuid.uuid4()}"
-        async with EmbeddedFleet(
-            temporal_client, fleet, ledger=ledger, store=DirectoryContextStore(tmp_path / "c")
-        ) as embedded:
-            worker = await embedded.workflow_worker(workflows=wf.ALL_WORKFLOWS, task_queue=queue)
-            async with worker:
-                task = wf.StepsInput(spec=_spec(expected_steps=3), model=MODEL, steps=3)
-                out = await temporal_client.execute_workflow(
-                    wf.MultiStepAgent.run, task, id=f"evented-{uuid.uuid4()}", task_queue=queue
-                )
-            assert embedded.control_plane is not None
-            status = {s.replica: s for s in embedded.control_plane.scheduler.status()}
+        async with fleet_stack(temporal_client, tmp_path, fleet=fleet) as s:
+            task = wf.StepsInput(spec=task_spec(expected_steps=3), model=MODEL, steps=3)
+            handle = await s.start(wf.MultiStepAgent.run, task)
+            out = await handle.result()
+            status = {r.replica: r for r in s.control.scheduler.status()}
             used = status[out.replicas[-1]]
             # The engine's own account of what it cached reached the index.
             assert used.precise and used.blocks_indexed > 0
-            assert sum(sub.events for sub in embedded.control_plane.kv_subscribers) > 0
-        await ledger.close()
+            assert sum(sub.events for sub in s.control.kv_subscribers) > 0
     finally:
         for sim in sims:
             sim.stop()
@@ -663,7 +543,7 @@ async def test_cancelled_task_runs_its_compensations_and_is_recorded_as_cancelle
 ):
     wf.REFUNDS.clear()
     wf.REVERSED.clear()
-    async with stack(temporal_client, tmp_path, [PoolPlan("only", gpu="L4")]) as s:
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only", gpu="L4")]) as s:
         refund = wf.Refund(account="C-3", amount_cents=900)
         task = wf.RefundInput(
             spec=TaskSpec(tenant="acme", expected_steps=2),
@@ -744,7 +624,6 @@ tier = 1
 """
     )
     fleet = load_fleet(fleet_file)
-    ledger = await open_async_ledger(ledger_url, migrate=True)
     # The doomed replica's GPU worker is a process of its own, so it can really die.
     env = {**os.environ, "TEMPORAL_ADDRESS": client.service_client.config.target_host}
     worker_log = (tmp_path / "gpu.log").open("w")
@@ -759,46 +638,38 @@ tier = 1
         "--ledger",
         ledger_url,
         "--context-dir",
-        str(tmp_path / "c"),
+        str(tmp_path / "context"),  # the stack's store
         "--traces",
         "off",
         env=env,
         stdout=worker_log,
         stderr=subprocess.STDOUT,
     )
-    queue = f"doomed-{uuid.uuid4()}"
     try:
         await eventually(
             lambda: "polls kvflow.gpu.doomed.0" in (tmp_path / "gpu.log").read_text(),
             within=15,
             what="the GPU worker polls its queue",
         )
-        async with EmbeddedFleet(
-            client,
-            fleet,
-            ledger=ledger,
-            store=DirectoryContextStore(tmp_path / "c"),
-            without_gpu_worker=["doomed/0"],
-        ) as embedded:
-            worker = await embedded.workflow_worker(workflows=wf.ALL_WORKFLOWS, task_queue=queue)
-            async with worker:
-                task = wf.StepsInput(
-                    spec=_spec(expected_steps=1), model=MODEL, steps=1, max_tokens=4000
-                )
-                handle = await client.start_workflow(
-                    wf.MultiStepAgent.run, task, id=f"doomed-{uuid.uuid4()}", task_queue=queue
-                )
-                # Kill it once a heartbeat has carried some output.
-                await wait_until_streaming(handle)
-                doomed.send_signal(signal.SIGKILL)
-                out = await handle.result()
-                breakdown = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
+        # The fleet file's fleet; the plan says only that the stack runs no GPU worker for
+        # the doomed replica, whose worker is that process.
+        plans = [PoolPlan("doomed", gpu_worker=False)]
+        async with fleet_stack(client, tmp_path, plans, fleet=fleet, ledger_url=ledger_url) as s:
+            task = wf.StepsInput(
+                spec=task_spec(expected_steps=1), model=MODEL, steps=1, max_tokens=4000
+            )
+            handle = await s.start(wf.MultiStepAgent.run, task)
+            # Kill it once a heartbeat has carried some output.
+            await wait_until_streaming(handle)
+            doomed.send_signal(signal.SIGKILL)
+            out = await handle.result()
+            breakdown = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
+            _, attempts = await s.rows(handle)
         assert out.replicas == ["safe/0"]
         first, second = breakdown.steps[0].attempts
         assert first.replica == "doomed/0" and first.outcome == "TimeoutHeartbeat"
         assert second.reused_tokens > 0  # resumed from the dead worker's last heartbeat
         # Finance sees both attempts: the dead worker's row was written from its heartbeat.
-        attempts = await ledger.attempts_for(handle.id, (await handle.describe()).run_id or "")
         by_replica = {a.replica: a for a in attempts}
         assert set(by_replica) == {"doomed/0", "safe/0"}
         assert by_replica["doomed/0"].error_type == "TimeoutHeartbeat"
@@ -809,6 +680,5 @@ tier = 1
             doomed.kill()
         await doomed.wait()
         worker_log.close()
-        await ledger.close()
         for sim in sims:
             sim.stop()
