@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import json
 import random
-import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -27,18 +25,14 @@ from temporalio.plugin import SimplePlugin
 
 import samples.openai_agents_travel as travel
 import samples.pydantic_ai_support as support
-from kvflow.activities.context_store import DirectoryContextStore
 from kvflow.activities.inference import INFER_ACTIVITY
-from kvflow.ledger.records import AttemptRecord, TaskOutcome, TaskRecord
-from kvflow.ledger.store import AsyncLedger, open_async_ledger
+from kvflow.ledger.records import AttemptRecord, TaskOutcome
 from kvflow.scheduler.fleet import task_queue_for
-from kvflow.workers.embedded import EmbeddedFleet
-from kvflow.workers.plugin import KvflowPlugin
 from kvflow.workers.vllm_server import VllmServer, VllmServerError, vllm_install
-from kvflow.workers.workflow_worker import workflow_worker
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
 from tests.fixtures_vllm import skip_or_fail
 from tests.fleets import one_pool_fleet
+from tests.stacks import Stack, fleet_stack
 
 pytestmark = pytest.mark.vllm
 
@@ -74,61 +68,28 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         pytest.fail(str(exc), pytrace=False)
 
 
-@dataclass
-class Stack:
-    client: Client
-    ledger: AsyncLedger
-    task_queue: str
-
-    async def run(self, workflow: Any, task: Any) -> tuple[WorkflowHandle[Any, Any], Any]:
-        """Run `task` to its end: (its handle, its result or the failure)."""
-        handle = await self.client.start_workflow(
-            workflow.run, task, id=f"vllm-sample-{uuid.uuid4()}", task_queue=self.task_queue
-        )
-        try:
-            return handle, await handle.result()
-        except WorkflowFailureError as failure:
-            return handle, failure
-
-    async def rows(
-        self, handle: WorkflowHandle[Any, Any]
-    ) -> tuple[TaskRecord | None, list[AttemptRecord]]:
-        run_id = (await handle.describe()).run_id or ""
-        return await self.ledger.task(handle.id, run_id), await self.ledger.attempts_for(
-            handle.id, run_id
-        )
-
-
-@asynccontextmanager
-async def vllm_stack(
+def vllm_stack(
     temporal_client: Client, tmp_path: Path, url: str, sample: Any, plugin: SimplePlugin
-) -> AsyncIterator[Stack]:
-    """One replica on the real server, its GPU worker, and the sample's workflow worker."""
-    context_dir = tmp_path / "context"
-    client = Client(
-        temporal_client.service_client,
-        namespace=temporal_client.namespace,
-        plugins=[KvflowPlugin(context_dir=context_dir), plugin],
+) -> AbstractAsyncContextManager[Stack]:
+    """One replica on the real server, its GPU worker, and the sample's workflow worker, whose
+    client carries `plugin` after kvflow's."""
+    return fleet_stack(
+        temporal_client,
+        tmp_path,
+        fleet=one_pool_fleet(MODEL, endpoints=[url], context_length=CONTEXT),
+        workflows=[sample.WORKFLOW],
+        activities=sample.ACTIVITIES,
+        plugins=[plugin],
     )
-    fleet = one_pool_fleet(MODEL, endpoints=[url], context_length=CONTEXT)
-    ledger = await open_async_ledger(f"sqlite:///{tmp_path}/ledger.db", migrate=True)
-    task_queue = f"vllm-sample-{uuid.uuid4()}"
+
+
+async def run(stack: Stack, workflow: Any, task: Any) -> tuple[WorkflowHandle[Any, Any], Any]:
+    """Run `task` to its end: (its handle, its result or the failure)."""
+    handle = await stack.start(workflow.run, task)
     try:
-        async with EmbeddedFleet(
-            client, fleet, ledger=ledger, store=DirectoryContextStore(context_dir)
-        ) as embedded:
-            assert embedded.control_plane is not None
-            worker = await workflow_worker(
-                client,
-                embedded.control_plane,
-                workflows=[sample.WORKFLOW],
-                activities=sample.ACTIVITIES,
-                task_queue=task_queue,
-            )
-            async with worker:
-                yield Stack(client, ledger, task_queue)
-    finally:
-        await ledger.close()
+        return handle, await handle.result()
+    except WorkflowFailureError as failure:
+        return handle, failure
 
 
 async def assert_every_call_ran_on_vllm_and_was_billed(
@@ -163,7 +124,7 @@ async def test_openai_agents_travel_sample_runs_on_real_vllm(
         task = travel.example_input(random.Random(0), "acme").model_copy(
             update={"name_tools": False}
         )
-        handle, plan = await s.run(travel.WORKFLOW, task)
+        handle, plan = await run(s, travel.WORKFLOW, task)
         assert isinstance(plan, travel.TravelPlan), plan
         # No tool call in random text: one answer per turn, each vLLM's own words.
         assert plan.tools_called == [] and plan.model_calls == 2
@@ -189,7 +150,7 @@ async def test_pydantic_ai_support_sample_runs_on_real_vllm(
         temporal_client, tmp_path, served, support, KvflowPydanticAIPlugin()
     ) as s:
         task = support.example_input(random.Random(0), "acme")
-        handle, answer = await s.run(support.WORKFLOW, task)
+        handle, answer = await run(s, support.WORKFLOW, task)
         assert isinstance(answer, support.SupportAnswer), answer
         assert answer.reply.reply and answer.model_requests >= 1
         attempts = await assert_every_call_ran_on_vllm_and_was_billed(

@@ -13,7 +13,6 @@ import random
 import sys
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -22,87 +21,39 @@ import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 from temporalio.exceptions import ApplicationError
-from temporalio.worker import Replayer
 
 import samples.code_review as code_review
 import samples.research_assistant as research
 import samples.support_triage as support
-from kvflow.activities.context_store import DirectoryContextStore
 from kvflow.activities.wire import INLINE_LIMIT_BYTES
 from kvflow.ledger.records import AttemptRecord, TaskOutcome, TaskRecord
-from kvflow.ledger.store import AsyncLedger, open_async_ledger
 from kvflow.workers.config import load_fleet
-from kvflow.workers.embedded import EmbeddedFleet
-from kvflow.workers.plugin import KvflowPlugin
 from kvflow.workflows import errors
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
 from samples.support_triage import activities as desk
+from tests.stacks import Stack, assert_replays, fleet_stack
 from tests.waiting import slowdown
 
 FLEET_FILE = Path(__file__).resolve().parent.parent / "fleet.toml"
 SAMPLES = [research, support, code_review]
-
-
-@dataclass
-class Stack:
-    client: Client
-    ledger: AsyncLedger
-    task_queue: str
-    context_dir: Path
-
-    async def start(self, sample: Any, task: Any) -> WorkflowHandle[Any, Any]:
-        return await self.client.start_workflow(
-            sample.WORKFLOW.run, task, id=f"sample-{uuid.uuid4()}", task_queue=self.task_queue
-        )
-
-    async def rows(
-        self, handle: WorkflowHandle[Any, Any]
-    ) -> tuple[TaskRecord, list[AttemptRecord]]:
-        """The task row and the attempt rows the ledger holds for `handle`'s run."""
-        run_id = (await handle.describe()).run_id or ""
-        task = await self.ledger.task(handle.id, run_id)
-        assert task is not None, "the workflow wrote no task row"
-        return task, await self.ledger.attempts_for(handle.id, run_id)
+WORKFLOWS = [s.WORKFLOW for s in SAMPLES]
 
 
 @pytest.fixture(scope="module")
 async def stack(
     temporal_client: Client, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Stack]:
-    tmp_path = tmp_path_factory.mktemp("samples")
-    context_dir = tmp_path / "context"
-    # Clients and workers share the context store: payloads over 2 KB travel as references.
-    client = await Client.connect(
-        temporal_client.service_client.config.target_host,
-        namespace=temporal_client.namespace,
-        plugins=[KvflowPlugin(context_dir=context_dir)],
-    )
-    ledger = await open_async_ledger(f"sqlite:///{tmp_path}/ledger.db", migrate=True)
-    task_queue = f"samples-{uuid.uuid4()}"
-    try:
-        async with EmbeddedFleet(
-            client,
-            load_fleet(FLEET_FILE),
-            ledger=ledger,
-            store=DirectoryContextStore(context_dir),
-        ) as embedded:
-            worker = await embedded.workflow_worker(
-                workflows=[s.WORKFLOW for s in SAMPLES],
-                activities=[a for s in SAMPLES for a in s.ACTIVITIES],
-                task_queue=task_queue,
-            )
-            async with worker:
-                yield Stack(client, ledger, task_queue, context_dir)
-    finally:
-        await ledger.close()
-
-
-async def assert_replays(handle: WorkflowHandle[Any, Any]) -> None:
-    history = await handle.fetch_history()
-    replayer = Replayer(
-        workflows=[s.WORKFLOW for s in SAMPLES], data_converter=handle._client.data_converter
-    )
-    await replayer.replay_workflow(history)
+    # Clients and workers share the context store (no plugin besides kvflow's): payloads over
+    # 2 KB travel as references.
+    async with fleet_stack(
+        temporal_client,
+        tmp_path_factory.mktemp("samples"),
+        fleet=load_fleet(FLEET_FILE),
+        workflows=WORKFLOWS,
+        activities=[a for s in SAMPLES for a in s.ACTIVITIES],
+        plugins=[],
+    ) as s:
+        yield s
 
 
 def assert_ledger_adds_up(task: TaskRecord, attempts: list[AttemptRecord], spend: int) -> None:
@@ -116,7 +67,7 @@ async def test_research_assistant_answers_after_parallel_sub_questions_on_a_cach
 ):
     task = research.example_input(random.Random(7), "acme")
     assert len(task.source.encode()) > INLINE_LIMIT_BYTES
-    handle = await stack.start(research, task)
+    handle = await stack.start(research.WORKFLOW.run, task)
     answer = await handle.result()
 
     assert answer.answer and answer.question == task.question
@@ -150,6 +101,7 @@ async def test_research_assistant_answers_after_parallel_sub_questions_on_a_cach
 
     # The shared source stayed cached: later steps were billed for cached input tokens.
     row, attempts = await stack.rows(handle)
+    assert row is not None
     assert row.outcome == TaskOutcome.SUCCEEDED and row.workflow_type == "ResearchAssistant"
     assert_ledger_adds_up(row, attempts, spend.spend_micros)
     later = [a for a in attempts if a.step != "plan"]
@@ -159,7 +111,7 @@ async def test_research_assistant_answers_after_parallel_sub_questions_on_a_cach
         f" prompt tokens after the plan, replicas {sorted({a.replica for a in attempts})}"
     )
     assert sum(a.cached_tokens for a in later) > sum(a.prompt_tokens for a in later) / 2
-    await assert_replays(handle)
+    await assert_replays(handle, WORKFLOWS)
 
 
 def step_summary_reader(handle: WorkflowHandle[Any, Any]) -> Any:
@@ -176,7 +128,7 @@ def step_summary_reader(handle: WorkflowHandle[Any, Any]) -> Any:
 async def test_support_ticket_is_refunded_and_answered(stack: Stack):
     account = _account(stack)
     task = _ticket(account, disputed=account.recent_charges_cents[0])
-    handle = await stack.start(support, task)
+    handle = await stack.start(support.WORKFLOW.run, task)
     result = await handle.result()
 
     assert result.refund is not None and not result.refund.reversed
@@ -193,16 +145,17 @@ async def test_support_ticket_is_refunded_and_answered(stack: Stack):
         ("tool", "send reply"),
     ]
     row, attempts = await stack.rows(handle)
+    assert row is not None
     assert row.outcome == TaskOutcome.SUCCEEDED and row.steps == 5
     assert_ledger_adds_up(row, attempts, spend.spend_micros)
-    await assert_replays(handle)
+    await assert_replays(handle, WORKFLOWS)
 
 
 async def test_rejected_reply_reverses_the_refund_and_the_task_is_compensated(stack: Stack):
     account = _account(stack)
     desk.REJECTED_ADDRESSES.add(account.email)
     task = _ticket(account, disputed=account.recent_charges_cents[1])
-    handle = await stack.start(support, task)
+    handle = await stack.start(support.WORKFLOW.run, task)
     with pytest.raises(WorkflowFailureError) as failed:
         await handle.result()
 
@@ -220,9 +173,10 @@ async def test_rejected_reply_reverses_the_refund_and_the_task_is_compensated(st
         ("compensation", "undo issue refund", "ok"),
     ]
     row, attempts = await stack.rows(handle)
+    assert row is not None
     assert row.outcome == TaskOutcome.COMPENSATED
     assert_ledger_adds_up(row, attempts, spend.spend_micros)
-    await assert_replays(handle)
+    await assert_replays(handle, WORKFLOWS)
 
 
 def _account(stack: Stack) -> desk.Account:
@@ -253,7 +207,7 @@ async def test_code_review_finishes_within_its_tight_budget_and_names_the_models
     # The sample's tight budget (2.5 s a step) is what is tested; a slow machine stretches it.
     budget = task.spec.latency_budget_s * slowdown()
     task.spec.latency_budget_s = budget
-    handle = await stack.start(code_review, task)
+    handle = await stack.start(code_review.WORKFLOW.run, task)
     report = await handle.result()
 
     assert [r.file for r in report.files] == task.files
@@ -297,6 +251,7 @@ async def test_code_review_finishes_within_its_tight_budget_and_names_the_models
     # The ledger bills each step to the model that answered it, and each step's placement
     # reason says when the scheduler degraded it to the fallback to fit the deadline.
     row, attempts = await stack.rows(handle)
+    assert row is not None
     assert row.outcome == TaskOutcome.SUCCEEDED
     served = {a.step: a.model for a in attempts if a.outcome == "ok"}
     assert served == {
@@ -308,13 +263,13 @@ async def test_code_review_finishes_within_its_tight_budget_and_names_the_models
         degraded = "degraded from llama-3.1-8b" in (step.reason or "")
         assert degraded == (served[step.name] == "llama-3.2-1b"), step.reason
     assert_ledger_adds_up(row, attempts, spend.spend_micros)
-    await assert_replays(handle)
+    await assert_replays(handle, WORKFLOWS)
 
 
 async def test_code_review_with_an_unmeetable_deadline_fails_fast_without_spending(stack: Stack):
     task = code_review.example_input(random.Random(12), "initech")
     task.spec.latency_budget_s = 0.05
-    handle = await stack.start(code_review, task)
+    handle = await stack.start(code_review.WORKFLOW.run, task)
     with pytest.raises(WorkflowFailureError) as failed:
         await handle.result()
 
