@@ -199,6 +199,8 @@ def test_engine_priority_and_hints_are_the_same_for_every_policy(
         assert (session == workflow) is hinted
         assert (isinstance(output, int) and output > 0) is hinted
     assert (run.runner.queue is not None) is (ROUTER_QUEUE in mechanisms)
+    policies = {r.config.scheduling_policy for r in run.runner.sim.replicas}
+    assert policies == {"priority" if ENGINE_PRIORITY in mechanisms else "fcfs"}
 
 
 class _Fleet:

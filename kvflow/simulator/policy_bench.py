@@ -206,7 +206,7 @@ def run_policy(
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(factories)}")
     if plan is None and tasks is None:
         raise ValueError("give a plan or a number of tasks")
-    engine = engine_config(spec)
+    engine = engine_config(spec, priority=ENGINE_PRIORITY in mechanisms)
     slow = {1: 4.0} if spec.name == "faults" and sum(p.replicas for p in fleet.pools) > 2 else {}
     replicas = simulated_replicas(fleet, slow=slow, engine=engine)
     block_size = replicas[0].config.block_size
