@@ -58,9 +58,7 @@ class FailedTask:
 
 
 @pytest.fixture(scope="module")
-async def failed_task(
-    temporal_client: Client, tmp_path_factory: pytest.TempPathFactory
-):
+async def failed_task(temporal_client: Client, tmp_path_factory: pytest.TempPathFactory):
     tmp_path = tmp_path_factory.mktemp("codec")
     client = await Client.connect(
         temporal_client.service_client.config.target_host,
@@ -82,9 +80,7 @@ async def failed_task(
     # As the UI gets it: the server's history, payloads as encoded, not through any codec.
     history = await temporal_client.get_workflow_handle(handle.id).fetch_history()
     payloads = [
-        json_format.MessageToDict(p)
-        for event in history.events
-        for p in payloads_in(event)
+        json_format.MessageToDict(p) for event in history.events for p in payloads_in(event)
     ]
     query = f"WorkflowId = '{handle.id}' AND KvflowTenant = 'acme'"
     for _ in range(100):  # visibility lags the task by about a second
@@ -115,9 +111,7 @@ async def codec_url(
         DirectoryContextStore(failed_task.context_dir),
         tenant_of=WorkflowTenants(connect),
     )
-    server = CodecServerThread(
-        codec_app(opener, load_tokens(tokens), ui_origins=[UI_ORIGIN])
-    )
+    server = CodecServerThread(codec_app(opener, load_tokens(tokens), ui_origins=[UI_ORIGIN]))
     server.start()
     try:
         yield server.url
@@ -125,9 +119,7 @@ async def codec_url(
         server.stop()
 
 
-def _as_ui(
-    url: str, payloads: list[dict[str, Any]], token: str | None
-) -> httpx.Response:
+def _as_ui(url: str, payloads: list[dict[str, Any]], token: str | None) -> httpx.Response:
     """A CORS preflight from the UI's origin, then `POST /decode` as the UI sends it."""
     preflight = httpx.options(
         f"{url}/decode",
@@ -148,9 +140,7 @@ def _as_ui(
     }
     if token is not None:
         headers["Authorization"] = f"Bearer {token}"
-    response = httpx.post(
-        f"{url}/decode", json={"payloads": payloads}, headers=headers, timeout=30
-    )
+    response = httpx.post(f"{url}/decode", json={"payloads": payloads}, headers=headers, timeout=30)
     assert response.headers["access-control-allow-origin"] == UI_ORIGIN
     return response
 
@@ -172,8 +162,7 @@ def _answers(texts: list[str]) -> Iterator[dict[str, Any]]:
 
 def _encoded_as_history_holds(failed_task: FailedTask) -> None:
     encodings = {
-        json_format.ParseDict(p, Payload()).metadata.get("encoding")
-        for p in failed_task.payloads
+        json_format.ParseDict(p, Payload()).metadata.get("encoding") for p in failed_task.payloads
     }
     assert CLAIM_CHECK_ENCODING in encodings, "the task's input was not claim-checked"
     assert MARKER not in json.dumps(failed_task.payloads)
@@ -204,9 +193,7 @@ async def test_another_tenants_token_gets_placeholders_never_the_text(
     assert response.status_code == 200, response.text
     texts = _texts(response)
     assert not any(MARKER in text for text in texts)
-    assert (
-        sum(NOT_YOURS in text for text in texts) >= 3
-    )  # input, stored context, answer
+    assert sum(NOT_YOURS in text for text in texts) >= 3  # input, stored context, answer
     [answer] = list(_answers(texts))
     assert answer["text"] == NOT_YOURS
     # The holder of every tenant reads it all.
@@ -233,9 +220,7 @@ async def test_encode_then_decode_round_trips_a_large_payload(codec_url: str):
     }
     headers = {"Authorization": f"Bearer {OPS}", "X-Namespace": "default"}
     async with httpx.AsyncClient(headers=headers, timeout=10) as http:
-        encoded = await http.post(
-            f"{codec_url}/default/encode", json={"payloads": [original]}
-        )
+        encoded = await http.post(f"{codec_url}/default/encode", json={"payloads": [original]})
         assert encoded.status_code == 200, encoded.text
         [reference] = encoded.json()["payloads"]
         assert MARKER not in json.dumps(reference)  # stored, not inline
@@ -268,8 +253,10 @@ def test_codec_serve_refuses_the_network_without_tokens(tmp_path: Path):
 def test_kvflow_server_starts_its_ui_with_the_codec_endpoint(tmp_path: Path):
     port, ui_port = free_port(), free_port()
     process = subprocess.Popen(
-        [str(KVFLOW), "server", "--port", str(port), "--ui-port", str(ui_port)]
-        + ["--state-dir", str(tmp_path), "--in-memory"],
+        [
+            *(str(KVFLOW), "server", "--port", str(port), "--ui-port", str(ui_port)),
+            *("--state-dir", str(tmp_path), "--in-memory"),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -281,9 +268,7 @@ def test_kvflow_server_starts_its_ui_with_the_codec_endpoint(tmp_path: Path):
             seen += process.stdout.readline()
         assert "Codec server" in seen, seen
         endpoint = seen.rsplit("Codec server", 1)[1].split(": ", 1)[1].split()[0]
-        settings = httpx.get(
-            f"http://127.0.0.1:{ui_port}/api/v1/settings", timeout=10
-        ).json()
+        settings = httpx.get(f"http://127.0.0.1:{ui_port}/api/v1/settings", timeout=10).json()
         assert settings["Codec"]["Endpoint"] == endpoint
         # The UI's origin may call it, and it answers.
         origin = f"http://localhost:{ui_port}"
