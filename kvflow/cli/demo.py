@@ -195,7 +195,7 @@ def demo(
 
     async def run() -> None:
         sigterm.task = asyncio.current_task()
-        client = await connect_local(temporal.address)
+        client = await connect_local(temporal.address, state_dir / "context")
         await run_demo(
             client,
             config,

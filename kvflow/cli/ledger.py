@@ -23,6 +23,7 @@ from rich.table import Table
 from temporalio.client import Client
 from temporalio.service import RPCError
 
+from kvflow.activities.context_store import DEFAULT_CONTEXT_DIR
 from kvflow.cli.url_options import fail_without_secrets, url_option
 from kvflow.ledger.errors import LedgerError
 from kvflow.ledger.export import (
@@ -45,6 +46,7 @@ from kvflow.ledger.table import print_whole, report_table
 from kvflow.scheduler.fleet import format_usd
 from kvflow.workers.config import TemporalConnection
 from kvflow.workers.console import err, fail, load_fleet_or_exit, out
+from kvflow.workers.plugin import KvflowPlugin
 from kvflow.workers.reconcile import ReconcileResult, reconcile
 
 ledger_app = typer.Typer(
@@ -288,11 +290,15 @@ def reconcile_command(
         datetime | None,
         typer.Option("--since", help="only runs closed at or after this (ISO date or date-time)"),
     ] = None,
+    context_dir: Annotated[
+        Path, typer.Option("--context-dir", help="the context store the workers share")
+    ] = DEFAULT_CONTEXT_DIR,
 ) -> None:
     r"""Write task rows for closed workflows that have none (terminated, timed out).
 
     The Temporal connection is the fleet file's \[temporal] table (or 127.0.0.1:7233, namespace
-    default), then TEMPORAL_ADDRESS / TEMPORAL_NAMESPACE, then --address / --namespace.
+    default), then TEMPORAL_ADDRESS / TEMPORAL_NAMESPACE, then --address / --namespace. Its
+    client decodes payloads as the workers' do: those over 2 KB from --context-dir.
     """
     connection = load_fleet_or_exit(fleet).temporal if fleet is not None else TemporalConnection()
     config = connection.connect_config()
@@ -307,7 +313,9 @@ def reconcile_command(
 
     async def run() -> ReconcileResult:
         try:
-            client = await Client.connect(**config)
+            # The workers' converter and codec: a payload over 2 KB is a reference into the store.
+            plugins = [KvflowPlugin(context_dir=context_dir)]
+            client = await Client.connect(**config, plugins=plugins)
         except RuntimeError as exc:
             fail(f"cannot reach Temporal at {config.get('target_host')}: {exc}", code=1)
         try:

@@ -38,8 +38,6 @@ from rich.live import Live
 from rich.table import Table
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 from temporalio.common import Priority
-from temporalio.contrib.opentelemetry import TracingInterceptor
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.runtime import (
     LogForwardingConfig,
     LoggingConfig,
@@ -50,7 +48,8 @@ from temporalio.runtime import (
 from temporalio.service import RPCError
 from temporalio.worker import Worker
 
-from kvflow.activities.context_store import DirectoryContextStore
+from kvflow.activities.claim_check import ClaimCheckCodec
+from kvflow.activities.context_store import DEFAULT_CONTEXT_DIR, DirectoryContextStore
 from kvflow.activities.wire import INLINE_LIMIT_BYTES
 from kvflow.ledger.report import GroupField, ReportQuery
 from kvflow.ledger.store import (
@@ -240,10 +239,16 @@ def framework_worker(
     them: the framework's plugin extends kvflow's data converter.
     """
     config = client.config()
-    # Claim checks only where the demo's own client has them: its GPU workers decode with it.
-    claim_check = None if config["data_converter"].payload_codec is None else INLINE_LIMIT_BYTES
+    # The demo client's claim checks (store and threshold), or none: its GPU workers decode
+    # what this worker encodes.
+    codec = config["data_converter"].payload_codec
+    claim_check = codec if isinstance(codec, ClaimCheckCodec) else None
     plugins = [
-        KvflowPlugin(control_plane=control_plane, claim_check_bytes=claim_check),
+        KvflowPlugin(
+            control_plane=control_plane,
+            context_dir=claim_check.store.root if claim_check else DEFAULT_CONTEXT_DIR,
+            claim_check_bytes=claim_check.threshold_bytes if claim_check else None,
+        ),
         *sample.client_plugins(),
     ]
     config["plugins"] = [*config["plugins"], *plugins]
@@ -660,8 +665,11 @@ async def finance_report(ledger: AsyncLedger, *, since: datetime | None = None) 
     return report_table(report)
 
 
-async def connect_local(address: str) -> Client:
+async def connect_local(address: str, context_dir: Path | None = None) -> Client:
     """A client of the embedded server with kvflow's data converter and tracing.
+
+    With `context_dir` (the stack's context store) its codec keeps payloads over 2 KB there,
+    as the workers' does; without, it claim-checks nothing.
 
     The SDK core's own log lines (e.g. "workflow task took more than 5 s" when the machine is
     busy) are forwarded to Python logging, so they land in the demo's log file rather than
@@ -675,12 +683,11 @@ async def connect_local(address: str) -> Client:
             )
         )
     )
-    return await Client.connect(
-        address,
-        data_converter=pydantic_data_converter,
-        interceptors=[TracingInterceptor()],
-        runtime=runtime,
+    plugin = KvflowPlugin(
+        context_dir=context_dir or DEFAULT_CONTEXT_DIR,
+        claim_check_bytes=None if context_dir is None else INLINE_LIMIT_BYTES,
     )
+    return await Client.connect(address, plugins=[plugin], runtime=runtime)
 
 
 def summarize(runs: Sequence[TaskRun], started: float) -> str:
