@@ -11,7 +11,7 @@ from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
     from kvflow.activities.tools import tool_heartbeats, tool_idempotency_key
-    from kvflow.activities.wire import ChatMessage, ContextRef, Sampling, ToolSpec
+    from kvflow.activities.wire import ChatMessage, ContextRef, InferenceResult, Sampling, ToolSpec
     from kvflow.workflows.agent import Agent, TaskSpec
 
 
@@ -93,15 +93,19 @@ class RefundThenReply:
     async def run(self, task: RefundInput) -> str:
         agent = Agent(task.spec)
         async with agent:
-            await agent.tool(issue_refund, task.refund, compensation=reverse_refund, step="refund")
-            reply = await agent.infer(
-                [ChatMessage(role="user", content="Draft the reply to the customer.")],
-                model=task.model,
-                max_tokens=task.max_tokens,
-                step="reply",
-                sampling=Sampling(ignore_eos=True),
-            )
-            return reply.text
+            return (await refund_then_reply(agent, task)).text
+
+
+async def refund_then_reply(agent: Agent, task: RefundInput) -> InferenceResult:
+    """The refund (with its compensation), then the model call that drafts the reply."""
+    await agent.tool(issue_refund, task.refund, compensation=reverse_refund, step="refund")
+    return await agent.infer(
+        [ChatMessage(role="user", content="Draft the reply to the customer.")],
+        model=task.model,
+        max_tokens=task.max_tokens,
+        step="reply",
+        sampling=Sampling(ignore_eos=True),
+    )
 
 
 class Verdict(BaseModel):
@@ -421,13 +425,7 @@ class BugAfterRefund:
     async def run(self, task: RefundInput) -> str:
         agent = Agent(task.spec)
         async with agent:
-            await agent.tool(issue_refund, task.refund, compensation=reverse_refund, step="refund")
-            reply = await agent.infer(
-                [ChatMessage(role="user", content="Draft the reply to the customer.")],
-                model=task.model,
-                max_tokens=task.max_tokens,
-                step="reply",
-            )
+            reply = await refund_then_reply(agent, task)
             answer = {"reply": reply.text}
             return answer["text"]  # the bug: a KeyError, which Temporal retries as a task
 
