@@ -290,51 +290,60 @@ class Capacity:
     tasks_per_s: float
     probes: list[Probe]
     policy: str
-    seed: int
+    seeds: list[int]
 
 
 def measure_capacity(
     spec: WorkloadSpec,
     fleet: Fleet,
     *,
-    seed: int,
-    plan_for: Callable[[float], RunPlan],
+    seeds: Sequence[int],
+    lifetime_s: float,
+    window_lifetimes: float,
+    min_counted: int = 0,
     mechanisms: frozenset[str] = DEFAULT_MECHANISMS,
     policy: str = GREEDY_REFERENCE,
     max_probes: int = CAPACITY_PROBES,
+    workers: int = 1,
     progress: Callable[[str], None] | None = None,
 ) -> Capacity:
     """The highest task rate at which `policy` still turns more load into more goodput.
 
     Probes at rates rising by `CAPACITY_STEP` from `PROBE_START` × the compute bound (falling
-    by it while the first fails): a probe is good when tier-1 SLO attainment is at least 99%
-    of its ceiling (what an idle fleet reaches on the same tasks) and goodput rose by at least
-    half as much as the rate over the last good probe. Between the last good and the first
-    bad probe, one more at their geometric middle. Capacity = the last good rate.
-    `plan_for(rate)` gives each probe's run plan.
+    by it while the first fails), each a run on every seed of `seeds` (with the runs' plan):
+    a probe is good when the seeds' mean tier-1 SLO attainment is at least 99% of its ceiling
+    (what an idle fleet reaches on the same tasks) and their mean goodput rose by at least half
+    as much as the rate over the last good probe. Between the last good and the first bad
+    probe, one more at their geometric middle. Capacity = the last good rate.
     """
-    workload = Workload(
-        spec, fleet_tenants(fleet), tasks=1, task_rate=1.0, seed=seed,
-        block_size=engine_config(spec).block_size,
-    )  # fmt: skip
     probes: list[Probe] = []
 
     def probe(rate: float, last: Probe | None) -> Probe:
         if progress is not None:
             progress(f"{spec.name}: capacity probe at {rate:.3g} tasks/s")
-        plan = plan_for(rate)
-        window = plan.window
-        arrivals = workload.at_rate(rate, until_s=plan.arrivals_until_s)
-        ceiling = success_ceiling(
-            arrivals, fleet, spec, counted=lambda t: window.start <= t.arrival < window.end
-        ).by_tier.get("1", 1.0)
-        run = run_policy(
-            policy, spec=spec, fleet=fleet, task_rate=rate, seed=seed, plan=plan,
-            mechanisms=mechanisms, workload=workload,
-        )  # fmt: skip
-        fig = figures(run.outcome, 0.0)
-        tier1 = fig.slo_attainment.get("1")
-        goodput = fig.success_rate * rate
+        jobs = [
+            SeedJob(
+                workload=spec.name,
+                fleet=fleet,
+                seed=seed,
+                loads=(1.0,),
+                task_rate_per_load=rate,
+                lifetime_s=lifetime_s,
+                window_lifetimes=window_lifetimes,
+                min_counted=min_counted,
+                mechanisms=mechanisms,
+                policies=(policy,),
+                extra={},
+            )
+            for seed in seeds
+        ]
+        results = run_seeds(jobs, workers=workers)
+        runs = [r.runs[1.0][policy] for r in results]
+        ceilings = [r.ceiling.by_tier.get("1", 1.0) for r in results if r.ceiling is not None]
+        ceiling = sum(ceilings) / len(ceilings) if ceilings else 1.0
+        tiers = [t for run in runs if (t := run.slo_attainment.get("1")) is not None]
+        tier1 = sum(tiers) / len(tiers) if tiers else None
+        goodput = rate * sum(run.success_rate for run in runs) / len(runs)
         rising = tier1 is None or tier1 >= CAPACITY_TIER1_SLO * ceiling
         if last is not None and rising:
             rising = goodput >= last.goodput_tasks_per_s * (1 + (rate / last.task_rate - 1) / 2)
@@ -361,7 +370,7 @@ def measure_capacity(
         result = probe(math.sqrt(good.task_rate * bad.task_rate), good)
         if result.rising:
             good = result
-    return Capacity(good.task_rate if good is not None else rate, probes, policy, seed)
+    return Capacity(good.task_rate if good is not None else rate, probes, policy, list(seeds))
 
 
 # ---------------------------------------------------------------------------- workloads
@@ -423,7 +432,7 @@ class WorkloadResult:
                 "capacity_tasks_per_s": round(self.capacity.tasks_per_s, 6),
                 "capacity": {
                     "policy": self.capacity.policy,
-                    "seed": self.capacity.seed,
+                    "seeds": self.capacity.seeds,
                     "probes": [
                         {
                             "task_rate_per_s": round(p.task_rate, 6),
@@ -662,7 +671,7 @@ def run_workload(
     """Every policy and the greedy reference on workload `name`, on every seed; the sweep.
 
     `load` (default: the workload's) and `sweep_loads` are multiples of the capacity, measured
-    on the first seed unless `capacity_tasks_per_s` is given. `sweep_policies` run at the
+    on every seed unless `capacity_tasks_per_s` is given. `sweep_policies` run at the
     sweep's loads (default: kvflow and the anchor best at `load` on the workload's key
     figure). `extra` maps a policy name to its `PolicySetup.extra`. `ablate` also runs kvflow
     once per axis of its configuration with that axis switched off (`REQUIRED_AXIS`
@@ -687,11 +696,12 @@ def run_workload(
 
     if capacity_tasks_per_s is None:
         capacity = measure_capacity(
-            spec, fleet, seed=seeds[0], plan_for=plan_for, mechanisms=mechanisms,
-            max_probes=capacity_probes, progress=progress,
+            spec, fleet, seeds=seeds, lifetime_s=lifetime, window_lifetimes=window_lifetimes,
+            min_counted=min_counted, mechanisms=mechanisms, max_probes=capacity_probes,
+            workers=workers, progress=progress,
         )  # fmt: skip
     else:
-        capacity = Capacity(capacity_tasks_per_s, [], "given", seeds[0])
+        capacity = Capacity(capacity_tasks_per_s, [], "given", [])
 
     def job(seed: int, loads: Sequence[float], names: Sequence[str], head: bool) -> SeedJob:
         return SeedJob(
