@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import math
 import random
+from collections.abc import Callable
 from decimal import Decimal
 
 import pytest
@@ -30,7 +31,16 @@ from kvflow.simulator.policies.base import (
     RequestRouter,
     TaskContext,
 )
-from kvflow.simulator.policy_bench import DOWN_DETECTION_S, policy_factories, run_policy
+from kvflow.simulator.policies.oracle import GREEDY_REFERENCE
+from kvflow.simulator.policy_bench import (
+    DOWN_DETECTION_S,
+    Probe,
+    measure_capacity,
+    policy_factories,
+    run_policy,
+    search_capacity,
+    still_rising,
+)
 from kvflow.simulator.router_queue import RouterQueue
 from kvflow.simulator.task_runner import Decision, TaskRunner
 from kvflow.simulator.workloads import WORKLOADS, Call, Step, Task, Workload
@@ -377,3 +387,50 @@ def test_random_seeds_give_intervals_that_cover_the_mean_most_of_the_time() -> N
         assert interval is not None and interval.low is not None and interval.high is not None
         covered += interval.low <= 10.0 <= interval.high
     assert 180 <= covered <= 200
+
+
+def _saturating(knee: float, slo_knee: float) -> Callable[[float, Probe | None], Probe]:
+    """A fleet whose goodput stops rising at `knee` and whose tier-1 SLO breaks past
+    `slo_knee` (tasks per second)."""
+
+    def probe(rate: float, last: Probe | None) -> Probe:
+        goodput = min(rate, knee * (1 + 0.1 * math.log(max(rate / knee, 1.0))))
+        tier1 = 1.0 if rate <= slo_knee else 0.95
+        return Probe(rate, goodput, tier1, 1.0, still_rising(rate, goodput, tier1, 1.0, last))
+
+    return probe
+
+
+@pytest.mark.parametrize(
+    ("knee", "slo_knee", "capacity"),
+    [
+        # Probes at 0.4, 0.6, 0.9, then 1.35 adds 3% goodput for 50% more load; the middle of
+        # 0.9 and 1.35 (1.10) still adds enough.
+        (1.0, 9.0, math.sqrt(0.9 * 1.35)),
+        # Tier-1 SLO breaks past 0.65: 0.9 fails, and so does the middle of 0.6 and 0.9.
+        (9.0, 0.65, 0.4 * 1.5),
+        # Even the first probe is past the knee (53% of tasks succeed): the search steps down
+        # to 0.18, then the middle of 0.18 and 0.27 still rises.
+        (0.2, 9.0, math.sqrt(0.4 / 1.5**2 * 0.4 / 1.5)),
+    ],
+)
+def test_capacity_is_where_goodput_stops_rising_or_the_tier1_slo_breaks(
+    knee: float, slo_knee: float, capacity: float
+) -> None:
+    found, probes = search_capacity(0.4, _saturating(knee, slo_knee), max_probes=8)
+    assert found == pytest.approx(capacity)
+    good = [p for p in probes if p.rising]
+    assert found == max(p.task_rate for p in good)
+    assert all(p.task_rate > found for p in probes if not p.rising)
+
+
+def test_capacity_probes_every_seed_with_the_greedy_reference() -> None:
+    spec = WORKLOADS["overload"]
+    fleet = bench_fleet("overload", 2)
+    capacity = measure_capacity(
+        spec, fleet, seeds=(0, 1), lifetime_s=60.0, window_lifetimes=1.0, max_probes=3
+    )
+    assert capacity.seeds == [0, 1]
+    assert capacity.policy == GREEDY_REFERENCE
+    assert len(capacity.probes) >= 3
+    assert capacity.tasks_per_s in {p.task_rate for p in capacity.probes if p.rising}

@@ -316,7 +316,6 @@ def measure_capacity(
     as much as the rate over the last good probe. Between the last good and the first bad
     probe, one more at their geometric middle. Capacity = the last good rate.
     """
-    probes: list[Probe] = []
 
     def probe(rate: float, last: Probe | None) -> Probe:
         if progress is not None:
@@ -344,18 +343,42 @@ def measure_capacity(
         tiers = [t for run in runs if (t := run.slo_attainment.get("1")) is not None]
         tier1 = sum(tiers) / len(tiers) if tiers else None
         goodput = rate * sum(run.success_rate for run in runs) / len(runs)
-        rising = tier1 is None or tier1 >= CAPACITY_TIER1_SLO * ceiling
-        if last is not None and rising:
-            rising = goodput >= last.goodput_tasks_per_s * (1 + (rate / last.task_rate - 1) / 2)
-        found = Probe(rate, goodput, tier1, ceiling, rising)
-        probes.append(found)
-        return found
+        return Probe(
+            rate, goodput, tier1, ceiling, still_rising(rate, goodput, tier1, ceiling, last)
+        )
 
-    rate = compute_bound_tasks_per_s(spec, fleet) * PROBE_START
+    start = compute_bound_tasks_per_s(spec, fleet) * PROBE_START
+    rate, probes = search_capacity(start, probe, max_probes)
+    return Capacity(rate, probes, policy, list(seeds))
+
+
+def still_rising(
+    rate: float, goodput: float, tier1: float | None, ceiling: float, last: Probe | None
+) -> bool:
+    """Whether a probe is good (`measure_capacity`).
+
+    Tier-1 SLO attainment ≥ 99% of its `ceiling`, and goodput up by at least half the rate's
+    rise over the `last` good probe's (with no good probe yet: goodput ≥ 99% of the rate).
+    """
+    if tier1 is not None and tier1 < CAPACITY_TIER1_SLO * ceiling:
+        return False
+    if last is None:
+        # The first good probe: almost every task offered succeeds.
+        return goodput >= CAPACITY_TIER1_SLO * ceiling * rate
+    return goodput >= last.goodput_tasks_per_s * (1 + (rate / last.task_rate - 1) / 2)
+
+
+def search_capacity(
+    start: float, probe: Callable[[float, Probe | None], Probe], max_probes: int
+) -> tuple[float, list[Probe]]:
+    """(capacity, the probes made) with `probe(rate, last good probe)` (`measure_capacity`)."""
+    probes: list[Probe] = []
+    rate = start
     good: Probe | None = None
     bad: Probe | None = None
     for _ in range(max_probes):
         result = probe(rate, good)
+        probes.append(result)
         if result.rising:
             good = result
             if bad is not None:
@@ -366,11 +389,12 @@ def measure_capacity(
         if good is not None:
             break
         rate /= CAPACITY_STEP
-    if good is not None and bad is not None:
+    if good is not None and bad is not None and bad.task_rate > good.task_rate:
         result = probe(math.sqrt(good.task_rate * bad.task_rate), good)
+        probes.append(result)
         if result.rising:
             good = result
-    return Capacity(good.task_rate if good is not None else rate, probes, policy, list(seeds))
+    return (good.task_rate if good is not None else rate), probes
 
 
 # ---------------------------------------------------------------------------- workloads
