@@ -166,8 +166,12 @@ def test_cli_names_the_api_key_variable_never_its_value(
 
 def test_readme_security_example_connects_with_tls_and_the_named_key(canary: str) -> None:
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
-    [block] = re.findall(r"```toml\n(.*?)```", readme, flags=re.S)
-    table = tomllib.loads(block)["temporal"]
+    # The README's one fleet-file example with a [temporal] table.
+    [table] = [
+        parsed["temporal"]
+        for block in re.findall(r"```toml\n(.*?)```", readme, flags=re.S)
+        if "temporal" in (parsed := tomllib.loads(block))
+    ]
     connection = TemporalConnection.model_validate({**table, "api_key_env": SECRET_VAR})
     assert table["api_key_env"] == "TEMPORAL_API_KEY" and connection.tls is not None
     config = connection.connect_config()
