@@ -248,6 +248,22 @@ class EmbeddedTemporal:
         if self.ui_port and not port_is_free(self.ui_port):
             raise PortInUse(self.ui_port, "--ui-port")
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._launch()
+        except DevServerError:
+            # The dev server picks free ports for its internal services itself, and one may
+            # be ours before the frontend has bound it ("address already in use" in its log,
+            # with our ports still free): a second start picks others.
+            if not (
+                "address already in use" in self._log_tail()
+                and port_is_free(self.port)
+                and (not self.ui_port or port_is_free(self.ui_port))
+            ):
+                raise
+            log.warning("the Temporal dev server lost a port race while starting; starting again")
+            self._launch()
+
+    def _launch(self) -> None:
         cmd = self.command()
         log.info("starting Temporal dev server: %s", " ".join(cmd))
         with self.log_path.open("ab") as log_file:
