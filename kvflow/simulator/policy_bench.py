@@ -520,7 +520,8 @@ def _sweep_cell(summary: Summary) -> dict[str, Any]:
     cell = {k: full[k] for k in keys}
     cell["ci95"] = {k: full["ci95"][k] for k in keys if k in full["ci95"]}
     if "kvflow_ratio" in full:
-        cell["kvflow_ratio"] = {k: full["kvflow_ratio"].get(k) for k in keys}
+        ratios = full["kvflow_ratio"]
+        cell["kvflow_ratio"] = {k: ratios[k] for k in keys if k in ratios}
     return cell
 
 
@@ -819,11 +820,15 @@ def default_sweep_policies(
 
 
 def _ratio_text(summary: Summary, figure: str) -> str:
+    """`0.93× [0.90, 0.96]`, and whether the interval holds 1 (no difference measured)."""
     interval = summary.ratios.get(figure)
     if interval is None:
         return "no ratio"
     pair = interval.as_pair()
-    return f"{interval.mean:.3f}×" + ("" if pair is None else f" [{pair[0]:.3f}, {pair[1]:.3f}]")
+    if pair is None:
+        return f"{interval.mean:.3f}×"
+    level = " (the interval holds 1: no difference measured)" if pair[0] <= 1 <= pair[1] else ""
+    return f"{interval.mean:.3f}× [{pair[0]:.3f}, {pair[1]:.3f}]{level}"
 
 
 def goals(result: WorkloadResult) -> list[Goal]:
