@@ -291,7 +291,9 @@ class DiscreteEventFleet:
     that is down, or running on one when it crashed or aborted (`sim` then says how far it
     got); `on_scrape(now)` every refresh of the routers' metrics (`FleetView.scrape`).
     `schedule(when, callback)` runs a callback at a simulated time (a workload's next step, a
-    fault). `decode_runs=False` steps every replica one step at a time (slower, same results).
+    fault); `refresh_metrics()` scrapes now if the interval passed (a router-side queue looking
+    again); `stop()` ends `run` once what a driver needs is done. `decode_runs=False` steps every
+    replica one step at a time (slower, same results).
     """
 
     def __init__(

@@ -198,9 +198,9 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     "long-agent": WorkloadSpec(
         name="long-agent",
         description=(
-            "coding agents: 10–60 turns, contexts from 4–8k to 30–100k tokens, tool results "
-            "of 0.5–6k tokens, sub-second reads and edits, test runs of minutes; running and "
-            "paused conversations need several times the fleet's KV cache (KV-bound)"
+            "coding agents: 10–60 turns, contexts from 4–8k to 18–94k tokens (mean 66k), tool "
+            "results of 0.5–6k tokens, sub-second reads and edits, test runs of minutes; the "
+            "running and paused conversations need about twice the fleet's KV cache (KV-bound)"
         ),
         steps=(10, 60),
         applications=4,
