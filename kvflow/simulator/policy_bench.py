@@ -9,7 +9,8 @@ placement differs.
 
 **Load** is a multiple of the fleet's measured capacity (`measure_capacity`): the highest
 task rate at which the best placement keeps its goodput rising with the rate and its tier-1
-SLO attainment at 99% or more, found by runs of the greedy reference at rising rates.
+SLO attainment at 99% or more, found by runs of the greedy reference at rising rates on
+every seed.
 
 **Runs** (`RunPlan`): arrivals for a warm-up of two task lifetimes, then a counting window,
 then a lifetime more, so that the counted tasks live their whole lives under steady load;
@@ -22,23 +23,21 @@ measured lifetimes.
 placement can go below; the success ceiling (`success_ceiling`) the share of tasks an idle
 fleet could finish within their declared budgets.
 
-**Seeds.** Every cell (policy × load) runs on each seed; `kvflow.simulator.bench_figures`
-gives means and 95% intervals.
+**Seeds.** Every cell (policy × load) runs on each seed (`kvflow.simulator.bench_runs`,
+in several processes with `workers`); `kvflow.simulator.bench_figures` gives means and 95%
+intervals; `goals` states kvflow's against the best anchor and the zero-miss floor.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import math
-import multiprocessing
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from kvflow.scheduler.config import REQUIRED_AXIS, SchedulerConfig
 from kvflow.scheduler.fleet import Fleet
 from kvflow.simulator.bench_bounds import (
     SuccessCeiling,
@@ -51,33 +50,29 @@ from kvflow.simulator.bench_bounds import (
 from kvflow.simulator.bench_figures import (
     PolicyFigures,
     Summary,
-    figures,
     mean_ci,
     money_ci,
     summarise,
 )
-from kvflow.simulator.bench_fleet import (
-    MODEL,
-    bench_fleet,
-    engine_config,
-    fleet_tenants,
-    simulated_replicas,
+from kvflow.simulator.bench_fleet import bench_fleet, simulated_replicas
+from kvflow.simulator.bench_runs import (
+    DOWN_DETECTION_S,
+    PolicyRun,
+    RunPlan,
+    SeedJob,
+    SeedResult,
+    policy_factories,
+    run_plan,
+    run_policy,
+    run_seeds,
 )
-from kvflow.simulator.des import DiscreteEventFleet
-from kvflow.simulator.policies import ALL_POLICIES, POLICIES, PlacementPolicy, PolicySetup
-from kvflow.simulator.policies.base import DEFAULT_MECHANISMS, ENGINE_PRIORITY, FALLBACK
-from kvflow.simulator.policies.oracle import GREEDY_REFERENCE, GreedyReferencePolicy
-from kvflow.simulator.task_runner import CountWindow, Outcome, TaskRunner
-from kvflow.simulator.workloads import WORKLOADS, Task, Workload, WorkloadSpec
+from kvflow.simulator.policies import POLICIES
+from kvflow.simulator.policies.base import DEFAULT_MECHANISMS
+from kvflow.simulator.policies.oracle import GREEDY_REFERENCE
+from kvflow.simulator.workloads import WORKLOADS, WorkloadSpec
 
 logger = logging.getLogger(__name__)
 
-DOWN_DETECTION_S = 2.0
-"""A crashed replica is seen down this long after it crashed (two missed 1 s scrapes)."""
-WARMUP_LIFETIMES = 2.0
-"""Warm-up arrivals last this many estimated task lifetimes."""
-COOLDOWN_LIFETIMES = 1.0
-"""Arrivals go on this many lifetimes after the window (the counted tasks' last steps)."""
 CAPACITY_STEP = 1.5
 """Rate ratio between capacity probes."""
 CAPACITY_TIER1_SLO = 0.99
@@ -103,166 +98,6 @@ def role(name: str) -> str:
     if name.endswith("-tuned"):
         return "tuned-anchor"
     return "anchor" if name in ANCHORS else "baseline"
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    """How long arrivals last: warm-up, the counting window, cool-down (seconds)."""
-
-    warmup_s: float
-    window_s: float
-    cooldown_s: float
-    lifetime_s: float
-    """The lifetime estimate the plan is built from."""
-
-    @property
-    def window(self) -> CountWindow:
-        """The counting window."""
-        return CountWindow(self.warmup_s, self.warmup_s + self.window_s)
-
-    @property
-    def arrivals_until_s(self) -> float:
-        """When arrivals stop."""
-        return self.warmup_s + self.window_s + self.cooldown_s
-
-
-def run_plan(
-    lifetime_s: float, *, task_rate: float, window_lifetimes: float, min_counted: int = 0
-) -> RunPlan:
-    """Warm-up of `WARMUP_LIFETIMES` lifetimes, a counting window, a cool-down.
-
-    The window lasts `window_lifetimes` lifetimes, or longer if needed for `min_counted` tasks
-    to arrive in it at `task_rate`.
-    """
-    window = max(window_lifetimes * lifetime_s, min_counted / task_rate)
-    return RunPlan(
-        warmup_s=WARMUP_LIFETIMES * lifetime_s,
-        window_s=window,
-        cooldown_s=COOLDOWN_LIFETIMES * lifetime_s,
-        lifetime_s=lifetime_s,
-    )
-
-
-# ---------------------------------------------------------------------------- runs
-
-
-@dataclass(frozen=True)
-class PolicyRun:
-    """One finished run: its outcome, the harness (decisions, attempts) and the crash time."""
-
-    outcome: Outcome
-    runner: TaskRunner
-    crash_at: float | None
-    """When replica 0 crashed (the `faults` workload), else None."""
-
-
-def kvflow_config(block_size: int, base: SchedulerConfig | None = None) -> SchedulerConfig:
-    """The configuration of kvflow's scheduler for engines of `block_size`-token blocks.
-
-    Its prefix index hashes prompts in `PrefixConfig.block_size` blocks; a deployment whose
-    vLLM runs `--block-size 64` sets the same, as llm-d's precise profile does (the simulated
-    policy hashes each prompt at the engines' block size).
-    """
-    config = base or SchedulerConfig()
-    if config.prefix.block_size == block_size:
-        return config
-    prefix = config.prefix.model_copy(update={"block_size": block_size})
-    return config.model_copy(update={"prefix": prefix})
-
-
-def policy_factories() -> dict[str, Callable[[PolicySetup], PlacementPolicy]]:
-    """Every policy by name: the compared ones, the greedy reference (and its former name)."""
-    return {**ALL_POLICIES, GREEDY_REFERENCE: GreedyReferencePolicy}
-
-
-def run_policy(
-    name: str,
-    *,
-    spec: WorkloadSpec,
-    fleet: Fleet,
-    task_rate: float,
-    seed: int,
-    tasks: int | None = None,
-    plan: RunPlan | None = None,
-    mechanisms: frozenset[str] = DEFAULT_MECHANISMS,
-    extra: dict[str, object] | None = None,
-    workload: Workload | None = None,
-    record_decisions: bool = False,
-) -> PolicyRun:
-    """Run one policy on one workload (faults included for `faults`).
-
-    With a `plan`, tasks arrive until `plan.arrivals_until_s` and those in its window count;
-    else the first `tasks` tasks arrive and all count. `workload` shares drawn tasks between
-    runs of the same spec and seed.
-    """
-    factories = policy_factories()
-    extra = dict(extra or {})
-    if name == "kvflow":
-        given = extra.get("scheduler_config")
-        if given is not None and not isinstance(given, SchedulerConfig):
-            raise TypeError("scheduler_config must be a SchedulerConfig")
-        extra["scheduler_config"] = kvflow_config(spec.block_size, given)
-    if name not in factories:
-        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(factories)}")
-    if plan is None and tasks is None:
-        raise ValueError("give a plan or a number of tasks")
-    engine = engine_config(spec, priority=ENGINE_PRIORITY in mechanisms)
-    slow = {1: 4.0} if spec.name == "faults" and sum(p.replicas for p in fleet.pools) > 2 else {}
-    replicas = simulated_replicas(fleet, slow=slow, engine=engine)
-    block_size = replicas[0].config.block_size
-    if workload is None:
-        workload = Workload(
-            spec, fleet_tenants(fleet), tasks=1, task_rate=task_rate, seed=seed,
-            block_size=block_size,
-        )  # fmt: skip
-    until = plan.arrivals_until_s if plan is not None else None
-    workload = workload.at_rate(task_rate, tasks=None if plan else tasks, until_s=until)
-    runner_box: list[TaskRunner] = []
-    setup = PolicySetup(
-        fleet=fleet,
-        replica_names=[n for p in fleet.pools for n in p.replica_names()],
-        block_size=block_size,
-        clock=lambda: runner_box[0].sim.now,
-        tokens_of=workload.tokens_of,
-        seed=seed,
-        extra={
-            "mechanisms": mechanisms,
-            "priority_dispatch": ENGINE_PRIORITY in mechanisms,
-            "allow_fallback": FALLBACK in mechanisms,
-            **extra,
-        },
-    )
-    policy = factories[name](setup)
-    window = plan.window if plan is not None else None
-    runner = TaskRunner(
-        fleet,
-        replicas,
-        policy,
-        max_tokens=spec.max_tokens,
-        mechanisms=mechanisms,
-        window=window,
-        model=MODEL,
-        typical_output_tokens=spec.output_median,
-        record_decisions=record_decisions,
-    )
-    runner_box.append(runner)
-    crash_at = (
-        window.start + window.seconds / 3 if window is not None else (tasks or 0) / task_rate / 3
-    )
-
-    def faults(sim: DiscreteEventFleet) -> None:
-        if spec.name != "faults" or len(sim.replicas) < 2:
-            return
-
-        def found_down() -> None:
-            sim.mark_down(0)
-            policy.on_replica_down(0)
-
-        sim.schedule(crash_at, lambda: sim.crash(0))
-        sim.schedule(crash_at + DOWN_DETECTION_S, found_down)
-
-    outcome = runner.run(iter(workload), faults)
-    return PolicyRun(outcome, runner, crash_at if spec.name == "faults" else None)
 
 
 # ---------------------------------------------------------------------------- capacity
@@ -536,143 +371,6 @@ def default_sizes(quick: bool, spec: WorkloadSpec) -> tuple[int, float, int, tup
     return 16, 3.0, 500, (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
 
 
-@dataclass(frozen=True)
-class SeedJob:
-    """One seed's share of a workload's runs (picklable: it may run in another process)."""
-
-    workload: str
-    fleet: Fleet
-    seed: int
-    loads: tuple[float, ...]
-    task_rate_per_load: float
-    """Tasks per second at load 1 (the capacity)."""
-    lifetime_s: float
-    window_lifetimes: float
-    min_counted: int
-    mechanisms: frozenset[str]
-    policies: tuple[str, ...]
-    extra: dict[str, dict[str, object]]
-    ablate: bool = False
-    bounds: bool = True
-    """Also compute the zero-miss floor and the success ceiling (at the first load)."""
-
-
-@dataclass
-class SeedResult:
-    """What one `SeedJob` measured."""
-
-    seed: int
-    runs: dict[float, dict[str, PolicyFigures]]
-    ablations: dict[str, PolicyFigures]
-    floor: ZeroMissFloor | None
-    ceiling: SuccessCeiling | None
-
-
-def _plan(job: SeedJob, rate: float) -> RunPlan:
-    return run_plan(
-        job.lifetime_s,
-        task_rate=rate,
-        window_lifetimes=job.window_lifetimes,
-        min_counted=job.min_counted,
-    )
-
-
-def run_seed(job: SeedJob, progress: Callable[[str], None] | None = None) -> SeedResult:
-    """Run `job.policies` at every load of `job` on its seed (module docstring)."""
-    spec = WORKLOADS[job.workload]
-    fleet = job.fleet
-    block_size = engine_config(spec).block_size
-    workload = Workload(
-        spec, fleet_tenants(fleet), tasks=1, task_rate=1.0, seed=job.seed, block_size=block_size
-    )
-    result = SeedResult(job.seed, {}, {}, None, None)
-    for number, at in enumerate(job.loads):
-        rate = at * job.task_rate_per_load
-        plan = _plan(job, rate)
-        window = plan.window
-
-        def counted(task: Task, window: CountWindow = window) -> bool:
-            return window.start <= task.arrival < window.end
-
-        arrivals = workload.at_rate(rate, until_s=plan.arrivals_until_s)
-        floor = zero_miss_floor(arrivals, fleet, block_size=block_size, counted=counted)
-        if job.bounds and number == 0:
-            result.floor = floor
-            result.ceiling = success_ceiling(arrivals, fleet, spec, counted=counted)
-        outcomes: dict[str, Outcome] = {}
-        for policy in sorted(job.policies, key=lambda n: n != GREEDY_REFERENCE):
-            if progress is not None:
-                progress(f"{job.workload}, seed {job.seed}, {at:.0%} load: {policy}")
-            run = run_policy(
-                policy, spec=spec, fleet=fleet, task_rate=rate, seed=job.seed, plan=plan,
-                mechanisms=job.mechanisms, extra=job.extra.get(policy), workload=workload,
-            )  # fmt: skip
-            outcomes[policy] = run.outcome
-        reference = outcomes.get(GREEDY_REFERENCE)
-        reference_hit = 0.0 if reference is None else figures(reference, 0.0).prefix_hit_rate
-
-        def measured(
-            outcome: Outcome, floor: ZeroMissFloor = floor, reference_hit: float = reference_hit
-        ) -> PolicyFigures:
-            return figures(
-                outcome,
-                reference_hit,
-                floor_of_successes_usd=floor.of(outcome.succeeded),
-                seed=job.seed,
-            )
-
-        result.runs[at] = {p: measured(o) for p, o in outcomes.items()}
-        if job.ablate and number == 0:
-            base = job.extra.get("kvflow", {})
-            config = base.get("scheduler_config") or SchedulerConfig()
-            if not isinstance(config, SchedulerConfig):
-                raise TypeError("scheduler_config must be a SchedulerConfig")
-            for axis in config.axes:
-                if axis == REQUIRED_AXIS:
-                    continue
-                if progress is not None:
-                    progress(f"{job.workload}, seed {job.seed}: kvflow without {axis}")
-                without = SchedulerConfig.model_validate(
-                    {**config.model_dump(), "axes": [a for a in config.axes if a != axis]}
-                )
-                run = run_policy(
-                    "kvflow", spec=spec, fleet=fleet, task_rate=rate, seed=job.seed, plan=plan,
-                    mechanisms=job.mechanisms, extra={**base, "scheduler_config": without},
-                    workload=workload,
-                )  # fmt: skip
-                result.ablations[axis] = measured(run.outcome)
-    return result
-
-
-def _silence() -> None:
-    """In a worker process: the scheduler's logs are not news here."""
-    logging.getLogger("kvflow").setLevel(logging.ERROR)
-    logging.getLogger("scheduler").setLevel(logging.ERROR)
-
-
-def run_seeds(
-    jobs: Sequence[SeedJob], *, workers: int, progress: Callable[[str], None] | None = None
-) -> list[SeedResult]:
-    """Run `jobs`, in `workers` processes when more than one (seeds are independent)."""
-    if workers <= 1 or len(jobs) <= 1:
-        return [run_seed(job, progress) for job in jobs]
-    context = multiprocessing.get_context("fork")
-    done: dict[int, SeedResult] = {}
-    with concurrent.futures.ProcessPoolExecutor(
-        max_workers=min(workers, len(jobs)), mp_context=context, initializer=_silence
-    ) as pool:
-        futures = {pool.submit(run_seed, job): i for i, job in enumerate(jobs)}
-        for future in concurrent.futures.as_completed(futures):
-            index = futures[future]
-            done[index] = future.result()
-            if progress is not None:
-                job = jobs[index]
-                loads = ", ".join(f"{at:.0%}" for at in job.loads)
-                count = f"{len(done)}/{len(jobs)}"
-                progress(f"{job.workload}: seed {job.seed} done at {loads} load ({count})")
-    return [done[i] for i in range(len(jobs))]
-
-
 def run_workload(
     name: str,
     *,
@@ -908,15 +606,23 @@ def goals(result: WorkloadResult) -> list[Goal]:
 
 __all__ = [
     "ANCHORS",
+    "DOWN_DETECTION_S",
     "Capacity",
     "Goal",
+    "PolicyRun",
+    "Probe",
     "RunPlan",
     "WorkloadResult",
     "ZeroMissFloor",
     "bench_fleet",
     "measure_capacity",
+    "policy_factories",
+    "run_plan",
     "run_policy",
     "run_workload",
+    "search_capacity",
+    "simulated_replicas",
+    "still_rising",
     "success_ceiling",
     "zero_miss_floor",
 ]
