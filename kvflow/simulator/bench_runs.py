@@ -33,7 +33,7 @@ from kvflow.simulator.bench_fleet import (
 from kvflow.simulator.des import DiscreteEventFleet
 from kvflow.simulator.policies import ALL_POLICIES, PlacementPolicy, PolicySetup
 from kvflow.simulator.policies.base import DEFAULT_MECHANISMS, ENGINE_PRIORITY, FALLBACK
-from kvflow.simulator.policies.oracle import GREEDY_REFERENCE, GreedyReferencePolicy
+from kvflow.simulator.policies.oracle import GREEDY_REFERENCE
 from kvflow.simulator.task_runner import CountWindow, Outcome, TaskRunner
 from kvflow.simulator.workloads import WORKLOADS, Task, Workload, WorkloadSpec
 
@@ -111,8 +111,8 @@ def kvflow_config(block_size: int, base: SchedulerConfig | None = None) -> Sched
 
 
 def policy_factories() -> dict[str, Callable[[PolicySetup], PlacementPolicy]]:
-    """Every policy by name: the compared ones, the greedy reference (and its former name)."""
-    return {**ALL_POLICIES, GREEDY_REFERENCE: GreedyReferencePolicy}
+    """Every policy by name: the compared ones and the greedy reference."""
+    return dict(ALL_POLICIES)
 
 
 def run_policy(

@@ -11,7 +11,8 @@ where they come from (project and file). All implement `PlacementPolicy`
     aibrix                                   AIBrix's prefix-cache strategy
     <anchor>-tuned                           each anchor as its docs configure it for agents
     kvflow                                   kvflow's production Scheduler
-    oracle                                   knows every cache and load (the hit-rate bound)
+    greedy-reference                         reads every engine's cache and load (a reference,
+                                             not a bound: the bound is the zero-miss floor)
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from kvflow.simulator.policies.dynamo import DynamoAgentPolicy, DynamoKvPolicy
 from kvflow.simulator.policies.kvflow_scheduler import KvflowPolicy
 from kvflow.simulator.policies.least_loaded import LeastLoadedPolicy
 from kvflow.simulator.policies.llm_d import LlmDPolicy, LlmDPrecisePolicy, LlmDTunedPolicy
-from kvflow.simulator.policies.oracle import OraclePolicy
+from kvflow.simulator.policies.oracle import GREEDY_REFERENCE, GreedyReferencePolicy
 from kvflow.simulator.policies.random_choice import RandomPolicy
 from kvflow.simulator.policies.round_robin import RoundRobinPolicy
 from kvflow.simulator.policies.sglang import SglangCacheAwarePolicy, SglangManualPolicy
@@ -51,15 +52,14 @@ POLICIES: dict[str, Callable[[PolicySetup], PlacementPolicy]] = {
 }
 """The compared policies by name, kvflow first."""
 
-ORACLE = "oracle"
 ALL_POLICIES: dict[str, Callable[[PolicySetup], PlacementPolicy]] = {
     **POLICIES,
-    ORACLE: OraclePolicy,
+    GREEDY_REFERENCE: GreedyReferencePolicy,
 }
 
 __all__ = [
     "ALL_POLICIES",
-    "ORACLE",
+    "GREEDY_REFERENCE",
     "POLICIES",
     "AttemptEnd",
     "PlacementPolicy",

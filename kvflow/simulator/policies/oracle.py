@@ -40,7 +40,3 @@ class GreedyReferencePolicy(RequestRouter):
             (i for i in serving if loads[i] <= bound),
             key=lambda i: (fleet.cached_tokens(i, request.model, blocks), -loads[i]),
         )
-
-
-OraclePolicy = GreedyReferencePolicy
-"""The former name, kept while `kvflow.simulator.policies` registers it under it."""
