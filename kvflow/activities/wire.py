@@ -228,6 +228,9 @@ class InferenceRequest(BaseModel):
     step: str = "infer"
     deadline: datetime | None = None
     checkpoint: Checkpoint | None = None
+    priority: int | None = None
+    """The engine priority the scheduler chose (`Placement.engine_priority`, lower first);
+    sent to engines that schedule by priority, None for calls placed without one."""
 
     @model_validator(mode="after")
     def _messages_or_prompt(self) -> Self:

@@ -64,6 +64,7 @@ from kvflow.scheduler.placement import (
     Refusal,
     ReplicaScore,
     ReplicaStatus,
+    engine_priority,
 )
 from kvflow.scheduler.policy import Policy
 from kvflow.scheduler.prefix_index import KvEvent, PrefixIndex
@@ -679,6 +680,7 @@ class Scheduler:
             cold_start=chosen.cold_load_s > 0,
             probe=probe,
             rendezvous=rendezvous,
+            engine_priority=engine_priority(priority, ctx.request.task_started_at),
             reason=reasons.placement_reason(
                 state,
                 ctx,

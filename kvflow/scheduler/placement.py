@@ -22,6 +22,27 @@ BlockHash = Annotated[int, Field(ge=0, lt=1 << 64)]
 """A 64-bit block hash (`kvflow.scheduler.blocks.hash_block`)."""
 
 
+TIER_PRIORITY_SPAN = 10**13
+"""Engine priorities of one tier span this many milliseconds of task start (about 317 years
+from the epoch), so that every tier-1 call sorts before every tier-2 call."""
+
+
+def engine_priority(tier: int, task_started_at: float | None) -> int:
+    """The engine priority of a call (lower first): tier first, then task-level FCFS.
+
+    `tier · 10¹³ + the task's start in POSIX milliseconds`, so that an engine scheduling by
+    priority (vLLM `--scheduling-policy priority`) serves a tier's oldest task first: a task
+    deep into its work finishes before a newer one of the same tier takes its place (the
+    program-level order of Continuum and, by arrival, of Autellix). A task that did not say
+    when it began sorts last in its tier.
+    """
+    if task_started_at is None:
+        started_ms = TIER_PRIORITY_SPAN - 1
+    else:
+        started_ms = min(TIER_PRIORITY_SPAN - 1, max(0, int(task_started_at * 1000)))
+    return tier * TIER_PRIORITY_SPAN + started_ms
+
+
 class PlacementInputError(ValueError):
     """A placement request that no fleet state could serve: fix the request or the fleet."""
 
@@ -69,6 +90,13 @@ class PlacementRequest(_Wire):
         default_factory=list, description="replicas not to use (e.g. ones that just failed)"
     )
     workflow_id: str = Field(default="", description="for stickiness and the rendezvous key")
+    task_started_at: float | None = Field(
+        default=None,
+        description=(
+            "when the task began (POSIX seconds): orders its calls in the engine behind older "
+            "tasks of the same tier (`Placement.engine_priority`); None sorts last"
+        ),
+    )
     attempt: int = Field(default=1, ge=1, description="1, or 2+ when this call is re-placed")
     task_retries: int = Field(
         default=0, ge=0, description="re-placements the task made before this request"
@@ -133,6 +161,16 @@ class Placement:
         bool, Field(description="no replica held the prefix; chosen by rendezvous hashing")
     ]
     reason: Annotated[str, Field(description="one line a human reads in the Temporal UI")]
+    engine_priority: Annotated[
+        int | None,
+        Field(
+            description=(
+                "vLLM's request `priority` (lower first): the tier, then the task's start, so "
+                "that an engine scheduling by priority serves tier 1 first and, within a tier, "
+                "the oldest task first; None in placements recorded before it existed"
+            )
+        ),
+    ] = None
 
 
 class RefusalReason(StrEnum):

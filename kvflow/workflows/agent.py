@@ -479,6 +479,7 @@ class Agent:
                 step=record.name,
                 deadline=self._deadline,
                 checkpoint=call.checkpoint,
+                priority=placement.engine_priority,
             )
             dispatched_at = workflow.now()
             try:
@@ -597,6 +598,7 @@ class Agent:
                 budget_micros=self.spec.budget_micros,
                 exclude=call.exclude,
                 workflow_id=workflow.info().workflow_id,
+                task_started_at=self._started_at.timestamp(),
                 attempt=call.attempt,
                 # Re-placements made before this request: this one is already counted.
                 task_retries=self.retries
