@@ -49,7 +49,7 @@ chaos: $(STAMP)
 # edited module never hides behind an older compiled one; `bench` puts the build first on the
 # path and says which build it measured.
 COMPILED := .kvflow/compiled
-$(COMPILED)/site: $(STAMP) pyproject.toml $(wildcard kvflow/*/*.py)
+$(COMPILED)/site: $(STAMP) pyproject.toml $(wildcard kvflow/*/*.py kvflow/*/*/*.py)
 	rm -rf $(COMPILED) && mkdir -p $(COMPILED)
 	HATCH_BUILD_HOOK_ENABLE_MYPYC=true HATCH_BUILD_CLEAN_HOOKS_AFTER=true $(BIN)/python -m pip wheel -q --no-deps -w $(COMPILED) .
 	$(BIN)/python -m zipfile -e $(COMPILED)/kvflow-*.whl $(COMPILED)/site

@@ -12,15 +12,26 @@ from decimal import Decimal
 
 import pytest
 
-from kvflow.scheduler.fleet import Fleet
-from kvflow.simulator.bench_figures import (
+from kvflow.bench.policies import (
+    DOWN_DETECTION_S,
+    Probe,
+    measure_capacity,
+    policy_factories,
+    run_policy,
+    search_capacity,
+    still_rising,
+)
+from kvflow.bench.policies.figures import (
     PolicyFigures,
     mean_ci,
     money_ci,
     summarise,
     t975,
 )
-from kvflow.simulator.bench_fleet import FALLBACK_MODEL, bench_fleet, simulated_replicas
+from kvflow.bench.policies.fleet import FALLBACK_MODEL, bench_fleet, simulated_replicas
+from kvflow.bench.policies.router_queue import RouterQueue
+from kvflow.bench.policies.task_runner import Decision, TaskRunner
+from kvflow.scheduler.fleet import Fleet
 from kvflow.simulator.des import FleetRequest, FleetView
 from kvflow.simulator.policies.base import (
     DEFAULT_MECHANISMS,
@@ -32,17 +43,6 @@ from kvflow.simulator.policies.base import (
     TaskContext,
 )
 from kvflow.simulator.policies.oracle import GREEDY_REFERENCE
-from kvflow.simulator.policy_bench import (
-    DOWN_DETECTION_S,
-    Probe,
-    measure_capacity,
-    policy_factories,
-    run_policy,
-    search_capacity,
-    still_rising,
-)
-from kvflow.simulator.router_queue import RouterQueue
-from kvflow.simulator.task_runner import Decision, TaskRunner
 from kvflow.simulator.workloads import WORKLOADS, Call, Step, Task, Workload
 
 pytestmark = pytest.mark.timeout(120)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.workers.overhead_bench import percentile
+from kvflow.bench.overhead import percentile
 
 KVFLOW = str(Path(sys.executable).with_name("kvflow"))
 

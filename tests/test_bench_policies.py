@@ -13,20 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.scheduler.blocks import ROOT_HASH, hash_block
-from kvflow.scheduler.config import DEFAULT_AXES, REQUIRED_AXIS
-from kvflow.simulator.bench_bounds import lifetime_estimate_s, zero_miss_floor
-from kvflow.simulator.bench_figures import cost_per_success, figures, percentile
-from kvflow.simulator.bench_fleet import bench_fleet, simulated_replicas
-from kvflow.simulator.policies import POLICIES, PolicySetup
-from kvflow.simulator.policies.oracle import GREEDY_REFERENCE
-from kvflow.simulator.policy_bench import (
+from kvflow.bench.policies import (
     policy_factories,
     run_plan,
     run_policy,
     run_workload,
 )
-from kvflow.simulator.task_runner import Outcome, TaskRunner
+from kvflow.bench.policies.bounds import lifetime_estimate_s, zero_miss_floor
+from kvflow.bench.policies.figures import cost_per_success, figures, percentile
+from kvflow.bench.policies.fleet import bench_fleet, simulated_replicas
+from kvflow.bench.policies.task_runner import Outcome, TaskRunner
+from kvflow.scheduler.blocks import ROOT_HASH, hash_block
+from kvflow.scheduler.config import DEFAULT_AXES, REQUIRED_AXIS
+from kvflow.simulator.policies import POLICIES, PolicySetup
+from kvflow.simulator.policies.oracle import GREEDY_REFERENCE
 from kvflow.simulator.workloads import WORKLOADS, Call, Step, Task, Workload
 
 pytestmark = pytest.mark.timeout(120)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from kvflow.bench.policies import bench_fleet
 from kvflow.scheduler.blocks import block_hashes
 from kvflow.scheduler.core import Scheduler
 from kvflow.scheduler.fleet import Fleet
@@ -20,7 +21,6 @@ from kvflow.simulator import BUILTIN_MODELS, EngineConfig, SimReplica
 from kvflow.simulator.des import DiscreteEventFleet, FleetRequest
 from kvflow.simulator.policies.base import PolicySetup, TaskContext
 from kvflow.simulator.policies.kvflow_scheduler import KvflowPolicy
-from kvflow.simulator.policy_bench import bench_fleet
 
 BIG, SMALL = "llama-3.1-8b", "llama-3.2-1b"
 ENGINE = EngineConfig(max_model_len=16384)

@@ -1,4 +1,4 @@
-"""kvflow's imports point one way: cli → workers → samples → contrib → workflows →
+"""kvflow's imports point one way: cli → bench → workers → samples → contrib → workflows →
 activities → ledger / simulator → scheduler, and production code never uses the simulator.
 
 The contracts live in pyproject.toml (`[tool.importlinter]`); this runs them as `lint-imports`.
@@ -27,7 +27,7 @@ def test_no_module_imports_a_layer_above_it():
 
 def test_the_contracts_name_every_subpackage():
     # A new subpackage must be placed in the layers, or it escapes the check.
-    layered = {"cli", "workers", "samples", "contrib", "workflows", "activities", "ledger"}
+    layered = {"cli", "bench", "workers", "samples", "contrib", "workflows", "activities", "ledger"}
     layered.add("simulator")
     layered.add("scheduler")
     packages = {p.parent.name for p in (ROOT / "kvflow").glob("*/__init__.py")}

@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+from kvflow.bench.policies import bench_fleet
 from kvflow.scheduler.blocks import ROOT_HASH, block_hashes, hash_block
 from kvflow.scheduler.prefix_index import (
     AllBlocksCleared,
@@ -26,7 +27,6 @@ from kvflow.simulator.des import DiscreteEventFleet, FleetRequest
 from kvflow.simulator.engine import StepResult
 from kvflow.simulator.policies.base import PolicySetup, TaskContext
 from kvflow.simulator.policies.kvflow_scheduler import KvflowPolicy
-from kvflow.simulator.policy_bench import bench_fleet
 
 BLOCK = 16
 BIG = "llama-3.1-8b"

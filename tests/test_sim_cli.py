@@ -77,7 +77,7 @@ def test_bad_serve_options_exit_2_saying_what_to_fix(args: list[str], message: s
 
 
 def test_every_router_the_bench_offers_exists() -> None:
+    from kvflow.bench.simulator_speed import ROUTERS
     from kvflow.cli.sim import ROUTER_NAMES
-    from kvflow.simulator.bench import ROUTERS
 
     assert set(ROUTER_NAMES) == set(ROUTERS)

@@ -18,25 +18,25 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvflow.scheduler.bench import (
+from kvflow.bench.decision_latency import (
     DEFAULT_SIZES,
     LatencyResult,
     QualityResult,
     measure,
     measure_quality,
 )
-from kvflow.scheduler.build import scheduler_build
-from kvflow.simulator.bench_figures import Interval, MoneyInterval, mean_ci, money_ci
-from kvflow.simulator.policies import POLICIES
-from kvflow.simulator.policies.base import DEFAULT_MECHANISMS, MECHANISMS
-from kvflow.simulator.policies.oracle import GREEDY_REFERENCE
-from kvflow.simulator.policy_bench import (
+from kvflow.bench.policies import (
     WorkloadResult,
     default_sizes,
     policy_factories,
     role,
     run_workload,
 )
+from kvflow.bench.policies.figures import Interval, MoneyInterval, mean_ci, money_ci
+from kvflow.scheduler.build import scheduler_build
+from kvflow.simulator.policies import POLICIES
+from kvflow.simulator.policies.base import DEFAULT_MECHANISMS, MECHANISMS
+from kvflow.simulator.policies.oracle import GREEDY_REFERENCE
 from kvflow.simulator.workloads import WORKLOADS
 
 bench_app = typer.Typer(
@@ -625,7 +625,7 @@ def overhead_bench(
     ] = None,
 ) -> None:
     """A kvflow step against the same call as a plain Temporal activity, on a real server."""
-    from kvflow.workers.overhead_bench import default_sizes, run_overhead
+    from kvflow.bench.overhead import default_sizes, run_overhead
 
     if json_file is not None and not json_file.parent.exists():
         raise _usage_error(f"--json: folder {json_file.parent} does not exist")

@@ -300,7 +300,7 @@ def bench(
     json_path: Annotated[Path | None, typer.Option("--json", help="write the figures here")] = None,
 ) -> None:
     """Measure how many requests per wall-clock minute the discrete-event core simulates."""
-    from kvflow.simulator.bench import run_benchmark
+    from kvflow.bench.simulator_speed import run_benchmark
 
     if router not in ROUTER_NAMES:
         _fail(f"--router {router!r}: choose one of {', '.join(ROUTER_NAMES)}")

@@ -7,7 +7,7 @@ It reads the engines themselves (no index, no staleness) and keeps load within t
 hotspot goal asks of every policy. It is a reference, not a bound: greedy on each call, it
 knows nothing of a task's later steps, and a policy may beat it (on hit rate by piling load,
 on cost by keeping a paused conversation's cache). The bound on cost is the zero-miss floor
-(`kvflow.simulator.policy_bench.zero_miss_floor`). The benchmark also uses it to measure a
+(`kvflow.bench.policies.zero_miss_floor`). The benchmark also uses it to measure a
 workload's capacity (`capacity_tasks_per_s`), since it needs no telemetry to warm up.
 """
 

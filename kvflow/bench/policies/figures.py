@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
+from kvflow.bench.policies.task_runner import Outcome
 from kvflow.scheduler.fleet import MICROS_PER_USD
-from kvflow.simulator.task_runner import Outcome
 
 HEADLINE = (
     "cost_per_successful_task_usd",

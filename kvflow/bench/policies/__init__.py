@@ -2,7 +2,7 @@
 
 Every policy (`kvflow.simulator.policies`) runs the same seeded workload
 (`kvflow.simulator.workloads`) on the same discrete-event fleet through the same harness
-(`kvflow.simulator.task_runner`): the same information (what a task declares and what was
+(`kvflow.bench.policies.task_runner`): the same information (what a task declares and what was
 observed, never its future), the same mechanisms around placement (engine priority by tier,
 a router-side queue with admission, hints; fallback off), the same failure handling. Only
 placement differs.
@@ -23,8 +23,8 @@ measured lifetimes.
 placement can go below; the success ceiling (`success_ceiling`) the share of tasks an idle
 fleet could finish within their declared budgets.
 
-**Seeds.** Every cell (policy × load) runs on each seed (`kvflow.simulator.bench_runs`,
-in several processes with `workers`); `kvflow.simulator.bench_figures` gives means and 95%
+**Seeds.** Every cell (policy × load) runs on each seed (`kvflow.bench.policies.runs`,
+in several processes with `workers`); `kvflow.bench.policies.figures` gives means and 95%
 intervals; `goals` states kvflow's against the best anchor and the zero-miss floor.
 """
 
@@ -38,8 +38,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from kvflow.scheduler.fleet import Fleet
-from kvflow.simulator.bench_bounds import (
+from kvflow.bench.policies.bounds import (
     SuccessCeiling,
     ZeroMissFloor,
     compute_bound_tasks_per_s,
@@ -47,15 +46,15 @@ from kvflow.simulator.bench_bounds import (
     success_ceiling,
     zero_miss_floor,
 )
-from kvflow.simulator.bench_figures import (
+from kvflow.bench.policies.figures import (
     PolicyFigures,
     Summary,
     mean_ci,
     money_ci,
     summarise,
 )
-from kvflow.simulator.bench_fleet import bench_fleet, simulated_replicas
-from kvflow.simulator.bench_runs import (
+from kvflow.bench.policies.fleet import bench_fleet, simulated_replicas
+from kvflow.bench.policies.runs import (
     DOWN_DETECTION_S,
     PolicyRun,
     RunPlan,
@@ -66,6 +65,7 @@ from kvflow.simulator.bench_runs import (
     run_policy,
     run_seeds,
 )
+from kvflow.scheduler.fleet import Fleet
 from kvflow.simulator.policies import POLICIES
 from kvflow.simulator.policies.base import DEFAULT_MECHANISMS
 from kvflow.simulator.policies.oracle import GREEDY_REFERENCE

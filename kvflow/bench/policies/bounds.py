@@ -14,15 +14,15 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 
-from kvflow.scheduler.fleet import Fleet
-from kvflow.simulator.bench_figures import cost_per_success
-from kvflow.simulator.bench_fleet import (
+from kvflow.bench.policies.figures import cost_per_success
+from kvflow.bench.policies.fleet import (
     MODEL,
     engine_config,
     fastest_perf,
     fleet_tenants,
     perf_model,
 )
+from kvflow.scheduler.fleet import Fleet
 from kvflow.simulator.engine import SimReplica
 from kvflow.simulator.perf import PerfModel
 from kvflow.simulator.workloads import Step, Task, WorkloadSpec, calibration_sample

@@ -37,6 +37,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from kvflow.bench.policies.router_queue import DISPATCH_INTERVAL_S, RouterQueue
 from kvflow.scheduler.fleet import ExactPrices, Fleet
 from kvflow.simulator.des import DiscreteEventFleet, FleetRequest, FleetView, RequestRecord
 from kvflow.simulator.engine import SimReplica, SimRequest, StepResult
@@ -49,7 +50,6 @@ from kvflow.simulator.policies.base import (
     PlacementPolicy,
     TaskContext,
 )
-from kvflow.simulator.router_queue import DISPATCH_INTERVAL_S, RouterQueue
 from kvflow.simulator.workloads import Task
 
 logger = logging.getLogger(__name__)

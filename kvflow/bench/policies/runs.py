@@ -1,7 +1,7 @@
 """One policy's run, and one seed's runs, of the policy benchmark.
 
 `run_policy` builds the fleet, the workload's arrivals and the policy, and drives them through
-the harness (`kvflow.simulator.task_runner`) with the faults of the `faults` workload; a
+the harness (`kvflow.bench.policies.task_runner`) with the faults of the `faults` workload; a
 `RunPlan` says how long arrivals last and which of them count. `run_seed` runs every policy of
 a `SeedJob` on one seed at each of its loads, with the bounds of that seed's tasks; `run_seeds`
 spreads seeds over processes.
@@ -15,26 +15,26 @@ import multiprocessing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvflow.scheduler.config import REQUIRED_AXIS, SchedulerConfig
-from kvflow.scheduler.fleet import Fleet
-from kvflow.simulator.bench_bounds import (
+from kvflow.bench.policies.bounds import (
     SuccessCeiling,
     ZeroMissFloor,
     success_ceiling,
     zero_miss_floor,
 )
-from kvflow.simulator.bench_figures import PolicyFigures, figures
-from kvflow.simulator.bench_fleet import (
+from kvflow.bench.policies.figures import PolicyFigures, figures
+from kvflow.bench.policies.fleet import (
     MODEL,
     engine_config,
     fleet_tenants,
     simulated_replicas,
 )
+from kvflow.bench.policies.task_runner import CountWindow, Outcome, TaskRunner
+from kvflow.scheduler.config import REQUIRED_AXIS, SchedulerConfig
+from kvflow.scheduler.fleet import Fleet
 from kvflow.simulator.des import DiscreteEventFleet
 from kvflow.simulator.policies import ALL_POLICIES, PlacementPolicy, PolicySetup
 from kvflow.simulator.policies.base import DEFAULT_MECHANISMS, ENGINE_PRIORITY, FALLBACK
 from kvflow.simulator.policies.oracle import GREEDY_REFERENCE
-from kvflow.simulator.task_runner import CountWindow, Outcome, TaskRunner
 from kvflow.simulator.workloads import WORKLOADS, Task, Workload, WorkloadSpec
 
 DOWN_DETECTION_S = 2.0
