@@ -3,8 +3,9 @@
 `DirectoryContextStore` keeps each content in a file named by its SHA-256 under a directory
 (`.kvflow/context/` in the embedded stack), written atomically so that concurrent writers of
 the same content never expose a partial file. Every process that resolves references (the
-workflow worker, every GPU worker) must see the same directory; on several machines use a
-shared volume.
+workflow worker, every GPU worker, the codec server) must see the same store: on several
+machines a shared volume, or one of the stores many machines reach over the network
+(`kvflow.activities.context_stores`): a PostgreSQL table or an S3-compatible bucket.
 
 Content is scoped, so that a digest seen in one task's history opens nothing in another's:
 
@@ -20,11 +21,19 @@ earlier versions' folder (whose files include claim-checked payloads of every te
 caller that states no tenant (operators' tools, the store's own tests) may read any text, the
 earlier versions' folder included. Payloads (`put_bytes`/`get_bytes`, for
 `kvflow.activities.claim_check`) are never text: `get` cannot open them, and one workflow's
-open only under its scope.
+open only under its scope. The shared stores file content under the same names (a key or a
+row per file) and refuse the same way; they have no earlier versions' folder.
 
 Nothing expires by itself: `prune(older_than)` (`kvflow context prune`) deletes contents not
 stored or read since; storing or reading content again renews it, so contents that running
 tasks still use survive a prune that is longer than a task's lifetime.
+
+`open_context_store` opens the store a spec names, so that every command and constructor that
+took a directory takes a URL as well:
+
+    .kvflow/context, /mnt/kvflow/context            a directory (the default)
+    postgresql://user@host:5432/db?schema=NAME      a table (`kvflow_context`, or `&table=`)
+    s3://bucket/prefix?endpoint_url=http://host:9000   a bucket (credentials as boto3 finds them)
 """
 
 from __future__ import annotations
@@ -36,10 +45,13 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Protocol
 
 from kvflow.activities.wire import ContextRef, digest_of, ref_for
+from kvflow.scheduler.redact import redact_url
 
 DEFAULT_CONTEXT_DIR = Path(".kvflow/context")
 TENANTS_DIR = "tenants"
@@ -51,6 +63,10 @@ PAYLOADS_DIR = "payloads"
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _SCOPE = re.compile(r"[0-9a-f]{32}")
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+Clock = Callable[[], float]
+"""Seconds since the epoch: when a store records a use. The wall clock unless a test injects one."""
 
 
 class ContextNotFound(KeyError):
@@ -65,6 +81,64 @@ class ContextKeyInvalid(ContextNotFound):
     """
 
 
+class ContextStoreUnavailable(OSError):
+    """A store many machines share cannot be reached, or refused an operation.
+
+    An `OSError`, as a full or unmounted disk is for the directory store: callers that treat
+    the store's failure as the worker's fault (retryable) treat both the same. The message
+    names what is wrong and how to fix it, and never a password.
+    """
+
+
+class ContextStoreUrlError(ValueError):
+    """A context store spec names no store kvflow can open (unknown scheme, bad parameter)."""
+
+
+class ContextStore(Protocol):
+    """What every context store does: the directory store and the stores machines share.
+
+    Callers that only store and read take this protocol, so that a deployment chooses its
+    store by URL (`open_context_store`) without them knowing which.
+    """
+
+    @property
+    def location(self) -> str:
+        """Where the store is, for messages: a folder or a URL, never with a password."""
+        ...
+
+    def put(self, text: str, tenant: str | None = None) -> ContextRef:
+        """Store `text` for `tenant` (None: shared), idempotently; return its reference."""
+        ...
+
+    def get(self, ref: ContextRef, tenant: str | None = None) -> str:
+        """The content `ref` points at, for `tenant`; `ContextNotFound` if not there."""
+        ...
+
+    def put_bytes(self, data: bytes, scope: str | None = None) -> str:
+        """Store a claim-checked payload under `scope`; return its SHA-256."""
+        ...
+
+    def get_bytes(self, digest: str, scope: str | None = None) -> bytes:
+        """The payload stored under `digest` for `scope`; `ContextNotFound` if not there."""
+        ...
+
+    def prune(self, older_than: timedelta, *, now: float | None = None) -> int:
+        """Delete contents not stored or read for `older_than`; return how many."""
+        ...
+
+    async def aput(self, text: str, tenant: str | None = None) -> ContextRef:
+        """`put`, for async activities."""
+        ...
+
+    async def aget(self, ref: ContextRef, tenant: str | None = None) -> str:
+        """`get`, for async activities."""
+        ...
+
+    def close(self) -> None:
+        """Release the store's connections; it is not used after."""
+        ...
+
+
 def tenant_folder(tenant: str) -> str:
     """The folder name of a tenant: the name itself when it is a plain file name, else a digest."""
     if _PLAIN_NAME.fullmatch(tenant) and tenant not in {".", ".."}:
@@ -72,45 +146,74 @@ def tenant_folder(tenant: str) -> str:
     return "sha256-" + hashlib.sha256(tenant.encode("utf-8")).hexdigest()[:32]
 
 
-class DirectoryContextStore:
-    """Blobs in files under `root`, two-level fan-out by digest, one folder per tenant."""
+def checked_digest(digest: str) -> str:
+    """`digest` if it is a SHA-256 hex digest; else `ContextKeyInvalid`.
 
-    def __init__(self, root: Path = DEFAULT_CONTEXT_DIR) -> None:
+    The digest becomes a file name or a key: only a content hash may, so that a forged
+    reference (`../`, an absolute path; `ContextRef.model_construct` skips validation) cannot
+    read or touch anything outside the store.
+    """
+    if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+        raise ContextKeyInvalid(
+            f"context key {digest!r:.80} is not a SHA-256 digest (64 lower-case hex "
+            "characters); the store refuses it"
+        )
+    return digest
+
+
+def text_space(tenant: str | None) -> str:
+    """Where text stored for `tenant` (None: shared) is filed: `tenants/<folder>` or `shared`."""
+    if tenant is None:
+        return SHARED_DIR
+    return f"{TENANTS_DIR}/{tenant_folder(tenant)}"
+
+
+def payload_space(scope: str | None) -> str:
+    """Where payloads of `scope` (None: of no workflow) are filed; `ContextKeyInvalid` if bad."""
+    if scope is None:
+        return PAYLOADS_DIR
+    if not isinstance(scope, str) or not _SCOPE.fullmatch(scope):
+        raise ContextKeyInvalid(
+            f"payload scope {scope!r:.80} is not 32 lower-case hex characters; the store refuses it"
+        )
+    return f"{PAYLOADS_DIR}/{scope}"
+
+
+class DirectoryContextStore:
+    """Blobs in files under `root`, two-level fan-out by digest, one folder per tenant.
+
+    `clock` stamps every store and read on the file (its modification time), which `prune`
+    compares with.
+    """
+
+    def __init__(self, root: Path = DEFAULT_CONTEXT_DIR, *, clock: Clock = time.time) -> None:
         self.root = root
+        self._clock = clock
+
+    @property
+    def location(self) -> str:
+        """The store's folder."""
+        return str(self.root)
+
+    def close(self) -> None:
+        """Nothing to release: every call opens its own files."""
 
     @staticmethod
     def _file(base: Path, digest: str) -> Path:
-        # The digest becomes a file name: only a content hash may, so that a forged reference
-        # (`../`, an absolute path; `ContextRef.model_construct` skips validation) cannot read
-        # or touch a file outside the store.
-        if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
-            raise ContextKeyInvalid(
-                f"context key {digest!r:.80} is not a SHA-256 digest (64 lower-case hex "
-                "characters); the store refuses it"
-            )
-        return base / digest[:2] / digest
+        return base / checked_digest(digest)[:2] / digest
 
     def _path(self, digest: str, tenant: str | None) -> Path:
         """Where text stored for `tenant` (None: shared) lives."""
-        if tenant is None:
-            return self._file(self.root / SHARED_DIR, digest)
-        return self._file(self.root / TENANTS_DIR / tenant_folder(tenant), digest)
+        return self._file(self.root / text_space(tenant), digest)
 
     def _payload_path(self, digest: str, scope: str | None) -> Path:
         """Where a claim-checked payload of `scope` (None: of no workflow) lives."""
-        if scope is None:
-            return self._file(self.root / PAYLOADS_DIR, digest)
-        if not isinstance(scope, str) or not _SCOPE.fullmatch(scope):
-            raise ContextKeyInvalid(
-                f"payload scope {scope!r:.80} is not 32 lower-case hex characters; the store "
-                "refuses it"
-            )
-        return self._file(self.root / PAYLOADS_DIR / scope, digest)
+        return self._file(self.root / payload_space(scope), digest)
 
     def put(self, text: str, tenant: str | None = None) -> ContextRef:
         """Store `text` for `tenant` (None: shared), idempotently; return its reference."""
         ref = ref_for(text).model_copy(update={"tenant": tenant})
-        self._write(self._path(ref.digest, tenant), text.encode("utf-8"))
+        self._write(self._path(ref.digest, tenant), text.encode("utf-8"), self._clock())
         return ref
 
     def put_bytes(self, data: bytes, scope: str | None = None) -> str:
@@ -121,7 +224,7 @@ class DirectoryContextStore:
         of no workflow. `get`, which reads text, never opens a payload.
         """
         digest = hashlib.sha256(data).hexdigest()
-        self._write(self._payload_path(digest, scope), data)
+        self._write(self._payload_path(digest, scope), data, self._clock())
         return digest
 
     def get_bytes(self, digest: str, scope: str | None = None) -> bytes:
@@ -137,8 +240,7 @@ class DirectoryContextStore:
         path, data = self._read(paths, f"content {digest[:12]}… is not in {self.root}")
         if hashlib.sha256(data).hexdigest() != digest:
             raise ContextNotFound(f"content {digest[:12]}… in {self.root} is corrupt")
-        with contextlib.suppress(OSError):  # a read-only store still serves reads
-            os.utime(path)  # read: still in use
+        self._touch(path)  # read: still in use
         return data
 
     @staticmethod
@@ -151,16 +253,23 @@ class DirectoryContextStore:
                 continue
         raise ContextNotFound(missing)
 
+    def _touch(self, path: Path) -> None:
+        """Record a use of `path` now."""
+        now = self._clock()
+        with contextlib.suppress(OSError):  # a read-only store still serves reads
+            os.utime(path, (now, now))
+
     @staticmethod
-    def _write(path: Path, data: bytes) -> None:
+    def _write(path: Path, data: bytes, now: float) -> None:
         """Write `data` to `path` atomically, or renew the file when it is already there."""
         try:
             # Storing it again renews it, so `prune` keeps what is still in use.
-            os.utime(path)
+            os.utime(path, (now, now))
         except FileNotFoundError:
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile("wb", dir=path.parent, delete=False) as tmp:
                 tmp.write(data)
+            os.utime(tmp.name, (now, now))
             os.replace(tmp.name, path)
 
     def get(self, ref: ContextRef, tenant: str | None = None) -> str:
@@ -185,8 +294,7 @@ class DirectoryContextStore:
         text = data.decode("utf-8", "replace")
         if digest_of(text) != ref.digest:
             raise ContextNotFound(f"context {ref.digest[:12]}… in {self.root} is corrupt")
-        with contextlib.suppress(OSError):  # a read-only store still serves reads
-            os.utime(path)  # read: still in use
+        self._touch(path)  # read: still in use
         return text
 
     def prune(self, older_than: timedelta, *, now: float | None = None) -> int:
@@ -196,7 +304,7 @@ class DirectoryContextStore:
         pruned content fails with `ContextNotFound`, so choose `older_than` longer than the
         longest task (and any replay of its history) lasts.
         """
-        cutoff = (time.time() if now is None else now) - older_than.total_seconds()
+        cutoff = (self._clock() if now is None else now) - older_than.total_seconds()
         removed = 0
         if not self.root.exists():
             return 0
@@ -216,3 +324,51 @@ class DirectoryContextStore:
     async def aget(self, ref: ContextRef, tenant: str | None = None) -> str:
         """`get` in a thread, for async activities."""
         return await asyncio.to_thread(self.get, ref, tenant)
+
+
+def is_store_url(spec: str | Path) -> bool:
+    """Whether `spec` is a URL (`scheme://...`) rather than a directory path."""
+    return isinstance(spec, str) and _URL.match(spec) is not None
+
+
+def open_context_store(spec: str | Path, *, clock: Clock = time.time) -> ContextStore:
+    """The context store `spec` names: a directory path, or a PostgreSQL or S3 URL.
+
+    - a path (`Path`, or a string without `scheme://`): `DirectoryContextStore`, created on
+      first write;
+    - `postgresql://user[:password]@host:port/db`, optionally `?schema=NAME` and
+      `&table=NAME` (default `kvflow_context`): `PostgresContextStore`, its table created if
+      missing (needs `kvflow[postgres]`);
+    - `s3://bucket[/prefix]`, optionally `?endpoint_url=http://host:9000` (else
+      `$AWS_ENDPOINT_URL`, else AWS), `&region=NAME`, `&addressing_style=path|virtual`:
+      `S3ContextStore`, credentials from boto3's usual places (`AWS_ACCESS_KEY_ID` and
+      `AWS_SECRET_ACCESS_KEY`, `AWS_PROFILE`, an instance role); needs `kvflow[s3]`.
+
+    A shared store is reached when it is opened, so a wrong URL fails here, not at the first
+    task: `ContextStoreUrlError` for a spec kvflow cannot read, `ContextStoreUnavailable`
+    for a store it cannot reach (each says how to fix it, with no password in it).
+    """
+    if not is_store_url(spec):
+        return DirectoryContextStore(Path(spec), clock=clock)
+    url = str(spec)
+    scheme = url.split("://", 1)[0].lower()
+    if scheme in {"postgresql", "postgres"}:
+        try:
+            from kvflow.activities.context_stores.postgres import PostgresContextStore
+        except ImportError:
+            raise ContextStoreUrlError(
+                f"{redact_url(url)} needs the PostgreSQL driver: pip install 'kvflow[postgres]'"
+            ) from None
+        return PostgresContextStore(url, clock=clock)
+    if scheme == "s3":
+        try:
+            from kvflow.activities.context_stores.s3 import S3ContextStore
+        except ImportError:
+            raise ContextStoreUrlError(
+                f"{redact_url(url)} needs the S3 client: pip install 'kvflow[s3]'"
+            ) from None
+        return S3ContextStore(url, clock=clock)
+    raise ContextStoreUrlError(
+        f"unsupported context store {redact_url(url)!r}: give a directory, "
+        "postgresql://user@host:5432/db or s3://bucket/prefix"
+    )

@@ -10,7 +10,8 @@ import typer
 import uvicorn
 from temporalio.client import Client
 
-from kvflow.activities.context_store import DEFAULT_CONTEXT_DIR, DirectoryContextStore
+from kvflow.cli.context import DEFAULT_CONTEXT_STORE, STORE_HELP, open_store_or_exit
+from kvflow.cli.url_options import url_option
 from kvflow.workers.codec_server import (
     DEFAULT_CODEC_PORT,
     DEFAULT_UI_ORIGINS,
@@ -40,10 +41,10 @@ def serve_command(
         str,
         typer.Option("--host", help="address to listen on; other than loopback needs --tokens"),
     ] = "127.0.0.1",
-    context_dir: Annotated[
-        Path,
-        typer.Option("--context-dir", help="the context store directory every worker shares"),
-    ] = DEFAULT_CONTEXT_DIR,
+    context_store: Annotated[
+        str,
+        typer.Option("--context-store", "--context-dir", callback=url_option, help=STORE_HELP),
+    ] = DEFAULT_CONTEXT_STORE,
     tokens: Annotated[
         Path | None,
         typer.Option(
@@ -75,8 +76,7 @@ def serve_command(
         check_exposure(host, access)
     except CodecConfigError as exc:
         fail(str(exc))
-    if not context_dir.is_dir():
-        fail(f"no context store at {context_dir.absolute()}; point --context-dir at the workers'")
+    store = open_store_or_exit(context_store, "--context-store", existing=True)
     if not port_is_free(port, host if host != "localhost" else "127.0.0.1"):
         fail(f"port {port} on {host} is already in use; choose another with --port")
     origins = tuple(o.rstrip("/") for o in ui_origin) if ui_origin else DEFAULT_UI_ORIGINS
@@ -91,7 +91,6 @@ def serve_command(
     async def connect() -> Client:
         return await Client.connect(**connect_config)
 
-    store = DirectoryContextStore(context_dir)
     opener = PayloadOpener(store, tenant_of=WorkflowTenants(connect))
     app = codec_app(opener, access, ui_origins=origins)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -107,7 +106,7 @@ def serve_command(
             highlight=False,
         )
     out.print(
-        f"Codec server for {context_dir} at [bold]http://{host}:{port}[/] "
+        f"Codec server for {store.location} at [bold]http://{host}:{port}[/] "
         f"(UI origins {', '.join(origins)}). Ctrl-C stops it.",
         highlight=False,
     )

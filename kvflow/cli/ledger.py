@@ -23,7 +23,7 @@ from rich.table import Table
 from temporalio.client import Client
 from temporalio.service import RPCError
 
-from kvflow.activities.context_store import DEFAULT_CONTEXT_DIR
+from kvflow.cli.context import DEFAULT_CONTEXT_STORE, open_store_or_exit
 from kvflow.cli.url_options import fail_without_secrets, url_option
 from kvflow.ledger.errors import LedgerError
 from kvflow.ledger.export import (
@@ -290,15 +290,22 @@ def reconcile_command(
         datetime | None,
         typer.Option("--since", help="only runs closed at or after this (ISO date or date-time)"),
     ] = None,
-    context_dir: Annotated[
-        Path, typer.Option("--context-dir", help="the context store the workers share")
-    ] = DEFAULT_CONTEXT_DIR,
+    context_store: Annotated[
+        str,
+        typer.Option(
+            "--context-store",
+            "--context-dir",
+            callback=url_option,
+            help="the context store the workers share: a directory, "
+            "postgresql://user@host/db or s3://bucket/prefix?endpoint_url=URL",
+        ),
+    ] = DEFAULT_CONTEXT_STORE,
 ) -> None:
     r"""Write task rows for closed workflows that have none (terminated, timed out).
 
     The Temporal connection is the fleet file's \[temporal] table (or 127.0.0.1:7233, namespace
     default), then TEMPORAL_ADDRESS / TEMPORAL_NAMESPACE, then --address / --namespace. Its
-    client decodes payloads as the workers' do: those over 2 KB from --context-dir.
+    client decodes payloads as the workers' do: those over 2 KB from --context-store.
     """
     connection = load_fleet_or_exit(fleet).temporal if fleet is not None else TemporalConnection()
     config = connection.connect_config()
@@ -310,11 +317,12 @@ def reconcile_command(
         ledger = open_ledger(db)
     except LedgerError as exc:
         fail_without_secrets(str(exc), db)
+    store = open_store_or_exit(context_store, "--context-store")
 
     async def run() -> ReconcileResult:
         try:
             # The workers' converter and codec: a payload over 2 KB is a reference into the store.
-            plugins = [KvflowPlugin(context_dir=context_dir)]
+            plugins = [KvflowPlugin(context_store=store)]
             client = await Client.connect(**config, plugins=plugins)
         except RuntimeError as exc:
             fail(f"cannot reach Temporal at {config.get('target_host')}: {exc}", code=1)
@@ -329,4 +337,5 @@ def reconcile_command(
         fail_without_secrets(str(exc), db, code=1)
     finally:
         ledger.close()
+        store.close()
     _print_reconcile(result)

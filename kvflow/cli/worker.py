@@ -6,11 +6,13 @@ import asyncio
 import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, cast
 
 import typer
+from temporalio.client import Client
 
-from kvflow.activities.context_store import DEFAULT_CONTEXT_DIR, DirectoryContextStore
+from kvflow.activities.context_store import ContextStore, DirectoryContextStore
+from kvflow.cli.context import DEFAULT_CONTEXT_STORE, open_store_or_exit
 from kvflow.cli.url_options import fail_without_secrets, http_url_or_exit, url_option
 from kvflow.ledger.errors import LedgerError
 from kvflow.ledger.store import default_ledger_url, open_async_ledger
@@ -19,8 +21,9 @@ from kvflow.scheduler.redact import encode_password, redact_url
 from kvflow.workers.config import FleetConfig
 from kvflow.workers.console import fail, load_fleet_or_exit, out
 from kvflow.workers.control_plane import ControlPlane
-from kvflow.workers.gpu_worker import GpuWorker, connect
+from kvflow.workers.gpu_worker import GpuWorker
 from kvflow.workers.modules import WorkerModuleError, load_worker_modules
+from kvflow.workers.plugin import KvflowPlugin
 from kvflow.workers.replica import GpuWorkerError, resolve_replica
 from kvflow.workers.search_attributes import SearchAttributesMissing
 from kvflow.workers.tracing import TRACES_ENV, TraceExport, TracingError, configure_tracing
@@ -57,6 +60,17 @@ def _unreachable(config: FleetConfig, exc: Exception) -> str:
     return f"cannot reach Temporal at {address} (from {source}): {exc}"
 
 
+async def _connect(config: FleetConfig, store: ContextStore) -> Client:
+    """A Temporal client of the fleet whose codec keeps large payloads in `store`.
+
+    The worker's activities share the same store. They (and `GpuWorker`) are annotated with
+    the directory store but call only the `ContextStore` methods, which every store has.
+    """
+    return await Client.connect(
+        **config.temporal.connect_config(), plugins=[KvflowPlugin(context_store=store)]
+    )
+
+
 def _shutdown_on_signals(shutdown: Callable[[], Awaitable[None]]) -> None:
     """Ctrl-C or SIGTERM starts a graceful shutdown instead of killing in-flight work."""
     loop = asyncio.get_running_loop()
@@ -80,9 +94,16 @@ def gpu(
         float, typer.Option("--graceful-shutdown", help="seconds in-flight calls may finish")
     ] = 10.0,
     ledger_url: LedgerOption = None,
-    context_dir: Annotated[
-        Path, typer.Option("--context-dir", help="the context store shared with the workflows")
-    ] = DEFAULT_CONTEXT_DIR,
+    context_store: Annotated[
+        str,
+        typer.Option(
+            "--context-store",
+            "--context-dir",
+            callback=url_option,
+            help="the context store shared with the workflows: a directory, "
+            "postgresql://user@host/db or s3://bucket/prefix?endpoint_url=URL",
+        ),
+    ] = DEFAULT_CONTEXT_STORE,
     traces: TracesOption = None,
 ) -> None:
     """Serve one vLLM replica's task queue until Ctrl-C / SIGTERM."""
@@ -94,16 +115,17 @@ def gpu(
     except GpuWorkerError as exc:
         fail_without_secrets(str(exc), endpoint)
     http_url_or_exit("--endpoint" if endpoint else f"{binding.name}'s endpoint", binding.base_url)
+    store = open_store_or_exit(context_store, "--context-store")
 
     async def serve() -> None:
-        client = await connect(config, context_dir)
+        client = await _connect(config, store)
         ledger = await open_async_ledger(ledger_url, migrate=True)
         try:
             worker = GpuWorker(
                 client,
                 binding,
                 ledger=ledger,
-                store=DirectoryContextStore(context_dir),
+                store=cast(DirectoryContextStore, store),  # see `_connect`
                 graceful_shutdown_s=graceful_shutdown_s,
             )
             _shutdown_on_signals(worker.shutdown)
@@ -173,9 +195,16 @@ def workflow_command(
     ] = None,
     task_queue: Annotated[str, typer.Option("--task-queue")] = DEFAULT_WORKFLOW_QUEUE,
     ledger_url: LedgerOption = None,
-    context_dir: Annotated[
-        Path, typer.Option("--context-dir", help="the context store shared with GPU workers")
-    ] = DEFAULT_CONTEXT_DIR,
+    context_store: Annotated[
+        str,
+        typer.Option(
+            "--context-store",
+            "--context-dir",
+            callback=url_option,
+            help="the context store shared with GPU workers: a directory, "
+            "postgresql://user@host/db or s3://bucket/prefix?endpoint_url=URL",
+        ),
+    ] = DEFAULT_CONTEXT_STORE,
     traces: TracesOption = None,
 ) -> None:
     """Run agent workflows and the control plane (scheduler, ledger, context store)."""
@@ -188,16 +217,17 @@ def workflow_command(
         workflows, activities = load_worker_modules(module or DEFAULT_MODULES)
     except WorkerModuleError as exc:
         fail(str(exc))
+    store = open_store_or_exit(context_store, "--context-store")
 
     async def serve() -> None:
-        client = await connect(config, context_dir)
+        client = await _connect(config, store)
         ledger = await open_async_ledger(ledger_url, migrate=True)
         try:
             async with ControlPlane(
                 config,
                 endpoints=endpoints,
                 ledger=ledger,
-                store=DirectoryContextStore(context_dir),
+                store=cast(DirectoryContextStore, store),  # see `_connect`
             ) as control:
                 worker = await workflow_worker(
                     client,

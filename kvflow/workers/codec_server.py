@@ -46,7 +46,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import uvicorn
 from google.protobuf import json_format
@@ -67,7 +67,11 @@ from kvflow.activities.claim_check import (
     is_claim_check,
     workflow_scope,
 )
-from kvflow.activities.context_store import ContextNotFound, DirectoryContextStore
+from kvflow.activities.context_store import (
+    ContextNotFound,
+    ContextStore,
+    DirectoryContextStore,
+)
 from kvflow.activities.wire import INLINE_LIMIT_BYTES, ContextRef
 from kvflow.workflows.search_attributes import TENANT
 
@@ -286,13 +290,15 @@ class PayloadOpener:
 
     def __init__(
         self,
-        store: DirectoryContextStore,
+        store: ContextStore,
         *,
         tenant_of: TenantOf = _no_tenant,
         threshold_bytes: int = INLINE_LIMIT_BYTES,
     ) -> None:
         # No scope: it follows the scope each reference names (access is checked here first).
-        self._codec = ClaimCheckCodec(store, threshold_bytes)
+        # The codec is annotated with the directory store but calls only `put_bytes` and
+        # `get_bytes`, which every `ContextStore` has: any store serves it.
+        self._codec = ClaimCheckCodec(cast(DirectoryContextStore, store), threshold_bytes)
         self._store = store
         self._tenant_of = tenant_of
 

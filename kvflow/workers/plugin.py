@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import httpx
 from temporalio.client import Client, ClientConfig
@@ -40,7 +40,12 @@ from temporalio.worker import Worker, WorkerConfig, WorkflowRunner
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 
 from kvflow.activities.claim_check import claim_check_converter
-from kvflow.activities.context_store import DEFAULT_CONTEXT_DIR, DirectoryContextStore
+from kvflow.activities.context_store import (
+    DEFAULT_CONTEXT_DIR,
+    ContextStore,
+    DirectoryContextStore,
+    open_context_store,
+)
 from kvflow.activities.control_plane import LedgerSink
 from kvflow.activities.inference import InferenceActivities, default_http_client
 from kvflow.activities.wire import INLINE_LIMIT_BYTES
@@ -89,7 +94,10 @@ class KvflowPlugin(SimplePlugin):
             `postgresql://...`, created and migrated if needed) or an open ledger; by default
             `$KVFLOW_LEDGER_URL`, else `sqlite:///.kvflow/ledger.db` (what `kvflow report`
             reads).
-        context_dir: the content-addressed context store, shared by every worker and client.
+        context_store: the content-addressed context store, shared by every worker and
+            client: a store, a directory, or a store's URL (`postgresql://...`,
+            `s3://bucket/prefix`; see `open_context_store`). Default `.kvflow/context`.
+        context_dir: the older name of `context_store`; give one or the other.
         claim_check_bytes: payloads whose serialized size exceeds this many bytes are stored
             in the context store and travel as references (the client's data converter's
             codec); None turns the codec off.
@@ -108,7 +116,8 @@ class KvflowPlugin(SimplePlugin):
         endpoint: str | None = None,
         endpoints: Mapping[str, str] | None = None,
         ledger: str | LedgerSink | None = None,
-        context_dir: Path | str = DEFAULT_CONTEXT_DIR,
+        context_dir: Path | str | None = None,
+        context_store: ContextStore | Path | str | None = None,
         claim_check_bytes: int | None = INLINE_LIMIT_BYTES,
         spool_dir: Path | str | None = DEFAULT_SPOOL_DIR,
         scheduler_config: SchedulerConfig | None = None,
@@ -130,7 +139,17 @@ class KvflowPlugin(SimplePlugin):
         if isinstance(ledger, str):
             self._owned_ledger = AsyncLedger(open_ledger(ledger, migrate=True))
             ledger = self._owned_ledger
-        store = DirectoryContextStore(Path(context_dir))
+        if context_store is not None and context_dir is not None:
+            raise ValueError("KvflowPlugin takes context_store or context_dir, not both")
+        spec = context_store if context_store is not None else context_dir
+        opened = (
+            open_context_store(spec if spec is not None else DEFAULT_CONTEXT_DIR)
+            if spec is None or isinstance(spec, Path | str)
+            else spec
+        )
+        # The activities and the codec are annotated with the directory store but call only
+        # the `ContextStore` methods, which every store has: any store serves them.
+        store = cast(DirectoryContextStore, opened)
         self.control_plane = control_plane
         self.inference = inference
         # What the plugin built it also starts and stops; what it was given (by `GpuWorker`,
