@@ -91,6 +91,7 @@ def call(
             tenant="acme",
             tier=1,
             deadline_at=None,
+            started_at=0.0,
             steps_remaining=1,
             max_tokens=max_tokens,
         ),

@@ -26,6 +26,7 @@ from kvflow.bench.policies.task_runner import Outcome, TaskRunner
 from kvflow.scheduler.blocks import ROOT_HASH, hash_block
 from kvflow.scheduler.config import DEFAULT_AXES, REQUIRED_AXIS
 from kvflow.simulator.policies import POLICIES, PolicySetup
+from kvflow.simulator.policies.kvflow_scheduler import LEVERS
 from kvflow.simulator.policies.oracle import GREEDY_REFERENCE
 from kvflow.simulator.workloads import WORKLOADS, Call, Step, Task, Workload
 
@@ -237,7 +238,7 @@ def test_the_floor_is_below_every_policy_on_every_workload_on_two_seeds(workload
             assert run.cost_per_successful_task_usd >= run.floor_of_successes_usd, run.policy
 
 
-def test_ablation_runs_kvflow_once_without_each_axis_but_the_required_one() -> None:
+def test_ablation_runs_kvflow_once_without_each_axis_but_the_required_one_and_each_lever() -> None:
     result = run_workload(
         "agent",
         replicas=2,
@@ -247,7 +248,7 @@ def test_ablation_runs_kvflow_once_without_each_axis_but_the_required_one() -> N
         capacity_tasks_per_s=0.1,
         window_lifetimes=0.3,
     )
-    assert list(result.ablations) == [a for a in DEFAULT_AXES if a != REQUIRED_AXIS]
+    assert list(result.ablations) == [a for a in DEFAULT_AXES if a != REQUIRED_AXIS] + list(LEVERS)
     for axis, summary in result.ablations.items():
         assert summary.runs[0].tasks == result.summaries["kvflow"].runs[0].tasks, axis
         assert summary.runs[0].success_rate > 0, axis

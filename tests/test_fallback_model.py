@@ -181,6 +181,7 @@ def run_in_simulated_fleet(
             tenant=fleet.tenants[0].name,
             tier=fleet.tenants[0].tier,
             deadline_at=deadline_s,
+            started_at=0.0,
             steps_remaining=1,
             max_tokens=OUTPUT_TOKENS,
         )

@@ -284,6 +284,26 @@ def test_placement_carries_queue_priority_fairness_and_a_readable_reason() -> No
     ), result.reason
 
 
+def test_engine_priority_serves_a_higher_tier_first_then_the_oldest_task() -> None:
+    scheduler = make_scheduler()
+
+    def priority(tenant: str, started: float | None) -> int:
+        answer = placed(
+            scheduler.place(request(prompt(9, 600), tenant=tenant, task_started_at=started))
+        )
+        assert answer.engine_priority is not None
+        return answer.engine_priority
+
+    # Tasks years apart: the tier decides first, the task's start (older first) within it.
+    newest_tier1 = priority("acme", 1_800_000_000.0)
+    oldest_tier3 = priority("globex", 1_700_000_000.0)
+    older_tier3 = priority("globex", 1_799_913_600.0)
+    newer_tier3 = priority("globex", 1_800_000_000.0)
+    unknown_tier3 = priority("globex", None)
+    assert newest_tier1 < oldest_tier3 < older_tier3 < newer_tier3 < unknown_tier3
+    assert unknown_tier3 < priority("initech", 0.0)
+
+
 def test_placement_round_trips_through_json_as_temporal_would_carry_it() -> None:
     scheduler = make_scheduler()
     result = placed(scheduler.place(request(prompt(8, 500))))

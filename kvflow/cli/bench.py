@@ -319,9 +319,21 @@ def _sweep_table(result: WorkloadResult) -> Table:
 
 
 def _ablation_table(result: WorkloadResult) -> Table:
-    table = Table(title=f"{result.name}: kvflow with one axis switched off ({result.load:.0%})")
-    for column in ("axis off", "$/successful task", "kvflow × cost", "success", "SLO t1", "hit"):
-        table.add_column(column, justify="left" if column == "axis off" else "right")
+    table = Table(
+        title=f"{result.name}: kvflow with one axis or lever switched off ({result.load:.0%})"
+    )
+    columns = (
+        "off",
+        "$/successful task",
+        "kvflow × cost",
+        "success",
+        "SLO t1",
+        "goodput/s",
+        "model s mean",
+        "hit",
+    )
+    for column in columns:
+        table.add_column(column, justify="left" if column == "off" else "right")
     for axis, summary in result.ablations.items():
         table.add_row(
             axis,
@@ -329,6 +341,8 @@ def _ablation_table(result: WorkloadResult) -> Table:
             _ratio(summary.ratios.get("cost_per_successful_task_usd")),
             _pm(summary.intervals.get("success_rate"), ".1%"),
             _pm(summary.slo.get("1"), ".1%"),
+            _pm(summary.intervals.get("goodput_tasks_per_s"), ".3f"),
+            _pm(summary.intervals.get("mean_model_s"), ".1f"),
             f"{summary.mean('prefix_hit_rate') or 0:.1%}",
         )
     return table

@@ -47,6 +47,7 @@ from kvflow.bench.policies.bounds import (
     zero_miss_floor,
 )
 from kvflow.bench.policies.figures import (
+    Interval,
     PolicyFigures,
     Summary,
     mean_ci,
@@ -324,6 +325,12 @@ class WorkloadResult:
                         )
                         for t in tiers
                     },
+                    "idle_mean_model_s": None
+                    if not self.ceilings
+                    else round(sum(c.mean_model_s for c in self.ceilings) / len(self.ceilings), 3),
+                    "idle_p99_model_s": None
+                    if not self.ceilings
+                    else round(sum(c.p99_model_s for c in self.ceilings) / len(self.ceilings), 3),
                 },
                 "elapsed_s": round(self.elapsed_s, 1),
             },
@@ -529,79 +536,207 @@ def _ratio_text(summary: Summary, figure: str) -> str:
     return f"{interval.mean:.3f}× [{pair[0]:.3f}, {pair[1]:.3f}]{level}"
 
 
-def goals(result: WorkloadResult) -> list[Goal]:
-    """The goals, stated against the zero-miss floor and the best anchor, on kvflow's means."""
-    summaries = result.summaries
-    kvflow = summaries.get("kvflow")
+def _best(result: WorkloadResult, figure: str, *, low: bool) -> str | None:
+    """The anchor with the best mean of `figure` (lowest when `low`)."""
+    means = {
+        a: m
+        for a in anchors(result.summaries)
+        if (m := result.summaries[a].mean(figure)) is not None
+    }
+    if not means:
+        return None
+    return min(means, key=lambda a: means[a] if low else -means[a])
+
+
+def _ratio_goal(
+    result: WorkloadResult, figure: str, text: str, target: float, *, low: bool, bound: str = ""
+) -> Goal | None:
+    """The ratio of kvflow's `figure` to the best anchor's, seed by seed, against `target`."""
+    best = _best(result, figure, low=low)
+    if best is None:
+        return None
+    ratio = result.summaries[best].ratios.get(figure)
+    met = ratio is not None and (ratio.mean <= target if low else ratio.mean >= target)
+    return Goal(text, met, f"{_ratio_text(result.summaries[best], figure)} {best}{bound}")
+
+
+def _ceiling_mean(result: WorkloadResult, pick: Callable[[SuccessCeiling], float]) -> float | None:
+    values = [pick(c) for c in result.ceilings]
+    return sum(values) / len(values) if values else None
+
+
+def _cost_goal(result: WorkloadResult, target: float) -> Goal | None:
+    best = _best(result, "cost_per_successful_task_usd", low=True)
+    floor = result.floor_cost()
+    bound = ""
+    if best is not None and floor is not None:
+        cost = result.summaries[best].mean("cost_per_successful_task_usd") or 0.0
+        if cost:
+            bound = (
+                f"; bound: no placement goes below the zero-miss floor, {float(floor) / cost:.3f}×"
+            )
+    return _ratio_goal(
+        result,
+        "cost_per_successful_task_usd",
+        f"cost per successful task ≤ {target}× the best anchor's",
+        target,
+        low=True,
+        bound=bound,
+    )
+
+
+def _model_time_goal(result: WorkloadResult, figure: str, target: float) -> Goal | None:
+    best = _best(result, figure, low=True)
+    idle = _ceiling_mean(
+        result,
+        (lambda c: c.mean_model_s) if figure == "mean_model_s" else (lambda c: c.p99_model_s),
+    )
+    bound = ""
+    if best is not None and idle:
+        theirs = result.summaries[best].mean(figure) or 0.0
+        if theirs:
+            bound = (
+                f"; bound: an idle fleet with every conversation cached takes {idle:.1f} s, "
+                f"{idle / theirs:.2f}×"
+            )
+    label = "mean" if figure == "mean_model_s" else "p99"
+    return _ratio_goal(
+        result, figure, f"{label} model time ≤ {target}× the best anchor's", target, low=True,
+        bound=bound,
+    )  # fmt: skip
+
+
+def _goodput_goal(result: WorkloadResult, target: float) -> Goal | None:
+    best = _best(result, "goodput_tasks_per_s", low=False)
+    ceiling = _ceiling_mean(result, lambda c: c.overall)
+    bound = ""
+    if best is not None and ceiling is not None:
+        theirs = result.summaries[best].mean("goodput_tasks_per_s") or 0.0
+        most = result.task_rate * ceiling
+        if theirs:
+            bound = (
+                f"; bound: at most {most / theirs:.3f}× (every task an idle fleet finishes, "
+                f"{most:.2f} tasks/s)"
+            )
+    return _ratio_goal(
+        result, "goodput_tasks_per_s", f"goodput ≥ {target}× the best anchor's", target,
+        low=False, bound=bound,
+    )  # fmt: skip
+
+
+def _tier1_goal(result: WorkloadResult, target: float) -> Goal | None:
+    kvflow = result.summaries["kvflow"].slo.get("1")
     if kvflow is None:
-        return []
-    found: list[Goal] = []
-    rivals = anchors(summaries)
-    if result.name == "hotspot":
-        over = kvflow.mean("max_replica_load_over_mean") or 0.0
+        return None
+    ceiling = _ceiling_mean(result, lambda c: c.by_tier.get("1", 1.0))
+    bound = "" if ceiling is None else f"; bound: an idle fleet finishes {ceiling:.1%} of them"
+    return Goal(
+        f"tier-1 SLO attainment ≥ {target:.0%} at {result.load:.0%} of capacity",
+        kvflow.mean >= target,
+        f"{kvflow.mean:.1%} [{_pair_text(kvflow)}]{bound}",
+    )
+
+
+def _pair_text(interval: Interval) -> str:
+    pair = interval.as_pair()
+    return "one seed" if pair is None else f"{pair[0]:.1%}, {pair[1]:.1%}"
+
+
+def _waste_goal(result: WorkloadResult) -> Goal | None:
+    best = _best(result, "goodput_tasks_per_s", low=False)
+    ours = result.summaries["kvflow"].mean("wasted_spend_share")
+    if best is None or ours is None:
+        return None
+    theirs = result.summaries[best].mean("wasted_spend_share") or 0.0
+    return Goal(
+        "wasted-spend share ≤ half the best anchor's",
+        ours <= theirs / 2,
+        f"{ours:.2%} vs {theirs:.2%} ({best}, best at goodput); bound: 0, a policy that admits "
+        "only tasks it finishes wastes nothing",
+    )
+
+
+def _floor_goal(result: WorkloadResult, target: float) -> Goal | None:
+    floor = result.floor_cost()
+    ours = result.summaries["kvflow"].mean("cost_per_successful_task_usd")
+    if floor is None or not ours:
+        return None
+    ratio = ours / float(floor)
+    return Goal(
+        f"cost per successful task within {target - 1:.0%} of the zero-miss floor",
+        ratio <= target,
+        f"{ratio:.3f}× the floor (the floor is the bound: every call finds cached all that an "
+        "earlier call computed)",
+    )
+
+
+def _hotspot_goals(result: WorkloadResult) -> list[Goal]:
+    kvflow = result.summaries["kvflow"]
+    over = kvflow.mean("max_replica_load_over_mean") or 0.0
+    found = [Goal("busiest replica ≤ 1.5× the mean", over <= 1.5, f"{over:.2f}× the mean")]
+    floor_hit = mean_ci([f.prefix_hit_rate for f in result.floors])
+    hit = kvflow.mean("prefix_hit_rate")
+    if floor_hit is not None and hit is not None:
         found.append(
             Goal(
-                "no replica above 1.5× the mean load",
-                over <= 1.5,
-                f"busiest {over:.2f}× the mean",
+                "hit rate within 1 point of the zero-miss floor's",
+                floor_hit.mean - hit <= 0.01,
+                f"{hit:.1%} vs the floor's {floor_hit.mean:.1%}",
             )
         )
-        return found
-    costs = {a: c for a in rivals if (c := summaries[a].mean("cost_per_successful_task_usd"))}
-    if costs:
-        best = min(costs, key=lambda a: costs[a])
-        ratio = summaries[best].ratios.get("cost_per_successful_task_usd")
-        floor = result.floor_cost()
-        bound = (
-            ""
-            if floor is None
-            else (
-                f"; no placement goes below the zero-miss floor, {float(floor) / costs[best]:.3f}× "
-                f"{best}"
-            )
-        )
-        found.append(
-            Goal(
-                "cost per successful task ≤ 0.85× the best anchor",
-                ratio is not None and ratio.mean <= 0.85,
-                f"{_ratio_text(summaries[best], 'cost_per_successful_task_usd')} {best}{bound}",
-            )
-        )
-    goodputs = {a: summaries[a].mean("goodput_tasks_per_s") or 0.0 for a in rivals}
-    if goodputs:
-        best = max(goodputs, key=lambda a: goodputs[a])
-        ratio = summaries[best].ratios.get("goodput_tasks_per_s")
-        ceiling = mean_ci([c.overall for c in result.ceilings])
-        note = "" if ceiling is None else f"; an idle fleet finishes {ceiling.mean:.1%} of tasks"
-        found.append(
-            Goal(
-                "goodput ≥ the best anchor's",
-                ratio is not None and ratio.mean >= 1.0,
-                f"{_ratio_text(summaries[best], 'goodput_tasks_per_s')} {best}{note}",
-            )
-        )
-    tier1 = kvflow.slo.get("1")
-    if tier1 is not None:
-        if result.load <= 1.0:
-            found.append(
-                Goal(
-                    f"tier-1 SLO attainment ≥ 99% at {result.load:.0%} of capacity",
-                    tier1.mean >= 0.99,
-                    f"{tier1.mean:.1%}",
-                )
-            )
-        else:
-            others = {a: i.mean for a in rivals if (i := summaries[a].slo.get("1")) is not None}
-            if others:
-                best = max(others, key=lambda a: others[a])
-                found.append(
-                    Goal(
-                        f"tier-1 SLO attainment ≥ the best anchor's at {result.load:.0%}",
-                        tier1.mean >= others[best],
-                        f"{tier1.mean:.1%} vs {others[best]:.1%} ({best})",
-                    )
-                )
     return found
+
+
+def _no_worse_goal(result: WorkloadResult) -> Goal | None:
+    best = _best(result, "cost_per_successful_task_usd", low=True)
+    if best is None:
+        return None
+    ratio = result.summaries[best].ratios.get("cost_per_successful_task_usd")
+    pair = None if ratio is None else ratio.as_pair()
+    met = ratio is not None and (ratio.mean <= 1.0 if pair is None else pair[0] <= 1.0)
+    return Goal(
+        "cost per successful task no worse than the best anchor's beyond the interval",
+        met,
+        f"{_ratio_text(result.summaries[best], 'cost_per_successful_task_usd')} {best}",
+    )
+
+
+LOADED_AGENT = 0.9
+"""From this multiple of capacity on, the agent workload's goals are about model time."""
+
+
+def goals(result: WorkloadResult) -> list[Goal]:
+    """The goals of the workload, each against the best anchor at its figure, with a bound.
+
+    The bound explains a miss: the zero-miss floor, or the idle fleet.
+
+    overload: goodput ≥ 1.3×, tier-1 SLO ≥ 99%, wasted share ≤ half; long-agent: cost
+    ≤ 0.85×, mean model time ≤ 0.8×; agent near capacity (≥ 0.9×): mean model time ≤ 0.7×,
+    p99 ≤ 0.8×; agent below: cost within 2% of the floor; hotspot: busiest replica ≤ 1.5× the
+    mean, hit rate within 1 point of the floor's; heterogeneous and faults: cost no worse
+    than the best anchor's beyond the interval.
+    """
+    if "kvflow" not in result.summaries:
+        return []
+    found: list[Goal | None]
+    name = result.name
+    if name == "overload":
+        found = [_goodput_goal(result, 1.3), _tier1_goal(result, 0.99), _waste_goal(result)]
+    elif name == "long-agent":
+        found = [_cost_goal(result, 0.85), _model_time_goal(result, "mean_model_s", 0.8)]
+    elif name == "agent" and result.load >= LOADED_AGENT:
+        found = [
+            _model_time_goal(result, "mean_model_s", 0.7),
+            _model_time_goal(result, "p99_model_s", 0.8),
+            _tier1_goal(result, 0.99),
+        ]
+    elif name == "agent":
+        found = [_floor_goal(result, 1.02), _cost_goal(result, 0.85)]
+    elif name == "hotspot":
+        found = list(_hotspot_goals(result))
+    else:
+        found = [_no_worse_goal(result)]
+    return [g for g in found if g is not None]
 
 
 __all__ = [

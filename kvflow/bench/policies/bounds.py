@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 
-from kvflow.bench.policies.figures import cost_per_success
+from kvflow.bench.policies.figures import cost_per_success, percentile
 from kvflow.bench.policies.fleet import (
     MODEL,
     engine_config,
@@ -155,10 +155,15 @@ def zero_miss_floor(
 
 @dataclass(frozen=True)
 class SuccessCeiling:
-    """The share of tasks an idle fleet finishes in time, overall and per tier."""
+    """The share of tasks an idle fleet finishes in time, overall and per tier; its model time."""
 
     overall: float
     by_tier: dict[str, float]
+    mean_model_s: float = 0.0
+    """Mean model time of the counted tasks on an idle fleet, each conversation cached: no
+    placement makes a task's model time shorter."""
+    p99_model_s: float = 0.0
+    """The 99th percentile of the same."""
 
 
 def success_ceiling(
@@ -177,10 +182,12 @@ def success_ceiling(
     perf = fastest_perf(fleet, engine_config(spec))
     totals: dict[int, int] = {}
     feasible: dict[int, int] = {}
+    model_s: list[float] = []
     for task in tasks:
         if not counted(task):
             continue
         lifetime, steps = idle_lifetime_s(task.steps, perf)
+        model_s.append(sum(steps))
         ok = task.arrival + lifetime <= task.deadline_at
         if task.step_allowance_s is not None:
             ok = ok and all(s <= task.step_allowance_s for s in steps)
@@ -190,6 +197,8 @@ def success_ceiling(
     return SuccessCeiling(
         sum(feasible.values()) / count if count else 1.0,
         {str(t): feasible[t] / n for t, n in sorted(totals.items())},
+        mean_model_s=sum(model_s) / len(model_s) if model_s else 0.0,
+        p99_model_s=percentile(model_s, 0.99),
     )
 
 

@@ -34,6 +34,7 @@ from kvflow.scheduler.fleet import Fleet
 from kvflow.simulator.des import DiscreteEventFleet
 from kvflow.simulator.policies import ALL_POLICIES, PlacementPolicy, PolicySetup
 from kvflow.simulator.policies.base import DEFAULT_MECHANISMS, ENGINE_PRIORITY, FALLBACK
+from kvflow.simulator.policies.kvflow_scheduler import LEVERS
 from kvflow.simulator.policies.oracle import GREEDY_REFERENCE
 from kvflow.simulator.workloads import WORKLOADS, Task, Workload, WorkloadSpec
 
@@ -313,6 +314,14 @@ def run_seed(job: SeedJob, progress: Callable[[str], None] | None = None) -> See
                     workload=workload,
                 )  # fmt: skip
                 result.ablations[axis] = measured(run.outcome)
+            for lever in LEVERS:
+                if progress is not None:
+                    progress(f"{job.workload}, seed {job.seed}: kvflow without {lever}")
+                run = run_policy(
+                    "kvflow", spec=spec, fleet=fleet, task_rate=rate, seed=job.seed, plan=plan,
+                    mechanisms=job.mechanisms, extra={**base, lever: False}, workload=workload,
+                )  # fmt: skip
+                result.ablations[lever] = measured(run.outcome)
     return result
 
 

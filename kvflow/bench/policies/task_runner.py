@@ -326,6 +326,7 @@ class TaskRunner:
             tenant=task.tenant,
             tier=task.tier,
             deadline_at=task.deadline_at,
+            started_at=task.arrival,
             steps_remaining=max(1, task.expected_calls - state.calls_done),
             max_tokens=self.max_tokens,
             spent_micros=state.spent_micros,

@@ -62,6 +62,8 @@ class TaskContext:
     tier: int
     deadline_at: float | None
     """Simulated time of the task's deadline: its arrival plus its declared budget."""
+    started_at: float
+    """Simulated time the task arrived (what a workflow knows of its own start)."""
     steps_remaining: int
     """Model calls left, this one included, as kvflow's step API estimates it:
     max(1, declared expected calls − calls done)."""

@@ -53,6 +53,12 @@ from kvflow.simulator.engine import StepResult
 from kvflow.simulator.policies.base import AttemptEnd, PolicySetup, TaskContext, prompt_blocks
 
 SCRAPE_INTERVAL_S = 1.0
+LEVERS = ("task_order",)
+"""kvflow's task-aware levers beyond the scheduler's axes, each a `PolicySetup.extra` switch
+(on by default) that `kvflow bench policies --ablate` turns off in turn:
+
+- `task_order`: a tier's calls run in the engine oldest task first (`engine_priority`:
+  tier · 10¹³ + the task's start in ms), where off, by each call's own arrival."""
 
 
 class KvflowPolicy:
@@ -81,6 +87,9 @@ class KvflowPolicy:
         """Send token ids with stored blocks: asked for, or needed because the engines' blocks
         are not the index's (their hashes are then not its keys)."""
         self.priority_dispatch = bool(setup.extra.get("priority_dispatch", True))
+        self.task_order = bool(setup.extra.get("task_order", True))
+        """Order a tier's calls in the engine by their task's start (task-level FCFS);
+        False orders them by the call's own arrival, as the routers' calls are."""
         self.allow_fallback = bool(setup.extra.get("allow_fallback", True))
         self._scraped_at = -math.inf
         self._retry_after: dict[str, float] = {}
@@ -112,6 +121,7 @@ class KvflowPolicy:
                 spent_micros=task.spent_micros,
                 exclude=[names[i] for i in sorted(request.exclude)],
                 workflow_id=task.workflow_id,
+                task_started_at=task.started_at if self.task_order else None,
                 attempt=request.attempt,
                 task_retries=task.task_retries,
                 allow_fallback=self.allow_fallback,
@@ -125,7 +135,12 @@ class KvflowPolicy:
         self._placed[request.request_id] = answer
         request.model = answer.model
         if self.priority_dispatch:
-            request.priority = answer.priority_key
+            # Tier, then the task's start (`engine_priority`): the oldest task of a tier first.
+            request.priority = (
+                answer.engine_priority
+                if answer.engine_priority is not None
+                else answer.priority_key
+            )
         return self.rid[answer.replica]
 
     def retry_after(self, request: FleetRequest) -> float | None:
