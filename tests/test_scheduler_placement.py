@@ -14,7 +14,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from kvflow.scheduler.axes import WorkflowContext
 from kvflow.scheduler.blocks import block_hashes
-from kvflow.scheduler.config import PrefixConfig, SchedulerConfig, WeightsConfig
+from kvflow.scheduler.config import AdmissionConfig, PrefixConfig, SchedulerConfig, WeightsConfig
 from kvflow.scheduler.core import Scheduler
 from kvflow.scheduler.decision import Estimate
 from kvflow.scheduler.fleet import Fleet, task_queue_for
@@ -601,7 +601,17 @@ def test_under_saturation_the_lowest_tier_waits_while_the_highest_is_served() ->
     low = refused(scheduler.place(request(prompt(28, 300), model=SMALL, tenant="initech")))
     assert low.reason is RefusalReason.SATURATED and low.retry_after_s
     assert "tier 5" in low.message
+    assert "60 s at most" in low.message
     placed(scheduler.place(request(prompt(28, 300), model=SMALL, tenant="acme")))
+    # A lower tier waits, but not past its longest wait: then it runs whatever the load.
+    waited = AdmissionConfig().max_wait_s_by_tier[4]
+    still = scheduler.place(
+        request(prompt(28, 300), model=SMALL, tenant="initech", queued_s=waited - 0.5)
+    )
+    assert refused(still).reason is RefusalReason.SATURATED
+    placed(
+        scheduler.place(request(prompt(28, 300), model=SMALL, tenant="initech", queued_s=waited))
+    )
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -658,6 +658,7 @@ class TenantPriority(Axis):
 
     priority_key = tier (1 first), fairness_key = tenant name, fairness_weight = tenant weight
     admits iff load fraction < saturation_by_tier[tier − 1]
+               or the call has waited ≥ max_wait_s_by_tier[tier − 1] (`queued_s`)
     over quota iff the tenant's spend today ≥ its daily budget
 
     Inputs: the fleet's tenants; the load fraction of the replicas serving the model.
@@ -666,6 +667,7 @@ class TenantPriority(Axis):
 
     def __init__(self, config: AdmissionConfig, tenants: tuple[Tenant, ...] = ()) -> None:
         self._saturation = tuple(config.saturation_by_tier)
+        self._max_wait_s = tuple(config.max_wait_s_by_tier)
         self._budget_micros: dict[str, int | None] = {}
         self._tiers = {t.name: t.tier for t in tenants}
 
@@ -674,8 +676,12 @@ class TenantPriority(Axis):
         return self._tiers[tenant]
 
     def accepts(self, decision: Decision, load_fraction: float) -> bool:
-        """Whether the tenant's tier is admitted at this load (see `admits`)."""
-        return self.admits(self._tiers[decision.tenant], load_fraction)
+        """Whether the tier is admitted at this load (`admits`) or the call waited long enough."""
+        tier = self._tiers[decision.tenant]
+        return (
+            self.admits(tier, load_fraction)
+            or decision.request.queued_s >= self._max_wait_s[tier - 1]
+        )
 
     def keys(self, tenant: Tenant) -> tuple[int, str, float]:
         """Temporal `Priority` fields for the tenant's calls."""

@@ -328,11 +328,20 @@ class AdmissionConfig(_Config):
     """Admission under saturation: low tiers wait before high tiers do.
 
     A tenant of tier t is refused (with a retry-after) when the load fraction of the replicas
-    serving the model, (running + waiting) / slots, is at least `saturation_by_tier[t − 1]`.
+    serving the model, (running + waiting) / slots, is at least `saturation_by_tier[t − 1]`,
+    until the call has waited `max_wait_s_by_tier[t − 1]` (then it is admitted at any load).
     """
 
     saturation_by_tier: tuple[float, float, float, float, float] = (4.0, 2.0, 1.5, 1.25, 1.0)
     retry_after_s: float = Field(default=2.0, gt=0)
+    max_wait_s_by_tier: tuple[float, float, float, float, float] = Field(
+        default=(5.0, 10.0, 10.0, 30.0, 60.0),
+        description=(
+            "a call that has waited this long for admission (`PlacementRequest.queued_s`) is "
+            "admitted at any load: waiting keeps a lower tier's calls out of the batches that "
+            "slow a higher tier's, and this bound keeps its own steps from running out of time"
+        ),
+    )
 
     @model_validator(mode="after")
     def _tiers_ordered(self) -> Self:

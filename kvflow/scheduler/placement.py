@@ -90,6 +90,14 @@ class PlacementRequest(_Wire):
         default_factory=list, description="replicas not to use (e.g. ones that just failed)"
     )
     workflow_id: str = Field(default="", description="for stickiness and the rendezvous key")
+    queued_s: float = Field(
+        default=0.0,
+        ge=0,
+        description=(
+            "seconds this call has waited for admission so far (refusals with a retry-after): "
+            "past its tier's `admission.max_wait_s_by_tier` it is admitted at any load"
+        ),
+    )
     task_started_at: float | None = Field(
         default=None,
         description=(

@@ -107,7 +107,8 @@ def saturated(
         RefusalReason.SATURATED,
         f"replicas serving {decision.spec.name} are at {load_fraction:.0%} of their "
         f"slots; tier {tier} calls wait until load falls below "
-        f"{admission.saturation_by_tier[tier - 1]:.0%}",
+        f"{admission.saturation_by_tier[tier - 1]:.0%}, or for "
+        f"{admission.max_wait_s_by_tier[tier - 1]:g} s at most",
         retry_after=admission.retry_after_s,
         retryable=True,
     )

@@ -582,8 +582,12 @@ class Agent:
         """Ask the scheduler; wait out admission refusals (saturated fleet, circuits open)."""
         record, checkpoint = call.record, call.checkpoint
         done = sum(1 for s in self.steps if s.kind == "infer" and s.outcome == "ok")
+        waiting_since: datetime | None = None
         while True:
             remaining = self._remaining_s()
+            queued_s = (
+                0.0 if waiting_since is None else (workflow.now() - waiting_since).total_seconds()
+            )
             request = PlacementRequest(
                 model=call.model,
                 block_hashes=[],
@@ -599,6 +603,7 @@ class Agent:
                 exclude=call.exclude,
                 workflow_id=workflow.info().workflow_id,
                 task_started_at=self._started_at.timestamp(),
+                queued_s=max(0.0, queued_s),
                 attempt=call.attempt,
                 # Re-placements made before this request: this one is already counted.
                 task_retries=self.retries
@@ -631,6 +636,8 @@ class Agent:
                 # Admission: under saturation low tiers wait before high tiers do. A durable
                 # timer, so a worker restart does not lose the place in line.
                 record.admission_waits += 1
+                if waiting_since is None:
+                    waiting_since = workflow.now()
                 record.outcome = f"waiting: {refusal.reason.value}"
                 self._publish()
                 await workflow.sleep(wait)

@@ -93,6 +93,8 @@ class KvflowPolicy:
         self.allow_fallback = bool(setup.extra.get("allow_fallback", True))
         self._scraped_at = -math.inf
         self._retry_after: dict[str, float] = {}
+        self._waiting_since: dict[str, float] = {}
+        """Request id → when its first admission refusal came (what `queued_s` counts from)."""
         self._placed: dict[str, Placement] = {}
         self._down: set[int] = set()
 
@@ -122,6 +124,7 @@ class KvflowPolicy:
                 exclude=[names[i] for i in sorted(request.exclude)],
                 workflow_id=task.workflow_id,
                 task_started_at=task.started_at if self.task_order else None,
+                queued_s=now - self._waiting_since.get(request.request_id, now),
                 attempt=request.attempt,
                 task_retries=task.task_retries,
                 allow_fallback=self.allow_fallback,
@@ -131,7 +134,10 @@ class KvflowPolicy:
         if not isinstance(answer, Placement):
             if answer.retryable and answer.retry_after_s is not None:
                 self._retry_after[request.request_id] = answer.retry_after_s
+                # As the workflow does: how long the call has waited goes with each retry.
+                self._waiting_since.setdefault(request.request_id, now)
             return None
+        self._waiting_since.pop(request.request_id, None)
         self._placed[request.request_id] = answer
         request.model = answer.model
         if self.priority_dispatch:
