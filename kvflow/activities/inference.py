@@ -9,6 +9,11 @@ assistant message with `continue_final_message`, completion calls append it to t
 
 Calls with a JSON schema never resume: guided decoding restarts its grammar at the start of the
 continuation, so a partial JSON document cannot be continued safely; they start over.
+
+Each call also carries what the endpoint in front of the engine takes to order it
+(`engine_hints`): its engine priority for vLLM with priority scheduling, `nvext.agent_hints` and
+a session header for an NVIDIA Dynamo frontend, InferenceObjective and fairness headers for an
+llm-d gateway.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, ClassVar, Protocol, TypeVar
+from urllib.parse import quote
 
 import httpx
 from opentelemetry import trace
@@ -70,7 +76,8 @@ from kvflow.activities.wire import (
 )
 from kvflow.ledger.records import AttemptOutcome, AttemptRecord
 from kvflow.scheduler.builtin_tokenizer import Tokenizer as BuiltinTokenizer
-from kvflow.scheduler.fleet import Pool, replica_name
+from kvflow.scheduler.fleet import TIERS, Pool, replica_name
+from kvflow.scheduler.placement import TIER_PRIORITY_SPAN
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(SCOPE_NAME)
@@ -501,10 +508,19 @@ class InferenceActivities:
         chunks received. An answer whose counts cannot be trusted is not continued.
         """
         url, body = _request_body(await self._resolve(request), resumed, progress.reused_tokens)
+        hints = engine_hints(
+            self.replica.pool,
+            request,
+            max_tokens=body["max_tokens"],
+            session_id=activity.info().workflow_id or None,
+        )
+        body.update(hints.body)
         replica = self.replica.name
         bounds = UsageBounds.of(body)
         try:
-            async with self.http.stream("POST", self.replica.base_url + url, json=body) as response:
+            async with self.http.stream(
+                "POST", self.replica.base_url + url, json=body, headers=hints.headers
+            ) as response:
                 if response.status_code >= 400:
                     raw = await _read_capped(response)
                     raise from_status(response.status_code, raw, replica=replica)
@@ -628,6 +644,108 @@ def _request_body(
     assert isinstance(request.prompt, str), "context references are resolved before this"
     body["prompt"] = request.prompt + resumed
     return "/v1/completions", body
+
+
+# ---- what the endpoint in front of the engine takes --------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineHints:
+    """What a call adds for its endpoint's scheduler: top-level body fields and headers."""
+
+    body: dict[str, Any] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+DYNAMO_SESSION_HEADER = "x-dynamo-session-id"
+"""The session a Dynamo request belongs to (Dynamo's docs/agents/session-ids.md; the constant
+`HEADER_DYNAMO_SESSION_ID` of lib/llm/src/protocols/agents.rs). Dynamo takes session identity
+from headers only: `nvext` has no session field (docs/components/frontend/nvext.md)."""
+
+LLMD_OBJECTIVE_HEADER = "x-gateway-inference-objective"
+"""The InferenceObjective a request is served under, whose `priority` orders flow control
+(`ObjectiveKey` in pkg/epp/metadata/consts.go of llm-d/llm-d-inference-scheduler, and of
+pkg/lwepp/metadata/consts.go in kubernetes-sigs/gateway-api-inference-extension)."""
+
+LLMD_FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+"""The flow that flow control shares capacity fairly between, within one priority
+(`FlowFairnessIDKey`, same files as `LLMD_OBJECTIVE_HEADER`)."""
+
+_U32_MAX = 2**32 - 1
+
+
+def engine_hints(
+    pool: Pool, request: InferenceRequest, *, max_tokens: int, session_id: str | None
+) -> EngineHints:
+    """What the call tells the endpoint of `pool` about its urgency, size and session.
+
+    `request.priority` is kvflow's engine priority (`Placement.engine_priority`: tier · 10¹³ +
+    the task's start in milliseconds, lower first); `max_tokens` is what this attempt asks for;
+    `session_id` is the task's (its workflow id). Per `Pool.endpoint_kind`:
+
+    - "vllm": with `priority_scheduling`, the body's `priority`, as it is. vLLM's priority
+      scheduler orders waiting requests by (priority, arrival), lower first, and takes any
+      int64 (`priority` of vllm/entrypoints/openai/chat_completion/protocol.py;
+      vllm/v1/core/sched/request_queue.py). Without it nothing is sent: vLLM's API reference
+      says a non-zero priority is refused unless the engine schedules by priority (0.32
+      accepts it and ignores it, as tests/test_vllm_priority.py pins), and to an fcfs engine
+      it means nothing either way.
+    - "dynamo": `nvext.agent_hints` {"priority", "strict_priority", "osl"} and the session in
+      the `x-dynamo-session-id` header (Dynamo's docs/components/frontend/nvext.md, "Agent
+      Hints"; `AgentHints` in lib/llm/src/protocols/openai/nvext.rs). Dynamo's priority is
+      the other way round (higher first) and an i32, so the tier becomes 5 for tier 1 down to
+      1 for tier 5, as `priority` (router scoring, and the engine's priority, which Dynamo
+      turns into vLLM's polarity itself) and as `strict_priority` (the router queue's tier,
+      compared first). `osl`, the expected output length, is `max_tokens`: kvflow has no
+      better estimate. Within a tier Dynamo orders by arrival, not by the task's start.
+    - "llm-d": the tenant in `x-gateway-inference-fairness-id`, and the tier's
+      InferenceObjective (`Pool.inference_objectives`) in `x-gateway-inference-objective`;
+      with `priority_scheduling` the body's `priority` as well, which the gateway passes on
+      to vLLM. No session header: llm-d's `x-session-token` is a token its session-affinity
+      scorer issues (the serving pod's name, base64), not an id a client chooses
+      (pkg/epp/framework/plugins/scheduling/scorer/sessionaffinity/session_affinity.go).
+
+    A call placed without a priority (`request.priority` None) carries no priority, tier or
+    objective; the endpoint then applies its default.
+    """
+    hints = EngineHints()
+    priority = request.priority
+    kind = pool.endpoint_kind
+    if kind in ("vllm", "llm-d") and pool.priority_scheduling and priority is not None:
+        hints.body["priority"] = priority
+    if kind == "dynamo":
+        agent_hints: dict[str, int] = {}
+        if priority is not None:
+            urgency = TIERS + 1 - tier_of(priority)
+            agent_hints["priority"] = urgency
+            agent_hints["strict_priority"] = urgency
+        agent_hints["osl"] = min(max_tokens, _U32_MAX)
+        hints.body["nvext"] = {"agent_hints": agent_hints}
+        if session_id:
+            hints.headers[DYNAMO_SESSION_HEADER] = header_value(session_id)
+    elif kind == "llm-d":
+        if priority is not None:
+            objective = pool.inference_objectives[tier_of(priority) - 1]
+            hints.headers[LLMD_OBJECTIVE_HEADER] = objective
+        hints.headers[LLMD_FAIRNESS_HEADER] = header_value(request.tenant)
+    return hints
+
+
+def tier_of(priority: int) -> int:
+    """The tenant tier (1 to `TIERS`) an engine priority stands for; out of range, the nearest."""
+    return min(TIERS, max(1, priority // TIER_PRIORITY_SPAN))
+
+
+def header_value(text: str) -> str:
+    """`text` as an HTTP header value: as it is when it is printable ASCII, else %-encoded.
+
+    Workflow ids and tenant names may hold any character, and a header value that HTTP does not
+    allow (a line break, non-ASCII) would fail the call before it is sent. The encoding is the
+    same for the same text, so a session id stays one session.
+    """
+    if text.isascii() and text.isprintable() and text == text.strip():
+        return text
+    return quote(text, safe="")
 
 
 ERROR_BODY_LIMIT = 64 * 1024

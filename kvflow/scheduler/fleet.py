@@ -52,6 +52,28 @@ Usd = Annotated[
 
 MICROS_PER_USD = 1_000_000
 
+EndpointKind = Literal["vllm", "dynamo", "llm-d"]
+"""What a pool's endpoints are: vLLM itself, an NVIDIA Dynamo frontend, or an llm-d gateway
+(Gateway API Inference Extension) in front of vLLM. It decides how a call carries its priority
+(see `kvflow.activities.inference.engine_hints`)."""
+
+TIERS = 5
+"""Tenant tiers run from 1 (first) to `TIERS` (last)."""
+
+ObjectiveName = Annotated[
+    str,
+    Field(
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+        max_length=253,
+        description="the name of an InferenceObjective (a Kubernetes object name)",
+    ),
+]
+
+
+def default_objectives() -> list[str]:
+    """`kvflow-tier-1` to `kvflow-tier-5`: one InferenceObjective name per tier."""
+    return [f"kvflow-tier-{tier}" for tier in range(1, TIERS + 1)]
+
 
 def usd_to_micros(amount: Decimal) -> int:
     """Convert dollars to integer micro-dollars, rounding half up."""
@@ -218,6 +240,47 @@ class Pool(_Strict):
         ),
     )
     kv_events_topic: str = Field(default="", description="the topic vLLM publishes on")
+    endpoint_kind: EndpointKind = Field(
+        default="vllm",
+        description=(
+            '"vllm" (the engine itself), "dynamo" (an NVIDIA Dynamo frontend: the priority '
+            'travels as nvext.agent_hints) or "llm-d" (a Gateway API Inference Extension '
+            "gateway: the tier travels as an InferenceObjective header)"
+        ),
+    )
+    priority_scheduling: bool = Field(
+        default=False,
+        description=(
+            "the vLLM engines run `--scheduling-policy priority`, so each call carries its "
+            "engine priority in the body's `priority` (for vllm and llm-d endpoints: an llm-d "
+            "gateway passes the body on to vLLM); vLLM's default fcfs policy has no use for it"
+        ),
+    )
+    inference_objectives: list[ObjectiveName] = Field(
+        default_factory=default_objectives,
+        min_length=TIERS,
+        max_length=TIERS,
+        description=(
+            '"llm-d" only: the InferenceObjective each tier names in the '
+            "x-gateway-inference-objective header, tier 1 first"
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _endpoint_kind_settings(self) -> Self:
+        # A setting the pool's kind does not use is a mistake in the file, not a no-op.
+        if self.priority_scheduling and self.endpoint_kind == "dynamo":
+            raise ValueError(
+                "priority_scheduling is for vLLM endpoints: Dynamo takes the priority in "
+                "nvext.agent_hints and passes it to its engines itself; remove it"
+            )
+        # Compared with the default rather than asked whether it was given, so that a dumped
+        # pool (which writes the default out) validates again.
+        if self.inference_objectives != default_objectives() and self.endpoint_kind != "llm-d":
+            raise ValueError(
+                'inference_objectives are sent only to an llm-d gateway (endpoint_kind = "llm-d")'
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_endpoint_per_replica(self) -> Self:
