@@ -33,6 +33,10 @@ added in between wait for the next step, as in vLLM. Two drivers use it: the HTT
 `SimReplica` puts one or more engines on one GPU replica: they share its memory (weights of
 all, KV cache split evenly) and its time (steps of different models take turns). A model that
 is not warm loads on its first request (`PerfModel.load_seconds`) before it computes anything.
+
+`EngineConfig.kv_retention` swaps vLLM's eviction order for TensorRT-LLM's retention
+priorities (`kvflow.simulator.kvcache.RetentionBlockPool`): a finished request's blocks are
+kept by its `SimRequest.retention_priority`, for `retention_s` seconds.
 """
 
 from __future__ import annotations
@@ -49,7 +53,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvflow.scheduler.blocks import ROOT_HASH, block_hashes, hash_block
 from kvflow.scheduler.fleet import ModelSpec
 from kvflow.scheduler.gpus import GpuGeneration, GpuProfile
-from kvflow.simulator.kvcache import BlockPool
+from kvflow.simulator.kvcache import (
+    MAX_RETENTION_PRIORITY,
+    MIN_RETENTION_PRIORITY,
+    BlockPool,
+    RetentionBlockPool,
+)
 from kvflow.simulator.perf import GB, PerfModel, gpu_profile
 
 
@@ -92,6 +101,17 @@ class EngineConfig(BaseModel):
             "only its first chunk (vLLM's default)"
         ),
     )
+    kv_retention: bool = Field(
+        default=False,
+        description=(
+            "evict free cached blocks by retention priority, as TensorRT-LLM's "
+            "`KvCacheRetentionConfig` does: a finished request's blocks are kept under its "
+            "`retention_priority` (0-100, default 35) for `retention_s` seconds, then under "
+            "the default; the lowest priority goes first, least recently freed first within "
+            "one. vLLM has no such option. Off: vLLM's order (least recently freed first), the "
+            "same results as without the option"
+        ),
+    )
     enable_kv_events: bool = Field(default=False, description="collect KV-cache events")
     tensor_parallel: int = Field(default=1, ge=1, le=64, description="GPUs per replica")
     mfu: float = Field(default=0.4, gt=0, le=1, description="prefill share of peak FLOP/s")
@@ -130,7 +150,8 @@ class SimRequest:
     Give `prompt_token_ids` (the HTTP server does) or just `num_prompt_tokens` with the prompt's
     `block_hashes` (a discrete-event workload does, to skip tokenizing). Output stops at
     `max_tokens`, at the engine's `max_model_len`, at end of sequence from `sampler`, or after
-    `eos_after` tokens when there is no sampler.
+    `eos_after` tokens when there is no sampler. `retention_priority` and `retention_s` count
+    only on an engine with `EngineConfig.kv_retention`.
     """
 
     __slots__ = (
@@ -154,6 +175,8 @@ class SimRequest:
         "num_prompt_tokens",
         "priority",
         "request_id",
+        "retention_priority",
+        "retention_s",
         "sampler",
         "status",
         "tag",
@@ -173,6 +196,8 @@ class SimRequest:
         ignore_eos: bool = False,
         tag: Any = None,
         priority: int = 0,
+        retention_priority: int | None = None,
+        retention_s: float | None = None,
     ) -> None:
         if prompt_token_ids is not None:
             self.token_ids: list[int] | None = list(prompt_token_ids)
@@ -186,6 +211,12 @@ class SimRequest:
             raise ValueError("a prompt needs at least one token")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        if retention_priority is not None and not (
+            MIN_RETENTION_PRIORITY <= retention_priority <= MAX_RETENTION_PRIORITY
+        ):
+            raise ValueError(f"retention_priority must be within 0..100, got {retention_priority}")
+        if retention_s is not None and not retention_s >= 0:
+            raise ValueError(f"retention_s must be at least 0, got {retention_s}")
         self.request_id = request_id
         self.max_tokens = max_tokens
         self.block_hashes: list[int] | None = block_hashes
@@ -196,6 +227,13 @@ class SimRequest:
         self.priority = priority
         """vLLM's `priority`: under the priority policy, lower runs first among the waiting
         and is preempted last; the fcfs policy ignores it."""
+        self.retention_priority = retention_priority
+        """With `EngineConfig.kv_retention`: the retention priority (0-100, kept longest at
+        100; None: the default, 35) of the blocks this request frees when it finishes. Blocks
+        freed by preemption or abort get the default."""
+        self.retention_s = retention_s
+        """With `EngineConfig.kv_retention`: seconds after it finishes that the request's
+        blocks keep `retention_priority`, then the default; None: until evicted."""
         self.status = RequestStatus.WAITING
         self.arrival_time = 0.0
         self.arrival_order = 0
@@ -370,9 +408,17 @@ class EngineCore:
             )
         self.num_gpu_blocks = num_blocks
         self._events: list[Any] | None = [] if config.enable_kv_events else None
-        self.pool = BlockPool(
-            num_blocks, self.block_size, config.enable_prefix_caching, self._events
-        )
+        self._retention_pool: RetentionBlockPool | None = None
+        """The pool again when it evicts by retention priority (`EngineConfig.kv_retention`)."""
+        if config.kv_retention:
+            self._retention_pool = RetentionBlockPool(
+                num_blocks, self.block_size, config.enable_prefix_caching, self._events
+            )
+            self.pool: BlockPool = self._retention_pool
+        else:
+            self.pool = BlockPool(
+                num_blocks, self.block_size, config.enable_prefix_caching, self._events
+            )
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.requests: dict[str, SimRequest] = {}
@@ -463,12 +509,13 @@ class EngineCore:
             return False
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-            self.pool.release(request.block_ids)
+            # An abort frees at the default priority, whatever the request asked for.
+            self.pool.release(request.block_ids, now or 0.0)
             request.block_ids = []
         elif request in self.waiting:
             self.waiting.remove(request)
             if request.block_ids:
-                self.pool.release(request.block_ids)
+                self.pool.release(request.block_ids, now or 0.0)
                 request.block_ids = []
         request.status = RequestStatus.ABORTED
         request.finish_reason = request.finish_reason or "abort"
@@ -576,6 +623,7 @@ class EngineCore:
         stats = self.stats
         max_model_len = self.max_model_len
         running_status = RequestStatus.RUNNING
+        retention_pool = self._retention_pool
         total = 0
         decodes = 0
         for request, num_new in scheduled:
@@ -613,7 +661,12 @@ class EngineCore:
             request.status = RequestStatus.FINISHED
             request.finish_reason = reason
             request.finish_time = now
-            self.pool.release(request.block_ids)
+            if retention_pool is None:
+                self.pool.release(request.block_ids, now)
+            else:
+                retention_pool.release(
+                    request.block_ids, now, request.retention_priority, request.retention_s
+                )
             request.block_ids = []
             del self.requests[request.request_id]
             finished.append(request)
@@ -683,6 +736,13 @@ class EngineCore:
         )
         if needed > self.pool.num_free_blocks:
             return None  # memory pressure: step one at a time, preempting as vLLM would
+        if needed and self._retention_pool is not None:
+            # The run's blocks are taken at its start (`_end_decode_run`); stepping one at a
+            # time would take them later. Ending the run before a retention lapses keeps the
+            # eviction order the same at every one of those times.
+            expiry = self._retention_pool.next_expiry(now)
+            if expiry is not None and now < expiry < horizon:
+                horizon = expiry
         # Durations of steps i = 0..steps-1: context and pairs grow by one token per sequence.
         flop, attention = self._flop_time * batch, self._attention_time
         weights, kv = self._weight_time, self._kv_time
@@ -740,7 +800,7 @@ class EngineCore:
             # queue in the same order, so the cache ends up as if stepped one at a time.
             count = -(-computed // block_size) - len(request.block_ids)
             if count > 0:
-                blocks = pool.allocate(count)
+                blocks = pool.allocate(count, self._step_start)
                 assert blocks is not None
                 request.block_ids.extend(blocks)
             request.num_computed_tokens = computed
@@ -793,7 +853,7 @@ class EngineCore:
                 num_new = budget
             if computed + num_new > len(request.block_ids) * block_size:
                 needed = -(-(computed + num_new) // block_size) - len(request.block_ids)
-                blocks = pool.allocate(needed)
+                blocks = pool.allocate(needed, now)
                 while blocks is None:
                     if by_priority:
                         victim = max(running, key=_victim_key)
@@ -813,11 +873,11 @@ class EngineCore:
                                 prefill -= taken
                     else:
                         victim = running.pop()
-                    self._preempt(victim)
+                    self._preempt(victim, now)
                     preempted += 1
                     if victim is request:
                         break
-                    blocks = pool.allocate(needed)
+                    blocks = pool.allocate(needed, now)
                 if blocks is None:
                     break
                 request.block_ids.extend(blocks)
@@ -878,7 +938,7 @@ class EngineCore:
                     break
                 self._blocked = None
                 pool.touch(hits)
-                blocks = pool.allocate(needed)
+                blocks = pool.allocate(needed, now)
                 assert blocks is not None
                 waiting.popleft()
                 request.block_ids = hits + blocks
@@ -913,9 +973,12 @@ class EngineCore:
                 return num_new
         raise AssertionError(f"{request.request_id} was not scheduled in this step")
 
-    def _preempt(self, request: SimRequest) -> None:
-        """Preempt by recompute: free the request's blocks and queue it again."""
-        self.pool.release(request.block_ids)
+    def _preempt(self, request: SimRequest, now: float) -> None:
+        """Preempt by recompute: free the request's blocks and queue it again.
+
+        The blocks go back at the default retention priority: the request is coming back.
+        """
+        self.pool.release(request.block_ids, now)
         request.block_ids = []
         request.num_computed_tokens = 0
         request.num_hashed_blocks = 0

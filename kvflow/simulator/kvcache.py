@@ -14,12 +14,17 @@ Shaped like vLLM v1's `BlockPool` (`vllm/v1/core/block_pool.py`), rule for rule:
   of the free queue and stays reusable until the pool needs a block and evicts it from the
   head (least recently freed first, a `BlockRemoved` event); a freed block without a hash
   (a partial last block) goes to the head, to be reused first.
+
+`RetentionBlockPool` adds retention priorities on top, as TensorRT-LLM's block manager has
+them (`EngineConfig.kv_retention`; vLLM has no such thing).
 """
 
 from __future__ import annotations
 
+from bisect import insort
 from collections import OrderedDict
 from collections.abc import Sequence
+from heapq import heappop, heappush
 from itertools import islice, takewhile
 from typing import Any, cast
 
@@ -123,10 +128,12 @@ class BlockPool:
                 del free[block]
             ref_cnt[block] += 1
 
-    def allocate(self, count: int) -> list[int] | None:
+    def allocate(self, count: int, now: float = 0.0) -> list[int] | None:
         """Take `count` blocks from the head of the free queue, evicting their hashes.
 
-        Returns None, changing nothing, when fewer than `count` blocks are free.
+        Returns None, changing nothing, when fewer than `count` blocks are free. `now`, the
+        simulated time, plays no part here (vLLM's order has no clock); a
+        `RetentionBlockPool` needs it to let retentions lapse.
         """
         free = self._free
         if count > len(free):
@@ -153,8 +160,11 @@ class BlockPool:
             self._events.append(BlockRemoved(block_hashes=evicted, medium=MEDIUM_GPU))
         return blocks
 
-    def release(self, blocks: Sequence[int]) -> None:
-        """Drop one reference on each of `blocks`, last block first (see the module docstring)."""
+    def release(self, blocks: Sequence[int], now: float = 0.0) -> None:
+        """Drop one reference on each of `blocks`, last block first (see the module docstring).
+
+        `now` plays no part here, as in `allocate`.
+        """
         ref_cnt = self._ref_cnt
         block_hash = self._block_hash
         free = self._free
@@ -229,3 +239,293 @@ class BlockPool:
             copies.remove(block)
             if not copies:
                 del self._copies[value]
+
+
+DEFAULT_RETENTION_PRIORITY = 35
+"""TensorRT-LLM's default retention priority, on its scale of 0 (evicted first) to 100."""
+MIN_RETENTION_PRIORITY = 0
+MAX_RETENTION_PRIORITY = 100
+
+_UNHASHED = -1
+"""Level of the queue of free blocks without a hash: below every priority, evicted first."""
+_AGED = -2
+"""Level of a free block whose retention lapsed and that waits in the aged heap."""
+
+
+class RetentionBlockPool(BlockPool):
+    """A `BlockPool` that evicts free blocks by retention priority, as TensorRT-LLM does.
+
+    TensorRT-LLM's `KvCacheRetentionConfig` (`tensorrt_llm.llmapi`; "How to Change Block
+    Priorities" and the `KvCacheRetentionConfig` reference in its documentation, and NVIDIA's
+    "Introducing New KV Cache Reuse Optimizations in NVIDIA TensorRT-LLM") gives the
+    blocks of a request a retention priority from 0 to 100 (100 kept longest; the default is
+    35), per token range of the prompt (`TokenRangeRetentionConfig(token_start, token_end,
+    priority, duration_ms)`) and for the blocks of generated tokens
+    (`decode_retention_priority`, `decode_duration_ms`). A duration makes the priority lapse:
+    afterwards the block counts as the default priority. When the block manager needs a block,
+    it evicts a free reusable block of the lowest priority, the least recently used one within
+    that priority.
+
+    Here a request gives one priority and one duration (in seconds, not TensorRT-LLM's
+    milliseconds) for all its blocks (`release`), and they take effect when it frees them; the
+    duration runs from that release. The rules:
+
+    - Free blocks without a hash (never used, or a partial last block) still go first, in
+      vLLM's order (`BlockPool`); they hold nothing worth keeping.
+    - Then the lowest effective priority, least recently freed first within a priority.
+    - A block whose retention lapsed counts as priority 35 from then on, ordered among the
+      priority-35 blocks by when it was freed: where it would be had it been freed at the
+      default priority. Not at the tail: that would make a block whose retention ran out long
+      ago look freshly used, still protected after its window. Lapses are applied lazily, when
+      a block is next allocated (`now`), which is the only moment the order matters.
+    - A block several requests held takes the priority of the release that frees it (the
+      last holder's); freed again after a cache hit, it takes that release's.
+
+    With every release at the default priority the order is exactly `BlockPool`'s. A retained
+    free block is free: `num_free_blocks` counts it and `usage()` does not, as vLLM's
+    `kv_cache_usage_perc` does not count cached free blocks.
+
+    Structure: one queue (insertion order = eviction order) per priority in use; a heap of
+    (expires_at, first release number, blocks), one entry per release with a finite
+    retention (its blocks are numbered consecutively); and a heap of (release number, block)
+    of lapsed blocks, merged with the priority-35 queue by release number. Heap entries are
+    dropped lazily: a block taken or freed again since (another release number) is skipped.
+    """
+
+    __slots__ = (
+        "_aged",
+        "_clock",
+        "_expiring",
+        "_level",
+        "_levels",
+        "_num_free",
+        "_queues",
+        "_seq",
+    )
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        events: list[Any] | None = None,
+    ) -> None:
+        super().__init__(num_blocks, block_size, enable_caching, events)
+        # The base class's free queue holds the blocks without a hash here.
+        self._queues: dict[int, OrderedDict[int, None]] = {
+            _UNHASHED: self._free,
+            DEFAULT_RETENTION_PRIORITY: OrderedDict(),
+        }
+        self._levels: list[int] = [DEFAULT_RETENTION_PRIORITY]
+        """Priorities with a queue, ascending (the unhashed queue is looked at first)."""
+        self._level: list[int] = [_UNHASHED] * num_blocks
+        """Per block while free: the priority of its queue, `_UNHASHED` or `_AGED`."""
+        self._seq: list[int] = [0] * num_blocks
+        """Per block: the number of its latest release (a free block's age)."""
+        self._clock = 0
+        self._expiring: list[tuple[float, int, list[int]]] = []
+        """(expires_at, release number of the first, blocks) per release with a retention."""
+        self._aged: list[tuple[int, int]] = []
+        self._num_free = num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no running request holds (cached, retained or not)."""
+        return self._num_free
+
+    def usage(self) -> float:
+        """Fraction of blocks held by requests; retained free blocks are not in use."""
+        return 1.0 - self._num_free / (self.num_blocks - 1)
+
+    def next_expiry(self, now: float) -> float | None:
+        """When the next retention lapses after `now`; None if none is pending.
+
+        Lapses up to `now` are applied first. The time may be that of a retention whose blocks
+        were all taken since: early, never late.
+        """
+        heap = self._expiring
+        if heap and heap[0][0] <= now:
+            self._expire(now)
+        return heap[0][0] if heap else None
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        """Take a reference on cached `blocks`, taking free ones out of the free structure."""
+        ref_cnt = self._ref_cnt
+        level = self._level
+        queues = self._queues
+        for block in blocks:
+            if ref_cnt[block] == 0:
+                where = level[block]
+                # A lapsed block's heap entry goes stale on its own (the block is not free).
+                if where != _AGED:
+                    del queues[where][block]
+                self._num_free -= 1
+            ref_cnt[block] += 1
+
+    def allocate(self, count: int, now: float = 0.0) -> list[int] | None:
+        """Take `count` free blocks in eviction order at time `now` (class docstring).
+
+        Returns None, changing nothing, when fewer than `count` blocks are free.
+        """
+        if count > self._num_free:
+            return None
+        if self._expiring and self._expiring[0][0] <= now:
+            self._expire(now)
+        ref_cnt = self._ref_cnt
+        block_hash = self._block_hash
+        evicted: list[int] | None = None
+        blocks = self._take(count)
+        for block in blocks:
+            old = block_hash[block]
+            if old is not None:
+                block_hash[block] = None
+                self._forget(old, block)
+                if self._events is not None:
+                    if evicted is None:
+                        evicted = []
+                    evicted.append(old)
+            ref_cnt[block] = 1
+        self._num_free -= count
+        if evicted:
+            assert self._events is not None
+            self._events.append(BlockRemoved(block_hashes=evicted, medium=MEDIUM_GPU))
+        return blocks
+
+    def release(
+        self,
+        blocks: Sequence[int],
+        now: float = 0.0,
+        priority: int | None = None,
+        retention_s: float | None = None,
+    ) -> None:
+        """Drop one reference on each of `blocks`, last block first.
+
+        A block no request holds any more becomes free: without a hash at the head of the
+        eviction order (as `BlockPool`), with one under `priority` (None: the default, 35)
+        until `now + retention_s` (None: until evicted), then under the default priority.
+        """
+        if priority is None:
+            priority = DEFAULT_RETENTION_PRIORITY
+        elif not MIN_RETENTION_PRIORITY <= priority <= MAX_RETENTION_PRIORITY:
+            raise ValueError(f"retention priority must be within 0..100, got {priority}")
+        expires_at = (
+            None
+            if retention_s is None or priority == DEFAULT_RETENTION_PRIORITY
+            else now + retention_s
+        )
+        queue = self._queues.get(priority)
+        if queue is None:
+            queue = self._queues[priority] = OrderedDict()
+            insort(self._levels, priority)
+        ref_cnt = self._ref_cnt
+        block_hash = self._block_hash
+        level = self._level
+        seq = self._seq
+        clock = first = self._clock + 1
+        freed = 0
+        retained: list[int] = []
+        reuse_first: list[int] = []
+        for block in reversed(blocks):
+            ref_cnt[block] -= 1
+            if ref_cnt[block] == 0:
+                freed += 1
+                if block_hash[block] is None:
+                    reuse_first.append(block)
+                    continue
+                seq[block] = clock
+                clock += 1
+                level[block] = priority
+                queue[block] = None
+                retained.append(block)
+        self._clock = clock - 1
+        if expires_at is not None and retained:
+            # One entry for the release, not one per block: its blocks have consecutive
+            # release numbers from `first`.
+            heappush(self._expiring, (expires_at, first, retained))
+        self.releases += freed
+        self._num_free += freed
+        free = self._free
+        for block in reversed(reuse_first):
+            level[block] = _UNHASHED
+            free[block] = None
+            free.move_to_end(block, last=False)
+
+    def reset(self) -> bool:
+        """Forget every cached hash; only possible when no request holds a block.
+
+        The free blocks keep their eviction order, all of them now without a hash.
+        """
+        if self._num_free != self.num_blocks - 1:
+            return False
+        self._free.update(OrderedDict.fromkeys(self._take(self._num_free)))
+        self._level = [_UNHASHED] * self.num_blocks
+        self._expiring.clear()
+        self._aged.clear()
+        return super().reset()
+
+    def _expire(self, now: float) -> None:
+        """Move free blocks whose retention lapsed by `now` to the aged heap (default level)."""
+        heap = self._expiring
+        ref_cnt = self._ref_cnt
+        seq = self._seq
+        level = self._level
+        queues = self._queues
+        aged = self._aged
+        while heap and heap[0][0] <= now:
+            _, number, blocks = heappop(heap)
+            for block in blocks:
+                # Skipped if taken, or freed again since: another release's rules apply.
+                if ref_cnt[block] == 0 and seq[block] == number:
+                    del queues[level[block]][block]
+                    level[block] = _AGED
+                    heappush(aged, (number, block))
+                number += 1
+
+    def _take(self, count: int) -> list[int]:
+        """Take the next `count` free blocks to evict out of the free structure, in order.
+
+        Whole runs come from one queue at a time: a Python call per block cost a third of a
+        run under memory pressure.
+        """
+        taken: list[int] = []
+        append = taken.append
+        need = count
+        queues = self._queues
+        for priority in (_UNHASHED, *self._levels):
+            queue = queues[priority]
+            if priority == DEFAULT_RETENTION_PRIORITY and self._aged:
+                need = self._take_default(queue, need, taken)
+            else:
+                pop = queue.popitem
+                for _ in range(min(need, len(queue))):
+                    append(pop(last=False)[0])
+                need = count - len(taken)
+            if not need:
+                return taken
+        raise AssertionError("fewer free blocks than the count said")
+
+    def _take_default(self, queue: OrderedDict[int, None], need: int, taken: list[int]) -> int:
+        """Take up to `need` default-priority blocks: `queue` merged with the lapsed blocks.
+
+        Both are in release order; the older head goes first. Returns how many are still
+        needed.
+        """
+        aged = self._aged
+        ref_cnt = self._ref_cnt
+        seq = self._seq
+        level = self._level
+        while need:
+            while aged:
+                number, block = aged[0]
+                if ref_cnt[block] == 0 and level[block] == _AGED and seq[block] == number:
+                    break
+                heappop(aged)  # stale: taken or freed again since it lapsed
+            if aged and (not queue or aged[0][0] < seq[next(iter(queue))]):
+                block = heappop(aged)[1]
+            elif queue:
+                block = queue.popitem(last=False)[0]
+            else:
+                break
+            taken.append(block)
+            need -= 1
+        return need
