@@ -236,7 +236,7 @@ def test_a_conversation_freed_with_priority_zero_is_evicted_before_any_other() -
 
 
 @pytest.mark.timeout(30)
-def test_preempted_and_aborted_requests_free_at_the_default_priority() -> None:
+def test_an_aborted_request_frees_at_the_default_priority() -> None:
     engine = retention_engine(41)
     gone, other = prompt(1, 320), prompt(2, 320)
     request = SimRequest("gone", max_tokens=50, prompt_token_ids=gone, retention_priority=100)
