@@ -128,9 +128,16 @@ def ask(scheduler: Scheduler, prompt: list[int], workflow: str) -> Placement:
 
 
 class Publisher:
-    """vLLM's side: a PUB socket of [topic, seq, batch] and a ROUTER that replays the buffer."""
+    """vLLM's side: a PUB socket of [topic, seq, batch] and a ROUTER that replays the buffer.
 
-    def __init__(self, context: zmq.Context[zmq.Socket[bytes]]) -> None:
+    Replayed messages carry the topic as vLLM 0.32 sends them, or with `replay_topic=False`
+    leave it out as older vLLM (and kvflow's simulator) do.
+    """
+
+    def __init__(
+        self, context: zmq.Context[zmq.Socket[bytes]], *, replay_topic: bool = True
+    ) -> None:
+        self.replay_topic = replay_topic
         self.pub = context.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         port = self.pub.bind_to_random_port("tcp://127.0.0.1")
@@ -155,8 +162,10 @@ class Publisher:
             self.pub.send_multipart([TOPIC.encode(), seq.to_bytes(8, "big"), payload])
 
     def _serve_replay(self) -> None:
-        # As vLLM's ZmqEventPublisher: [identity, b"", start] in; one [identity, b"", seq,
-        # payload] per buffered batch from start on, then seq -1 with an empty payload.
+        # As vLLM 0.32's ZmqEventPublisher._service_replay: [identity, b"", start] in; one
+        # [identity, b"", topic, seq, payload] per buffered batch from start on, then
+        # [identity, b"", b"", seq -1, b""]. Older vLLM sends the same without the topic frame.
+        end = (-1).to_bytes(8, "big", signed=True)
         while not self._stop.is_set():
             if not self.router.poll(20):
                 continue
@@ -165,9 +174,10 @@ class Publisher:
             self.replay_requests.append(start)
             with self._lock:
                 buffered = [item for item in self.buffer if item[0] >= start]
+            topic, no_topic = ([TOPIC.encode()], [b""]) if self.replay_topic else ([], [])
             for seq, payload in buffered:
-                self.router.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
-            self.router.send_multipart([identity, b"", (-1).to_bytes(8, "big", signed=True), b""])
+                self.router.send_multipart([identity, b"", *topic, seq.to_bytes(8, "big"), payload])
+            self.router.send_multipart([identity, b"", *no_topic, end, b""])
 
     def close(self) -> None:
         self._stop.set()
@@ -177,9 +187,10 @@ class Publisher:
 
 
 @pytest.fixture
-async def publisher() -> AsyncIterator[Publisher]:
+async def publisher(request: pytest.FixtureRequest) -> AsyncIterator[Publisher]:
+    """vLLM 0.32's publisher; parametrized indirectly, `replay_topic` (True or False)."""
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    publisher = Publisher(context)
+    publisher = Publisher(context, replay_topic=getattr(request, "param", True))
     try:
         yield publisher
     finally:
@@ -268,6 +279,9 @@ async def test_older_vllm_array_encoding_and_a_cache_reset_are_understood(
         await asyncio.wait_for(task, timeout=5)
 
 
+@pytest.mark.parametrize(
+    "publisher", [True, False], ids=["vllm-0.32-replay", "older-vllm-replay"], indirect=True
+)
 async def test_a_late_subscriber_recovers_earlier_batches_from_the_replay_socket(
     publisher: Publisher,
 ) -> None:
@@ -282,10 +296,18 @@ async def test_a_late_subscriber_recovers_earlier_batches_from_the_replay_socket
         publisher.endpoint,
         topic=TOPIC,
         replay_endpoint=publisher.replay_endpoint,
+        # Long enough that a replay which misses the end marker shows as a stall.
+        replay_timeout_s=8.0,
     )
     task = asyncio.create_task(subscriber.run())
     try:
         await subscribed(subscriber, publisher)
+        # The live batch that revealed the gap is applied once the replay has ended.
+        await eventually(
+            lambda: subscriber.last_seq is not None and subscriber.last_seq >= 2,
+            within=4,
+            what="the replay ends at the end marker and the live batch is applied",
+        )
         assert publisher.replay_requests and publisher.replay_requests[0] == 0
         assert subscriber.replayed >= 2 and subscriber.gaps == 0
         result = ask(scheduler, prompt + [7] * 20, "wf-3")

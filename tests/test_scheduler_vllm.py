@@ -2,7 +2,8 @@
 
 The decisive check: after vLLM reports, through its own KV events, the blocks it cached for a
 prompt, the scheduler expects exactly the cached tokens vLLM then reports in `usage` when the
-prompt comes again, although vLLM hashes blocks its own way.
+prompt comes again, although vLLM hashes blocks its own way. A subscriber that joins later
+recovers those blocks from vLLM's replay socket.
 """
 
 from __future__ import annotations
@@ -64,22 +65,25 @@ async def test_vllm_kv_events_predict_the_cached_tokens_vllm_reports(
     try:
         await subscriber.wait_ready()
         async with httpx.AsyncClient(base_url=vllm_server.base_url, timeout=60.0) as client:
-            text = f"[{uuid.uuid4().hex}] " + " ".join(
-                f"step{i % 13} tool{i % 5}" for i in range(300)
-            )
-            tokenized = await client.post(
-                "/tokenize", json={"model": vllm_server.model, "prompt": text}
-            )
-            tokenized.raise_for_status()
-            tokens: list[int] = tokenized.json()["tokens"][:600]
-            assert len(tokens) == 600
 
-            async def complete() -> int:
+            async def unique_prompt() -> list[int]:
+                text = f"[{uuid.uuid4().hex}] " + " ".join(
+                    f"step{i % 13} tool{i % 5}" for i in range(300)
+                )
+                tokenized = await client.post(
+                    "/tokenize", json={"model": vllm_server.model, "prompt": text}
+                )
+                tokenized.raise_for_status()
+                prompt: list[int] = tokenized.json()["tokens"][:600]
+                assert len(prompt) == 600
+                return prompt
+
+            async def complete(prompt: list[int]) -> int:
                 response = await client.post(
                     "/v1/completions",
                     json={
                         "model": vllm_server.model,
-                        "prompt": tokens,
+                        "prompt": prompt,
                         "max_tokens": 2,
                         "ignore_eos": True,
                     },
@@ -88,7 +92,8 @@ async def test_vllm_kv_events_predict_the_cached_tokens_vllm_reports(
                 cached: int = response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
                 return cached
 
-            assert await complete() == 0
+            tokens = await unique_prompt()
+            assert await complete(tokens) == 0
             request = PlacementRequest(
                 model=vllm_server.model,
                 block_hashes=block_hashes(tokens, scheduler.block_size),
@@ -109,7 +114,39 @@ async def test_vllm_kv_events_predict_the_cached_tokens_vllm_reports(
             assert subscriber.events > 0 and subscriber.undecodable == 0
             # 600 tokens: four whole blocks of 128; vLLM recomputes the last token.
             assert expected == 512
-            assert await complete() == expected
+            assert await complete(tokens) == expected
+
+            # A subscriber that joins now has missed the batches above. The next batch it
+            # receives shows the gap, and it recovers them from vLLM's replay socket.
+            late_scheduler = Scheduler(fleet)
+            late = KvEventSubscriber(
+                late_scheduler,
+                "cpu/0",
+                vllm_server.kv_events_endpoint,
+                topic=vllm_server.kv_topic,
+                replay_endpoint=vllm_server.kv_replay_endpoint,
+            )
+            late_task = asyncio.create_task(late.run())
+            try:
+                await late.wait_ready()
+                # New blocks make vLLM publish; more than one prompt in case the first batch
+                # goes out before the subscription reaches vLLM's socket.
+                for _ in range(5):
+                    await complete(await unique_prompt())
+                    for _ in range(100):
+                        if late.batches > late.replayed:
+                            break
+                        await asyncio.sleep(0.02)
+                    if late.batches > late.replayed:
+                        break
+                assert late.batches > late.replayed, "the late subscriber received no batch"
+                assert late.replayed > 0 and late.gaps == 0 and late.undecodable == 0
+                placement = late_scheduler.place(request)
+                assert isinstance(placement, Placement)
+                assert placement.expected_cached_tokens == expected
+            finally:
+                late.stop()
+                await asyncio.wait_for(late_task, timeout=5)
     finally:
         subscriber.stop()
         await asyncio.wait_for(task, timeout=5)

@@ -3,7 +3,9 @@
 vLLM publishes `[topic, 8-byte big-endian sequence number, msgpack EventBatch]` on a ZMQ PUB
 socket (`--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", ...}'`) and
 replays buffered batches from a ROUTER socket when asked with `[b"", start sequence]`, ending
-with sequence −1.
+with sequence −1. A replayed message reaches the asking DEALER socket as
+`[b"", topic, sequence, batch]` (vLLM 0.32; the end marker has an empty topic and batch) or,
+from older vLLM, as `[b"", sequence, batch]`: the last two frames are the sequence and batch.
 
 The batch and its events are msgspec structs in vLLM (`vllm/distributed/kv_events.py`). Their
 encoding changed across versions, and this decoder takes all of them without importing vLLM:
@@ -248,14 +250,16 @@ class KvEventSubscriber:
                     logger.warning("replay socket of %s did not answer", self.replica)
                     return
                 frames = await dealer.recv_multipart()
-                if len(frames) != 3:
+                # [b"", topic, seq, batch] from vLLM 0.32, [b"", seq, batch] from older vLLM.
+                if len(frames) < 3:
                     continue
-                seq = int.from_bytes(frames[1], "big", signed=True)
+                seq_bytes, payload = frames[-2], frames[-1]
+                seq = int.from_bytes(seq_bytes, "big", signed=True)
                 if seq == END_OF_REPLAY:
                     return
                 if seq >= until or (self.last_seq is not None and seq <= self.last_seq):
                     continue
-                self._apply(seq, frames[2])
+                self._apply(seq, payload)
                 self.replayed += 1
         finally:
             with contextlib.suppress(zmq.ZMQError):
