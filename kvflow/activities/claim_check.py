@@ -43,7 +43,7 @@ from temporalio.converter import (
     WorkflowSerializationContext,
 )
 
-from kvflow.activities.context_store import ContextNotFound, DirectoryContextStore
+from kvflow.activities.context_store import ContextNotFound, ContextStore
 from kvflow.activities.wire import INLINE_LIMIT_BYTES
 
 CLAIM_CHECK_ENCODING = b"kvflow/claim-check"
@@ -83,7 +83,7 @@ class ClaimCheckCodec(PayloadCodec, WithSerializationContext):
 
     def __init__(
         self,
-        store: DirectoryContextStore,
+        store: ContextStore,
         threshold_bytes: int = INLINE_LIMIT_BYTES,
         *,
         scope: str | None = None,
@@ -149,7 +149,7 @@ def is_claim_check(payload: Payload) -> bool:
 
 
 def claim_check_converter(
-    store: DirectoryContextStore, threshold_bytes: int | None = INLINE_LIMIT_BYTES
+    store: ContextStore, threshold_bytes: int | None = INLINE_LIMIT_BYTES
 ) -> DataConverter:
     """The pydantic data converter with a `ClaimCheckCodec` on `store` (None: without one)."""
     if threshold_bytes is None:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from kvflow.activities.context_store import ContextNotFound, DirectoryContextStore
+from kvflow.activities.context_store import ContextNotFound, ContextStore, DirectoryContextStore
 from kvflow.activities.errors import capped
 from kvflow.activities.inference import AttemptSink
 from kvflow.activities.tokenize import FleetTokenizers
@@ -181,7 +181,7 @@ class ControlPlaneActivities:
         fleet: Fleet,
         block_size: int,
         ledger: LedgerSink | None = None,
-        store: DirectoryContextStore | None = None,
+        store: ContextStore | None = None,
         tokenizers: FleetTokenizers | None = None,
         triage: FailureTriage | None = None,
     ) -> None:

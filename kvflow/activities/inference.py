@@ -37,7 +37,7 @@ from opentelemetry.trace import SpanKind
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from kvflow.activities.context_store import DirectoryContextStore
+from kvflow.activities.context_store import ContextStore, DirectoryContextStore
 from kvflow.activities.errors import (
     ContextStoreFailed,
     InferenceError,
@@ -164,7 +164,7 @@ class PartialOutput:
 
     GROWTH = 0.25
 
-    def __init__(self, store: DirectoryContextStore, tenant: str) -> None:
+    def __init__(self, store: ContextStore, tenant: str) -> None:
         self.store = store
         self.tenant = tenant
         self._stored: Checkpoint | None = None
@@ -252,7 +252,7 @@ class InferenceActivities:
         replica: ReplicaBinding,
         http: httpx.AsyncClient,
         ledger: AttemptSink | None = None,
-        store: DirectoryContextStore | None = None,
+        store: ContextStore | None = None,
         heartbeat_interval_s: float = 0.5,
         meter: Meter | None = None,
     ) -> None:
@@ -463,7 +463,7 @@ class InferenceActivities:
         except OSError as exc:
             raise ContextStoreFailed(
                 f"the GPU worker could not store the answer ({len(text.encode('utf-8'))} "
-                f"bytes) in the context store {self.store.root}: {exc}",
+                f"bytes) in the context store {self.store.location}: {exc}",
                 replica=self.replica.name,
             ) from exc
 

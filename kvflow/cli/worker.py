@@ -6,12 +6,12 @@ import asyncio
 import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated, cast
+from typing import Annotated
 
 import typer
 from temporalio.client import Client
 
-from kvflow.activities.context_store import ContextStore, DirectoryContextStore
+from kvflow.activities.context_store import ContextStore
 from kvflow.cli.context import DEFAULT_CONTEXT_STORE, open_store_or_exit
 from kvflow.cli.url_options import fail_without_secrets, http_url_or_exit, url_option
 from kvflow.ledger.errors import LedgerError
@@ -63,8 +63,7 @@ def _unreachable(config: FleetConfig, exc: Exception) -> str:
 async def _connect(config: FleetConfig, store: ContextStore) -> Client:
     """A Temporal client of the fleet whose codec keeps large payloads in `store`.
 
-    The worker's activities share the same store. They (and `GpuWorker`) are annotated with
-    the directory store but call only the `ContextStore` methods, which every store has.
+    The worker's activities share the same store.
     """
     return await Client.connect(
         **config.temporal.connect_config(), plugins=[KvflowPlugin(context_store=store)]
@@ -125,7 +124,7 @@ def gpu(
                 client,
                 binding,
                 ledger=ledger,
-                store=cast(DirectoryContextStore, store),  # see `_connect`
+                store=store,
                 graceful_shutdown_s=graceful_shutdown_s,
             )
             _shutdown_on_signals(worker.shutdown)
@@ -227,7 +226,7 @@ def workflow_command(
                 config,
                 endpoints=endpoints,
                 ledger=ledger,
-                store=cast(DirectoryContextStore, store),  # see `_connect`
+                store=store,
             ) as control:
                 worker = await workflow_worker(
                     client,

@@ -46,7 +46,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import uvicorn
 from google.protobuf import json_format
@@ -296,9 +296,7 @@ class PayloadOpener:
         threshold_bytes: int = INLINE_LIMIT_BYTES,
     ) -> None:
         # No scope: it follows the scope each reference names (access is checked here first).
-        # The codec is annotated with the directory store but calls only `put_bytes` and
-        # `get_bytes`, which every `ContextStore` has: any store serves it.
-        self._codec = ClaimCheckCodec(cast(DirectoryContextStore, store), threshold_bytes)
+        self._codec = ClaimCheckCodec(store, threshold_bytes)
         self._store = store
         self._tenant_of = tenant_of
 

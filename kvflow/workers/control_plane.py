@@ -36,7 +36,7 @@ from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client
 from temporalio.service import RPCError
 
-from kvflow.activities.context_store import DirectoryContextStore
+from kvflow.activities.context_store import ContextStore
 from kvflow.activities.control_plane import ControlPlaneActivities, LedgerSink
 from kvflow.scheduler.config import LivenessConfig, SchedulerConfig
 from kvflow.scheduler.core import Clock, Scheduler
@@ -214,7 +214,7 @@ class ControlPlane:
         *,
         endpoints: Mapping[str, str] | None = None,
         ledger: LedgerSink | None = None,
-        store: DirectoryContextStore | None = None,
+        store: ContextStore | None = None,
         config: SchedulerConfig | None = None,
         scrape_interval_s: float = 1.0,
         spend_refresh_s: float = 5.0,

@@ -23,7 +23,7 @@ from types import TracebackType
 import httpx
 from temporalio.client import Client
 
-from kvflow.activities.context_store import DEFAULT_CONTEXT_DIR, DirectoryContextStore
+from kvflow.activities.context_store import DEFAULT_CONTEXT_DIR, ContextStore
 from kvflow.activities.inference import (
     AttemptSink,
     InferenceActivities,
@@ -48,7 +48,7 @@ class GpuWorker:
         binding: ReplicaBinding,
         *,
         ledger: AttemptSink | None = None,
-        store: DirectoryContextStore | None = None,
+        store: ContextStore | None = None,
         http: httpx.AsyncClient | None = None,
         graceful_shutdown_s: float = 10.0,
         heartbeat_interval_s: float = 0.5,

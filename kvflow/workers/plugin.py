@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from types import ModuleType
-from typing import Any, cast
+from typing import Any
 
 import httpx
 from temporalio.client import Client, ClientConfig
@@ -43,7 +43,6 @@ from kvflow.activities.claim_check import claim_check_converter
 from kvflow.activities.context_store import (
     DEFAULT_CONTEXT_DIR,
     ContextStore,
-    DirectoryContextStore,
     open_context_store,
 )
 from kvflow.activities.control_plane import LedgerSink
@@ -142,14 +141,11 @@ class KvflowPlugin(SimplePlugin):
         if context_store is not None and context_dir is not None:
             raise ValueError("KvflowPlugin takes context_store or context_dir, not both")
         spec = context_store if context_store is not None else context_dir
-        opened = (
+        store = (
             open_context_store(spec if spec is not None else DEFAULT_CONTEXT_DIR)
             if spec is None or isinstance(spec, Path | str)
             else spec
         )
-        # The activities and the codec are annotated with the directory store but call only
-        # the `ContextStore` methods, which every store has: any store serves them.
-        store = cast(DirectoryContextStore, opened)
         self.control_plane = control_plane
         self.inference = inference
         # What the plugin built it also starts and stops; what it was given (by `GpuWorker`,
