@@ -246,7 +246,7 @@ def framework_worker(
     plugins = [
         KvflowPlugin(
             control_plane=control_plane,
-            context_dir=claim_check.store.root if claim_check else DEFAULT_CONTEXT_DIR,
+            context_store=claim_check.store if claim_check else DEFAULT_CONTEXT_DIR,
             claim_check_bytes=claim_check.threshold_bytes if claim_check else None,
         ),
         *sample.client_plugins(),
