@@ -32,12 +32,13 @@ from kvflow.bench.policies.fleet import FALLBACK_MODEL, bench_fleet, simulated_r
 from kvflow.bench.policies.router_queue import RouterQueue
 from kvflow.bench.policies.task_runner import Decision, TaskRunner
 from kvflow.scheduler.fleet import Fleet
-from kvflow.scheduler.placement import TIER_PRIORITY_SPAN, engine_priority
+from kvflow.scheduler.placement import MIN_RETENTION_S, TIER_PRIORITY_SPAN, engine_priority
 from kvflow.simulator.des import FleetRequest, FleetView
 from kvflow.simulator.policies.base import (
     DEFAULT_MECHANISMS,
     ENGINE_PRIORITY,
     HINTS,
+    KV_RETENTION,
     ROUTER_QUEUE,
     PolicySetup,
     RequestRouter,
@@ -212,12 +213,39 @@ def test_engine_priority_and_hints_are_the_same_for_every_policy(
             assert decision.priority // TIER_PRIORITY_SPAN == expected
         else:
             assert decision.priority == expected
-        session, output = decision.context[-2:]
+        fields = [f.name for f in dataclasses.fields(TaskContext)]
+        session = decision.context[fields.index("session_id")]
+        output = decision.context[fields.index("expected_output_tokens")]
         assert (session == workflow) is hinted
         assert (isinstance(output, int) and output > 0) is hinted
     assert (run.runner.queue is not None) is (ROUTER_QUEUE in mechanisms)
     policies = {r.config.scheduling_policy for r in run.runner.sim.replicas}
     assert policies == {"priority" if ENGINE_PRIORITY in mechanisms else "fcfs"}
+
+
+@pytest.mark.parametrize("retention", [True, False])
+def test_kv_retention_is_asked_only_by_the_policies_that_document_it(retention: bool) -> None:
+    spec = WORKLOADS["long-agent"]
+    mechanisms = DEFAULT_MECHANISMS if retention else DEFAULT_MECHANISMS - {KV_RETENTION}
+    asked: dict[str, set[tuple[int | None, float | None]]] = {}
+    for name in ["kvflow", "dynamo-tuned", "llm-d-tuned", "sglang-tuned"]:
+        run = run_policy(
+            name, spec=spec, fleet=bench_fleet("long-agent", 2), task_rate=0.05, tasks=3,
+            seed=2, mechanisms=mechanisms, record_decisions=True,
+        )  # fmt: skip
+        assert run.runner.decisions
+        asked[name] = {d.retention for d in run.runner.decisions}
+        assert all(r.config.kv_retention is retention for r in run.runner.sim.replicas)
+    if not retention:
+        assert all(values == {(None, None)} for values in asked.values()), asked
+        return
+    assert asked["llm-d-tuned"] == asked["sglang-tuned"] == {(None, None)}
+    # Dynamo's priority hint carries no duration; kvflow's lasts twice the expected pause
+    # once one has been observed.
+    assert {d for _, d in asked["dynamo-tuned"]} == {None}
+    assert all(p is not None and p > 35 for p, _ in asked["kvflow"] | asked["dynamo-tuned"])
+    durations = {d for _, d in asked["kvflow"] if d is not None}
+    assert durations and min(durations) >= MIN_RETENTION_S
 
 
 class _Fleet:

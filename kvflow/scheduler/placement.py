@@ -43,6 +43,32 @@ def engine_priority(tier: int, task_started_at: float | None) -> int:
     return tier * TIER_PRIORITY_SPAN + started_ms
 
 
+RETENTION_BY_TIER = (90, 80, 70, 60, 50)
+"""KV retention priority (TensorRT-LLM's 0–100, default 35) of a paused conversation, by
+tier: a higher tier's conversation is evicted after a lower tier's."""
+RETENTION_PAUSE_MULTIPLE = 2.0
+"""A paused conversation keeps its retention for this many times its expected pause."""
+MIN_RETENTION_S = 5.0
+
+
+def kv_retention(tier: int, expected_pause_s: float | None) -> tuple[int, float | None]:
+    """The KV retention a call asks the engine for: (priority, seconds it holds after the call).
+
+    Evict the conversation that returns last: a paused conversation outranks the engine's
+    default (35) by its tier (`RETENTION_BY_TIER`) for `RETENTION_PAUSE_MULTIPLE` × the
+    pause its workflow type's tools usually take (at least `MIN_RETENTION_S`); past that it is
+    overdue, falls back to the default, and goes before every conversation still expected
+    back (a finished task's conversation never comes back, so it is the first of those).
+    Without an expected pause the priority holds until the blocks are evicted. The blocks
+    stay free in the engine's accounting: retention orders eviction, it does not pin, so it
+    never reads as load to a scheduler.
+    """
+    priority = RETENTION_BY_TIER[min(max(tier, 1), 5) - 1]
+    if expected_pause_s is None:
+        return priority, None
+    return priority, max(MIN_RETENTION_S, RETENTION_PAUSE_MULTIPLE * expected_pause_s)
+
+
 class PlacementInputError(ValueError):
     """A placement request that no fleet state could serve: fix the request or the fleet."""
 

@@ -58,6 +58,11 @@ class FleetRequest:
     """1, or 2+ when this call is re-placed after a failure."""
     priority: int = 0
     """The engine's waiting-queue order (lower first); a router may set it when it routes."""
+    retention_priority: int | None = None
+    """KV retention priority of the call's blocks once it ends (0–100, TensorRT-LLM's; None:
+    the default), where the engine keeps blocks by retention (`EngineConfig.kv_retention`)."""
+    retention_s: float | None = None
+    """How long after the call ends `retention_priority` holds (None: until evicted)."""
     context: Any = None
     """What the driver of the workload attaches (e.g. the task the call belongs to)."""
 
@@ -448,6 +453,8 @@ class DiscreteEventFleet:
             eos_after=max(1, request.output_tokens),
             tag=request,
             priority=request.priority,
+            retention_priority=request.retention_priority,
+            retention_s=request.retention_s,
         )
         replica.add_request(request.model, sim, self.now)
         if not self._busy[index]:

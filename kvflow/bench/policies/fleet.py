@@ -100,17 +100,21 @@ def bench_fleet(workload: str, replicas: int) -> Fleet:
     return Fleet(models=models, pools=pools, tenants=_TENANTS)
 
 
-def engine_config(spec: WorkloadSpec, *, priority: bool = True) -> EngineConfig:
+def engine_config(
+    spec: WorkloadSpec, *, priority: bool = True, retention: bool = False
+) -> EngineConfig:
     """The engines' settings for `spec` (its `max_model_len` and block size, KV events on).
 
     `priority`: vLLM's `--scheduling-policy priority` (the engine-priority mechanism), else
-    fcfs.
+    fcfs. `retention`: blocks kept by the retention priority their call asked for (the
+    kv-retention mechanism), else least recently used first.
     """
     return EngineConfig(
         max_model_len=spec.max_model_len,
         block_size=spec.block_size,
         enable_kv_events=True,
         scheduling_policy="priority" if priority else "fcfs",
+        kv_retention=retention,
     )
 
 

@@ -33,7 +33,12 @@ from kvflow.scheduler.config import REQUIRED_AXIS, SchedulerConfig
 from kvflow.scheduler.fleet import Fleet
 from kvflow.simulator.des import DiscreteEventFleet
 from kvflow.simulator.policies import ALL_POLICIES, PlacementPolicy, PolicySetup
-from kvflow.simulator.policies.base import DEFAULT_MECHANISMS, ENGINE_PRIORITY, FALLBACK
+from kvflow.simulator.policies.base import (
+    DEFAULT_MECHANISMS,
+    ENGINE_PRIORITY,
+    FALLBACK,
+    KV_RETENTION,
+)
 from kvflow.simulator.policies.kvflow_scheduler import LEVERS
 from kvflow.simulator.policies.oracle import GREEDY_REFERENCE
 from kvflow.simulator.workloads import WORKLOADS, Task, Workload, WorkloadSpec
@@ -147,7 +152,9 @@ def run_policy(
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(factories)}")
     if plan is None and tasks is None:
         raise ValueError("give a plan or a number of tasks")
-    engine = engine_config(spec, priority=ENGINE_PRIORITY in mechanisms)
+    engine = engine_config(
+        spec, priority=ENGINE_PRIORITY in mechanisms, retention=KV_RETENTION in mechanisms
+    )
     slow = {1: 4.0} if spec.name == "faults" and sum(p.replicas for p in fleet.pools) > 2 else {}
     replicas = simulated_replicas(fleet, slow=slow, engine=engine)
     block_size = replicas[0].config.block_size

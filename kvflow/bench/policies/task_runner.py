@@ -16,7 +16,9 @@ Every policy gets the same treatment; only `PlacementPolicy.route` differs:
   stay with the harness and the engine.
 - **Same mechanisms for all** (`kvflow.simulator.policies.base`, "Mechanisms"): the call's
   tier as engine priority; a router-side queue with admission (`RouterQueue`), where a
-  refusal with a retry-after waits too; hints; fallback to a cheaper model, off by default,
+  refusal with a retry-after waits too; hints (the session, expected output and, learned
+  from pauses already observed, the expected tool pause); engines that keep KV by the
+  retention a call asks for; fallback to a cheaper model, off by default,
   and where on, a task with a degraded call is counted apart, never as a success.
 - **Same failure handling.** A call that fails on a replica (crash, or sent to a replica
   that is down) is re-placed with that replica excluded, up to `RETRY_BUDGET` re-placements
@@ -85,6 +87,8 @@ class Decision:
     model: str
     context: tuple[object, ...]
     """The call's `TaskContext`, field by field."""
+    retention: tuple[int | None, float | None] = (None, None)
+    """The KV retention the policy asked the engine for: (priority, seconds)."""
 
 
 @dataclass(slots=True)
@@ -106,6 +110,8 @@ class _TaskState:
     context_tokens: int = 0
     """The conversation's tokens so far (its last issued prompt)."""
     inflight: dict[str, tuple[int, FleetRequest]] = field(default_factory=dict)
+    refused_at: dict[str, float] = field(default_factory=dict)
+    """Call (request id before its `#attempt`) → when admission first refused it."""
     counted: bool = True
     """False for tasks outside the window: they load the fleet but no figure counts them."""
 
@@ -211,6 +217,8 @@ class TaskRunner:
         self._outputs: dict[int, tuple[int, int]] = {}
         """Application → (finished calls, their completion tokens): the output hint."""
         self._typical_output = typical_output_tokens
+        self._pauses: dict[int, tuple[int, float]] = {}
+        """Application → (pauses observed, their seconds): the pause hint."""
         self._first_arrival: float | None = None
         self._busy_at: dict[str, list[float]] = {}
         self._open_counted = 0
@@ -278,6 +286,14 @@ class TaskRunner:
             return
         task = state.task
         now = self.sim.now
+        if state.step:
+            # The pause before this step has just been observed: what kvflow learns from
+            # its workflows' histories, per workflow type.
+            count, total = self._pauses.get(task.application, (0, 0.0))
+            self._pauses[task.application] = (
+                count + 1,
+                total + task.steps[state.step - 1].pause_after_s,
+            )
         step = task.steps[state.step]
         state.pending = len(step.calls)
         context = step.calls[0].prompt_tokens
@@ -311,6 +327,10 @@ class TaskRunner:
         calls, tokens = self._outputs.get(application, (0, 0))
         return round(tokens / calls) if calls else self._typical_output
 
+    def _expected_pause(self, application: int) -> float | None:
+        count, total = self._pauses.get(application, (0, 0.0))
+        return total / count if count else None
+
     def _submit(self, state: _TaskState, request: FleetRequest, *, attempt: int = 1) -> None:
         if state.done:
             return
@@ -335,6 +355,9 @@ class TaskRunner:
             step_deadline_at=state.step_deadline_at,
             session_id=f"task-{task.index}" if hints else None,
             expected_output_tokens=self._expected_output(task.application) if hints else None,
+            expected_pause_s=self._expected_pause(task.application) if hints else None,
+            queued_s=self.sim.now
+            - state.refused_at.get(request.request_id.split("#")[0], self.sim.now),
         )
         state.inflight[request.request_id] = (-1, request)
         self._owner[request.request_id] = state
@@ -406,6 +429,7 @@ class TaskRunner:
         view = self._policy_view(request, fleet)
         index = self.policy.route(view, fleet, now)
         request.model, request.priority = view.model, view.priority
+        request.retention_priority, request.retention_s = view.retention_priority, view.retention_s
         if self.decisions is not None:
             self.decisions.append(
                 Decision(
@@ -417,9 +441,11 @@ class TaskRunner:
                     context=dataclasses.astuple(context)
                     if isinstance(context, TaskContext)
                     else (),
+                    retention=(request.retention_priority, request.retention_s),
                 )
             )
         if index is not None:
+            state.refused_at.pop(request.request_id.split("#")[0], None)
             if request.model != self.model:
                 state.degraded = True
             state.inflight[request.request_id] = (index, request)
@@ -559,6 +585,7 @@ class TaskRunner:
                 return
             if state.counted:
                 self.refusals += 1
+            state.refused_at.setdefault(request.request_id.split("#")[0], self.sim.now)
             if (
                 wait is not None
                 and self.queue is not None

@@ -22,6 +22,11 @@ context, as its workflow sends it; the anchors' tuned variants read the hints in
 - `HINTS`: `TaskContext.session_id` and `expected_output_tokens` are filled (Dynamo's agent
   hints `osl` and session id, llm-d's session key); a policy that documents hints reads them
   only when this is on;
+- `KV_RETENTION`: the engines keep a finished call's KV blocks at the retention priority and
+  for the duration the call asked for (TensorRT-LLM's KV cache retention, which Dynamo's
+  `agent_hints.priority` drives; `EngineConfig.kv_retention`); a policy that documents such
+  hints sets `FleetRequest.retention_priority` and `retention_s`, the others leave the engine
+  evicting least recently used first, as vLLM does;
 - `FALLBACK`: a policy may degrade a call to the model's cheaper fallback
   (`extra["allow_fallback"]`); a task with a degraded call is counted apart, never as a
   success. Off in the comparison.
@@ -41,10 +46,11 @@ from kvflow.simulator.engine import StepResult
 ENGINE_PRIORITY = "engine-priority"
 ROUTER_QUEUE = "router-queue"
 HINTS = "hints"
+KV_RETENTION = "kv-retention"
 FALLBACK = "fallback"
-MECHANISMS = (ENGINE_PRIORITY, ROUTER_QUEUE, HINTS, FALLBACK)
+MECHANISMS = (ENGINE_PRIORITY, ROUTER_QUEUE, HINTS, KV_RETENTION, FALLBACK)
 """Every mechanism the harness can apply around placement (module docstring)."""
-DEFAULT_MECHANISMS = frozenset({ENGINE_PRIORITY, ROUTER_QUEUE, HINTS})
+DEFAULT_MECHANISMS = frozenset({ENGINE_PRIORITY, ROUTER_QUEUE, HINTS, KV_RETENTION})
 """What the comparison gives every policy: all but fallback."""
 
 
@@ -80,6 +86,13 @@ class TaskContext:
     """Hint: expected output length (Dynamo's `osl`), the running mean of the completion
     tokens of finished calls of the same application (workflow type), the workload's typical
     output before the first; None when hints are off."""
+    queued_s: float = 0.0
+    """How long this call has waited for admission (since its first refusal with a
+    retry-after), as the workflow counts it (`PlacementRequest.queued_s`)."""
+    expected_pause_s: float | None = None
+    """Hint: how long the task's tool pause after this call is expected to last, the running
+    mean of the pauses observed so far in tasks of the same application (kvflow learns it from
+    its workflows' histories); None before the first, or when hints are off."""
 
 
 @dataclass(slots=True)

@@ -32,7 +32,11 @@ session (its workflow id when it has none) with
 `--router-session-affinity-ttl-secs` (a session's calls stay on the worker its first call
 was routed to while that worker serves and the session is not idle past the TTL). The
 router queue (`router_queue_threshold`, `latency_sensitivity`) and engine priority are the
-harness's mechanisms, not this policy's.
+harness's mechanisms, not this policy's. Where the engines keep KV by retention (the
+kv-retention mechanism), `agent_hints.priority`, which Dynamo forwards to backends that
+support priority eviction (`docs/.../agents/agent-hints.md`; TensorRT-LLM's retention
+priority), is the client's priority by tier (`RETENTION_BY_TIER`), with no duration: the
+hint carries none.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from dataclasses import dataclass, field
 from kvflow.simulator.des import FleetRequest, FleetView, candidates
 from kvflow.simulator.engine import StepResult
 from kvflow.simulator.policies.base import (
+    KV_RETENTION,
     AttemptEnd,
     PolicySetup,
     RequestRouter,
@@ -271,9 +276,32 @@ class DynamoKvPolicy(RequestRouter):
                 load.fractions.pop(h, None)
 
 
+RETENTION_BY_TIER = (90, 80, 70, 60, 50)
+"""`agent_hints.priority` a client sends by tier, as the backend's retention priority (the
+same scale kvflow asks for: 0–100, 35 the engine's default)."""
+
+
 class DynamoAgentPolicy(DynamoKvPolicy):
     """Dynamo's KV router as its docs configure it for agents (module docstring)."""
 
     name = "dynamo-tuned"
     track_output_blocks = True
     session_affinity = True
+
+    def __init__(self, setup: PolicySetup) -> None:
+        super().__init__(setup)
+        mechanisms = setup.extra.get("mechanisms")
+        self.retention = (
+            self.hints
+            and isinstance(mechanisms, Collection)
+            and not isinstance(mechanisms, str)
+            and KV_RETENTION in mechanisms
+        )
+
+    def route(self, request: FleetRequest, fleet: FleetView, now: float) -> int | None:
+        """As Dynamo's router; the priority hint rides along as the retention priority."""
+        chosen = super().route(request, fleet, now)
+        context = request.context
+        if chosen is not None and self.retention and isinstance(context, TaskContext):
+            request.retention_priority = RETENTION_BY_TIER[min(max(context.tier, 1), 5) - 1]
+        return chosen

@@ -44,21 +44,42 @@ import math
 from kvflow.scheduler.blocks import ROOT_HASH
 from kvflow.scheduler.config import SchedulerConfig
 from kvflow.scheduler.core import Scheduler
-from kvflow.scheduler.placement import Observation, Placement, PlacementRequest
+from kvflow.scheduler.placement import Observation, Placement, PlacementRequest, kv_retention
 from kvflow.scheduler.prefix_index import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from kvflow.scheduler.state import ReplicaMetrics
 from kvflow.simulator import kv_events as sim_events
 from kvflow.simulator.des import FleetRequest, FleetView
 from kvflow.simulator.engine import StepResult
-from kvflow.simulator.policies.base import AttemptEnd, PolicySetup, TaskContext, prompt_blocks
+from kvflow.simulator.policies.base import (
+    DEFAULT_MECHANISMS,
+    KV_RETENTION,
+    AttemptEnd,
+    PolicySetup,
+    TaskContext,
+    prompt_blocks,
+)
 
 SCRAPE_INTERVAL_S = 1.0
-LEVERS = ("task_order",)
+LEVERS = ("task_order", "kv_retention", "tier_headroom")
 """kvflow's task-aware levers beyond the scheduler's axes, each a `PolicySetup.extra` switch
 (on by default) that `kvflow bench policies --ablate` turns off in turn:
 
 - `task_order`: a tier's calls run in the engine oldest task first (`engine_priority`:
-  tier · 10¹³ + the task's start in ms), where off, by each call's own arrival."""
+  tier · 10¹³ + the task's start in ms), where off, by each call's own arrival;
+- `kv_retention`: where the engines keep KV by retention (the kv-retention mechanism), each
+  call asks for its conversation to be kept by tier for twice the pause its workflow type's
+  tools usually take (`kvflow.scheduler.placement.kv_retention`), where off, for nothing
+  (least recently used first);
+- `tier_headroom`: calls of tiers 3 to 5 wait for admission (a retry-after, in the router
+  queue) while the replicas serving the model run more than `TIER_HEADROOM` of their slots,
+  each for at most its tier's `admission.max_wait_s_by_tier`, so that they do not join the
+  batches that slow tier 1's steps; where off, the production defaults, which wait only
+  beyond the replicas' slots."""
+TIER_HEADROOM = (4.0, 2.0, 0.05, 0.04, 0.03)
+"""`admission.saturation_by_tier` for the benchmark's fleet (256 slots per replica): tier 3
+waits above about 13 calls per replica, tier 4 above 10, tier 5 above 8, where a burst's
+prefills start to stretch a tier-1 step past its 6 s. A deployment sets its own from the
+batch at which its tier-1 steps slow; `--ablate` shows what the setting trades."""
 
 
 class KvflowPolicy:
@@ -70,6 +91,10 @@ class KvflowPolicy:
         config = setup.extra.get("scheduler_config")
         if config is not None and not isinstance(config, SchedulerConfig):
             raise TypeError("scheduler_config must be a SchedulerConfig")
+        if setup.extra.get("tier_headroom", True):
+            base = config or SchedulerConfig()
+            admission = base.admission.model_copy(update={"saturation_by_tier": TIER_HEADROOM})
+            config = base.model_copy(update={"admission": admission})
         self.scheduler = Scheduler(setup.fleet, config, clock=setup.clock)
         self.names = setup.replica_names
         scheduler_names = self.scheduler.replica_names()
@@ -88,13 +113,16 @@ class KvflowPolicy:
         are not the index's (their hashes are then not its keys)."""
         self.priority_dispatch = bool(setup.extra.get("priority_dispatch", True))
         self.task_order = bool(setup.extra.get("task_order", True))
+        mechanisms = setup.extra.get("mechanisms", DEFAULT_MECHANISMS)
+        self.kv_retention = bool(setup.extra.get("kv_retention", True)) and (
+            isinstance(mechanisms, frozenset | set | tuple | list) and KV_RETENTION in mechanisms
+        )
+        """Ask the engine to keep the call's KV by expected return (`kv_retention`)."""
         """Order a tier's calls in the engine by their task's start (task-level FCFS);
         False orders them by the call's own arrival, as the routers' calls are."""
         self.allow_fallback = bool(setup.extra.get("allow_fallback", True))
         self._scraped_at = -math.inf
         self._retry_after: dict[str, float] = {}
-        self._waiting_since: dict[str, float] = {}
-        """Request id → when its first admission refusal came (what `queued_s` counts from)."""
         self._placed: dict[str, Placement] = {}
         self._down: set[int] = set()
 
@@ -124,7 +152,7 @@ class KvflowPolicy:
                 exclude=[names[i] for i in sorted(request.exclude)],
                 workflow_id=task.workflow_id,
                 task_started_at=task.started_at if self.task_order else None,
-                queued_s=now - self._waiting_since.get(request.request_id, now),
+                queued_s=task.queued_s,
                 attempt=request.attempt,
                 task_retries=task.task_retries,
                 allow_fallback=self.allow_fallback,
@@ -134,11 +162,13 @@ class KvflowPolicy:
         if not isinstance(answer, Placement):
             if answer.retryable and answer.retry_after_s is not None:
                 self._retry_after[request.request_id] = answer.retry_after_s
-                # As the workflow does: how long the call has waited goes with each retry.
-                self._waiting_since.setdefault(request.request_id, now)
             return None
-        self._waiting_since.pop(request.request_id, None)
         self._placed[request.request_id] = answer
+        if self.kv_retention:
+            tier = answer.priority_key
+            request.retention_priority, request.retention_s = kv_retention(
+                tier, task.expected_pause_s
+            )
         request.model = answer.model
         if self.priority_dispatch:
             # Tier, then the task's start (`engine_priority`): the oldest task of a tier first.
