@@ -228,18 +228,28 @@ def test_kv_retention_is_asked_only_by_the_policies_that_document_it(retention: 
     spec = WORKLOADS["long-agent"]
     mechanisms = DEFAULT_MECHANISMS if retention else DEFAULT_MECHANISMS - {KV_RETENTION}
     asked: dict[str, set[tuple[int | None, float | None]]] = {}
-    for name in ["kvflow", "dynamo-tuned", "llm-d-tuned", "sglang-tuned"]:
+    runs = {
+        "kvflow": {"kv_retention": True},
+        "kvflow-default": {},
+        "dynamo-tuned": {},
+        "llm-d-tuned": {},
+        "sglang-tuned": {},
+    }
+    for label, extra in runs.items():
         run = run_policy(
-            name, spec=spec, fleet=bench_fleet("long-agent", 2), task_rate=0.05, tasks=3,
-            seed=2, mechanisms=mechanisms, record_decisions=True,
+            label.removesuffix("-default"), spec=spec, fleet=bench_fleet("long-agent", 2),
+            task_rate=0.05, tasks=3, seed=2, mechanisms=mechanisms, extra=extra,
+            record_decisions=True,
         )  # fmt: skip
         assert run.runner.decisions
-        asked[name] = {d.retention for d in run.runner.decisions}
+        asked[label] = {d.retention for d in run.runner.decisions}
         assert all(r.config.kv_retention is retention for r in run.runner.sim.replicas)
     if not retention:
         assert all(values == {(None, None)} for values in asked.values()), asked
         return
     assert asked["llm-d-tuned"] == asked["sglang-tuned"] == {(None, None)}
+    # kvflow's lever is off by default: it did not pay on long-agent.
+    assert asked["kvflow-default"] == {(None, None)}
     # Dynamo's priority hint carries no duration; kvflow's lasts twice the expected pause
     # once one has been observed.
     assert {d for _, d in asked["dynamo-tuned"]} == {None}

@@ -248,7 +248,8 @@ def test_ablation_runs_kvflow_once_without_each_axis_but_the_required_one_and_ea
         capacity_tasks_per_s=0.1,
         window_lifetimes=0.3,
     )
-    assert list(result.ablations) == [a for a in DEFAULT_AXES if a != REQUIRED_AXIS] + list(LEVERS)
+    levers = [f"{lever} {'off' if on else 'on'}" for lever, on in LEVERS.items()]
+    assert list(result.ablations) == [a for a in DEFAULT_AXES if a != REQUIRED_AXIS] + levers
     for axis, summary in result.ablations.items():
         assert summary.runs[0].tasks == result.summaries["kvflow"].runs[0].tasks, axis
         assert summary.runs[0].success_rate > 0, axis

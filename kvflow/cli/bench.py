@@ -320,10 +320,10 @@ def _sweep_table(result: WorkloadResult) -> Table:
 
 def _ablation_table(result: WorkloadResult) -> Table:
     table = Table(
-        title=f"{result.name}: kvflow with one axis or lever switched off ({result.load:.0%})"
+        title=f"{result.name}: kvflow with one axis off, or one lever flipped ({result.load:.0%})"
     )
     columns = (
-        "off",
+        "axis off / lever",
         "$/successful task",
         "kvflow × cost",
         "success",
@@ -333,7 +333,7 @@ def _ablation_table(result: WorkloadResult) -> Table:
         "hit",
     )
     for column in columns:
-        table.add_column(column, justify="left" if column == "off" else "right")
+        table.add_column(column, justify="left" if column == columns[0] else "right")
     for axis, summary in result.ablations.items():
         table.add_row(
             axis,
@@ -512,7 +512,9 @@ def policies_bench(
     ] = None,
     ablate: Annotated[
         bool,
-        typer.Option("--ablate", help="also run kvflow with each axis switched off in turn"),
+        typer.Option(
+            "--ablate", help="also run kvflow with each axis off, and each lever flipped, in turn"
+        ),
     ] = False,
     fleet_file: Annotated[
         Path | None, typer.Option("--fleet", help="fleet.toml to simulate instead of the default")

@@ -321,14 +321,17 @@ def run_seed(job: SeedJob, progress: Callable[[str], None] | None = None) -> See
                     workload=workload,
                 )  # fmt: skip
                 result.ablations[axis] = measured(run.outcome)
-            for lever in LEVERS:
+            for lever, default in LEVERS.items():
+                # A lever on by default is switched off, one off by default on.
+                name = f"{lever} {'off' if default else 'on'}"
                 if progress is not None:
-                    progress(f"{job.workload}, seed {job.seed}: kvflow without {lever}")
+                    progress(f"{job.workload}, seed {job.seed}: kvflow with {name}")
                 run = run_policy(
                     "kvflow", spec=spec, fleet=fleet, task_rate=rate, seed=job.seed, plan=plan,
-                    mechanisms=job.mechanisms, extra={**base, lever: False}, workload=workload,
+                    mechanisms=job.mechanisms, extra={**base, lever: not default},
+                    workload=workload,
                 )  # fmt: skip
-                result.ablations[lever] = measured(run.outcome)
+                result.ablations[name] = measured(run.outcome)
     return result
 
 

@@ -60,16 +60,17 @@ from kvflow.simulator.policies.base import (
 )
 
 SCRAPE_INTERVAL_S = 1.0
-LEVERS = ("task_order", "kv_retention", "tier_headroom")
-"""kvflow's task-aware levers beyond the scheduler's axes, each a `PolicySetup.extra` switch
-(on by default) that `kvflow bench policies --ablate` turns off in turn:
+LEVERS = {"task_order": True, "kv_retention": False, "tier_headroom": True}
+"""kvflow's task-aware levers beyond the scheduler's axes, each a `PolicySetup.extra` switch,
+with its default; `kvflow bench policies --ablate` runs kvflow with each flipped in turn:
 
 - `task_order`: a tier's calls run in the engine oldest task first (`engine_priority`:
   tier · 10¹³ + the task's start in ms), where off, by each call's own arrival;
 - `kv_retention`: where the engines keep KV by retention (the kv-retention mechanism), each
   call asks for its conversation to be kept by tier for twice the pause its workflow type's
   tools usually take (`kvflow.scheduler.placement.kv_retention`), where off, for nothing
-  (least recently used first);
+  (least recently used first). Off by default: on long-agent at 1× (seeds 0–2) it found
+  75.3% of prompt tokens cached against 75.8% without, at 1.4% more per successful task;
 - `tier_headroom`: calls of tiers 3 to 5 wait for admission (a retry-after, in the router
   queue) while the replicas serving the model run more than `TIER_HEADROOM` of their slots,
   each for at most its tier's `admission.max_wait_s_by_tier`, so that they do not join the
@@ -91,7 +92,7 @@ class KvflowPolicy:
         config = setup.extra.get("scheduler_config")
         if config is not None and not isinstance(config, SchedulerConfig):
             raise TypeError("scheduler_config must be a SchedulerConfig")
-        if setup.extra.get("tier_headroom", True):
+        if setup.extra.get("tier_headroom", LEVERS["tier_headroom"]):
             base = config or SchedulerConfig()
             admission = base.admission.model_copy(update={"saturation_by_tier": TIER_HEADROOM})
             config = base.model_copy(update={"admission": admission})
@@ -112,9 +113,9 @@ class KvflowPolicy:
         """Send token ids with stored blocks: asked for, or needed because the engines' blocks
         are not the index's (their hashes are then not its keys)."""
         self.priority_dispatch = bool(setup.extra.get("priority_dispatch", True))
-        self.task_order = bool(setup.extra.get("task_order", True))
+        self.task_order = bool(setup.extra.get("task_order", LEVERS["task_order"]))
         mechanisms = setup.extra.get("mechanisms", DEFAULT_MECHANISMS)
-        self.kv_retention = bool(setup.extra.get("kv_retention", True)) and (
+        self.kv_retention = bool(setup.extra.get("kv_retention", LEVERS["kv_retention"])) and (
             isinstance(mechanisms, frozenset | set | tuple | list) and KV_RETENTION in mechanisms
         )
         """Ask the engine to keep the call's KV by expected return (`kv_retention`)."""
