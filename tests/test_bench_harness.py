@@ -226,7 +226,7 @@ def test_engine_priority_and_hints_are_the_same_for_every_policy(
 @pytest.mark.parametrize("retention", [True, False])
 def test_kv_retention_is_asked_only_by_the_policies_that_document_it(retention: bool) -> None:
     spec = WORKLOADS["long-agent"]
-    mechanisms = DEFAULT_MECHANISMS if retention else DEFAULT_MECHANISMS - {KV_RETENTION}
+    mechanisms = DEFAULT_MECHANISMS | {KV_RETENTION} if retention else DEFAULT_MECHANISMS
     asked: dict[str, set[tuple[int | None, float | None]]] = {}
     runs = {
         "kvflow": {"kv_retention": True},
