@@ -228,7 +228,7 @@ def test_kv_retention_is_asked_only_by_the_policies_that_document_it(retention: 
     spec = WORKLOADS["long-agent"]
     mechanisms = DEFAULT_MECHANISMS | {KV_RETENTION} if retention else DEFAULT_MECHANISMS
     asked: dict[str, set[tuple[int | None, float | None]]] = {}
-    runs = {
+    runs: dict[str, dict[str, object]] = {
         "kvflow": {"kv_retention": True},
         "kvflow-default": {},
         "dynamo-tuned": {},
