@@ -400,3 +400,27 @@ def test_bench_policies_refuses_bad_input_with_exit_code_2(args: list[str], mess
     assert done.returncode == 2
     assert message in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_each_goal_of_a_workload_is_judged_on_kvflows_ratio_and_states_its_bound() -> None:
+    result = run_workload(
+        "overload",
+        replicas=2,
+        seeds=(0,),
+        policies=["kvflow", "sglang-tuned"],
+        capacity_tasks_per_s=0.3,
+        window_lifetimes=0.3,
+    )
+    goals = {g.text: g for g in result.goals}
+    assert list(goals) == [
+        "goodput ≥ 1.3× the best anchor's",
+        "tier-1 SLO attainment ≥ 99% at 150% of capacity",
+        "wasted-spend share ≤ half the best anchor's",
+    ]
+    assert all("bound" in g.detail for g in goals.values())
+    ratio = result.summaries["sglang-tuned"].ratios["goodput_tasks_per_s"]
+    assert ratio is not None
+    assert goals["goodput ≥ 1.3× the best anchor's"].met is (ratio.mean >= 1.3)
+    tier1 = result.summaries["kvflow"].slo["1"]
+    assert tier1 is not None
+    assert goals["tier-1 SLO attainment ≥ 99% at 150% of capacity"].met is (tier1.mean >= 0.99)

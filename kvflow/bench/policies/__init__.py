@@ -611,12 +611,13 @@ def _goodput_goal(result: WorkloadResult, target: float) -> Goal | None:
     ceiling = _ceiling_mean(result, lambda c: c.overall)
     bound = ""
     if best is not None and ceiling is not None:
-        theirs = result.summaries[best].mean("goodput_tasks_per_s") or 0.0
-        most = result.task_rate * ceiling
-        if theirs:
+        # Goodput is the counted tasks' successes over the window: no policy finishes more
+        # than the idle fleet's share of the same tasks.
+        success = result.summaries[best].mean("success_rate") or 0.0
+        if success:
             bound = (
-                f"; bound: at most {most / theirs:.3f}× (every task an idle fleet finishes, "
-                f"{most:.2f} tasks/s)"
+                f"; bound: at most {ceiling / success:.3f}× ({best} finishes {success:.1%} of "
+                f"the tasks, an idle fleet {ceiling:.1%})"
             )
     return _ratio_goal(
         result, "goodput_tasks_per_s", f"goodput ≥ {target}× the best anchor's", target,
