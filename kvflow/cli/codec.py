@@ -10,8 +10,7 @@ import typer
 import uvicorn
 from temporalio.client import Client
 
-from kvflow.cli.context import DEFAULT_CONTEXT_STORE, STORE_HELP, open_store_or_exit
-from kvflow.cli.url_options import url_option
+from kvflow.cli.context import DEFAULT_CONTEXT_STORE, ContextStoreOption, open_store_or_exit
 from kvflow.workers.codec_server import (
     DEFAULT_CODEC_PORT,
     DEFAULT_UI_ORIGINS,
@@ -41,10 +40,7 @@ def serve_command(
         str,
         typer.Option("--host", help="address to listen on; other than loopback needs --tokens"),
     ] = "127.0.0.1",
-    context_store: Annotated[
-        str,
-        typer.Option("--context-store", "--context-dir", callback=url_option, help=STORE_HELP),
-    ] = DEFAULT_CONTEXT_STORE,
+    context_store: ContextStoreOption = DEFAULT_CONTEXT_STORE,
     tokens: Annotated[
         Path | None,
         typer.Option(

@@ -31,6 +31,12 @@ STORE_HELP = (
     "?schema=NAME or s3://bucket/prefix?endpoint_url=URL"
 )
 DEFAULT_CONTEXT_STORE = str(DEFAULT_CONTEXT_DIR)
+ContextStoreOption = Annotated[
+    str,
+    typer.Option("--context-store", "--context-dir", callback=url_option, help=STORE_HELP),
+]
+"""The store every worker, the codec server and reconcile share (`--context-dir`: its older
+name)."""
 
 
 def open_store_or_exit(spec: str, option: str, *, existing: bool = False) -> ContextStore:

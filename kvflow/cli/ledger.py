@@ -23,7 +23,7 @@ from rich.table import Table
 from temporalio.client import Client
 from temporalio.service import RPCError
 
-from kvflow.cli.context import DEFAULT_CONTEXT_STORE, open_store_or_exit
+from kvflow.cli.context import DEFAULT_CONTEXT_STORE, ContextStoreOption, open_store_or_exit
 from kvflow.cli.url_options import fail_without_secrets, url_option
 from kvflow.ledger.errors import LedgerError
 from kvflow.ledger.export import (
@@ -290,16 +290,7 @@ def reconcile_command(
         datetime | None,
         typer.Option("--since", help="only runs closed at or after this (ISO date or date-time)"),
     ] = None,
-    context_store: Annotated[
-        str,
-        typer.Option(
-            "--context-store",
-            "--context-dir",
-            callback=url_option,
-            help="the context store the workers share: a directory, "
-            "postgresql://user@host/db or s3://bucket/prefix?endpoint_url=URL",
-        ),
-    ] = DEFAULT_CONTEXT_STORE,
+    context_store: ContextStoreOption = DEFAULT_CONTEXT_STORE,
 ) -> None:
     r"""Write task rows for closed workflows that have none (terminated, timed out).
 

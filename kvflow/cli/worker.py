@@ -12,7 +12,7 @@ import typer
 from temporalio.client import Client
 
 from kvflow.activities.context_store import ContextStore
-from kvflow.cli.context import DEFAULT_CONTEXT_STORE, open_store_or_exit
+from kvflow.cli.context import DEFAULT_CONTEXT_STORE, ContextStoreOption, open_store_or_exit
 from kvflow.cli.url_options import fail_without_secrets, http_url_or_exit, url_option
 from kvflow.ledger.errors import LedgerError
 from kvflow.ledger.store import default_ledger_url, open_async_ledger
@@ -93,16 +93,7 @@ def gpu(
         float, typer.Option("--graceful-shutdown", help="seconds in-flight calls may finish")
     ] = 10.0,
     ledger_url: LedgerOption = None,
-    context_store: Annotated[
-        str,
-        typer.Option(
-            "--context-store",
-            "--context-dir",
-            callback=url_option,
-            help="the context store shared with the workflows: a directory, "
-            "postgresql://user@host/db or s3://bucket/prefix?endpoint_url=URL",
-        ),
-    ] = DEFAULT_CONTEXT_STORE,
+    context_store: ContextStoreOption = DEFAULT_CONTEXT_STORE,
     traces: TracesOption = None,
 ) -> None:
     """Serve one vLLM replica's task queue until Ctrl-C / SIGTERM."""
@@ -194,16 +185,7 @@ def workflow_command(
     ] = None,
     task_queue: Annotated[str, typer.Option("--task-queue")] = DEFAULT_WORKFLOW_QUEUE,
     ledger_url: LedgerOption = None,
-    context_store: Annotated[
-        str,
-        typer.Option(
-            "--context-store",
-            "--context-dir",
-            callback=url_option,
-            help="the context store shared with GPU workers: a directory, "
-            "postgresql://user@host/db or s3://bucket/prefix?endpoint_url=URL",
-        ),
-    ] = DEFAULT_CONTEXT_STORE,
+    context_store: ContextStoreOption = DEFAULT_CONTEXT_STORE,
     traces: TracesOption = None,
 ) -> None:
     """Run agent workflows and the control plane (scheduler, ledger, context store)."""
