@@ -138,12 +138,17 @@ class BlockPool:
         free = self._free
         if count > len(free):
             return None
+        pop = free.popitem
+        blocks = [pop(last=False)[0] for _ in range(count)]
+        self._claim(blocks)
+        return blocks
+
+    def _claim(self, blocks: list[int]) -> None:
+        """Hand out `blocks`, just taken from the free blocks: evict their hashes, one ref each."""
         ref_cnt = self._ref_cnt
         block_hash = self._block_hash
         evicted: list[int] | None = None
-        blocks: list[int] = []
-        for _ in range(count):
-            block, _none = free.popitem(last=False)
+        for block in blocks:
             old = block_hash[block]
             if old is not None:
                 block_hash[block] = None
@@ -153,12 +158,10 @@ class BlockPool:
                         evicted = []
                     evicted.append(old)
             ref_cnt[block] = 1
-            blocks.append(block)
         if evicted:
             assert self._events is not None
             # vLLM sends one event per evicted block; one event for the batch says the same.
             self._events.append(BlockRemoved(block_hashes=evicted, medium=MEDIUM_GPU))
-        return blocks
 
     def release(self, blocks: Sequence[int], now: float = 0.0) -> None:
         """Drop one reference on each of `blocks`, last block first (see the module docstring).
@@ -371,24 +374,9 @@ class RetentionBlockPool(BlockPool):
             return None
         if self._expiring and self._expiring[0][0] <= now:
             self._expire(now)
-        ref_cnt = self._ref_cnt
-        block_hash = self._block_hash
-        evicted: list[int] | None = None
         blocks = self._take(count)
-        for block in blocks:
-            old = block_hash[block]
-            if old is not None:
-                block_hash[block] = None
-                self._forget(old, block)
-                if self._events is not None:
-                    if evicted is None:
-                        evicted = []
-                    evicted.append(old)
-            ref_cnt[block] = 1
+        self._claim(blocks)
         self._num_free -= count
-        if evicted:
-            assert self._events is not None
-            self._events.append(BlockRemoved(block_hashes=evicted, medium=MEDIUM_GPU))
         return blocks
 
     def release(
