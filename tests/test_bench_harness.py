@@ -479,3 +479,28 @@ def test_capacity_probes_every_seed_with_the_greedy_reference() -> None:
     assert capacity.policy == GREEDY_REFERENCE
     assert len(capacity.probes) >= 3
     assert capacity.tasks_per_s in {p.task_rate for p in capacity.probes if p.rising}
+
+
+def test_a_call_that_waits_for_admission_carries_how_long_it_has_waited() -> None:
+    # Tier headroom refuses lower tiers with a retry-after under load: the call waits in the
+    # router queue, and each retry tells the scheduler how long it has waited so far, as the
+    # workflow does (PlacementRequest.queued_s), so that a tier's longest wait can end it.
+    run = run_policy(
+        "kvflow", spec=WORKLOADS["overload"], fleet=bench_fleet("overload", 2), task_rate=20.0,
+        tasks=60, seed=3, extra={"tier_headroom": True}, record_decisions=True,
+    )  # fmt: skip
+    decisions = run.runner.decisions
+    assert decisions is not None
+    fields = [f.name for f in dataclasses.fields(TaskContext)]
+    queued_at = fields.index("queued_s")
+    waits: dict[str, list[tuple[float, float]]] = {}
+    for d in decisions:
+        call = d.request_id.split("#")[0]
+        waits.setdefault(call, []).append((d.at, float(d.context[queued_at])))  # type: ignore[arg-type]
+    retried = {call: seen for call, seen in waits.items() if len(seen) > 1}
+    assert run.outcome.refusals > 0 and retried
+    for seen in retried.values():
+        first_at = seen[0][0]
+        assert seen[0][1] == 0.0
+        for at, queued in seen[1:]:
+            assert queued == pytest.approx(at - first_at)

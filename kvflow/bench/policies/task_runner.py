@@ -63,6 +63,11 @@ KV_SAMPLES = 50
 """Samples of the open conversations' KV demand over the window."""
 
 
+def _call_id(request_id: str) -> str:
+    """The call a request id names, whatever its attempt (`task-3/2/0#17` → `task-3/2/0`)."""
+    return request_id.split("#")[0]
+
+
 @dataclass(frozen=True, slots=True)
 class CountWindow:
     """Tasks arriving in [start, end) are counted; busy time is measured over it."""
@@ -336,7 +341,7 @@ class TaskRunner:
             return
         task = state.task
         self._ids += 1
-        request.request_id = f"{request.request_id.split('#')[0]}#{self._ids}"
+        request.request_id = f"{_call_id(request.request_id)}#{self._ids}"
         request.attempt = attempt
         request.arrival_time = self.sim.now
         request.model = self.model
@@ -357,7 +362,7 @@ class TaskRunner:
             expected_output_tokens=self._expected_output(task.application) if hints else None,
             expected_pause_s=self._expected_pause(task.application) if hints else None,
             queued_s=self.sim.now
-            - state.refused_at.get(request.request_id.split("#")[0], self.sim.now),
+            - state.refused_at.get(_call_id(request.request_id), self.sim.now),
         )
         state.inflight[request.request_id] = (-1, request)
         self._owner[request.request_id] = state
@@ -445,7 +450,7 @@ class TaskRunner:
                 )
             )
         if index is not None:
-            state.refused_at.pop(request.request_id.split("#")[0], None)
+            state.refused_at.pop(_call_id(request.request_id), None)
             if request.model != self.model:
                 state.degraded = True
             state.inflight[request.request_id] = (index, request)
@@ -585,7 +590,7 @@ class TaskRunner:
                 return
             if state.counted:
                 self.refusals += 1
-            state.refused_at.setdefault(request.request_id.split("#")[0], self.sim.now)
+            state.refused_at.setdefault(_call_id(request.request_id), self.sim.now)
             if (
                 wait is not None
                 and self.queue is not None

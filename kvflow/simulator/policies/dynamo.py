@@ -290,13 +290,7 @@ class DynamoAgentPolicy(DynamoKvPolicy):
 
     def __init__(self, setup: PolicySetup) -> None:
         super().__init__(setup)
-        mechanisms = setup.extra.get("mechanisms")
-        self.retention = (
-            self.hints
-            and isinstance(mechanisms, Collection)
-            and not isinstance(mechanisms, str)
-            and KV_RETENTION in mechanisms
-        )
+        self.retention = self.hints and KV_RETENTION in setup.mechanisms
 
     def route(self, request: FleetRequest, fleet: FleetView, now: float) -> int | None:
         """As Dynamo's router; the priority hint rides along as the retention priority."""

@@ -51,7 +51,6 @@ from kvflow.simulator import kv_events as sim_events
 from kvflow.simulator.des import FleetRequest, FleetView
 from kvflow.simulator.engine import StepResult
 from kvflow.simulator.policies.base import (
-    DEFAULT_MECHANISMS,
     KV_RETENTION,
     AttemptEnd,
     PolicySetup,
@@ -118,9 +117,9 @@ class KvflowPolicy:
         are not the index's (their hashes are then not its keys)."""
         self.priority_dispatch = bool(setup.extra.get("priority_dispatch", True))
         self.task_order = bool(setup.extra.get("task_order", LEVERS["task_order"]))
-        mechanisms = setup.extra.get("mechanisms", DEFAULT_MECHANISMS)
-        self.kv_retention = bool(setup.extra.get("kv_retention", LEVERS["kv_retention"])) and (
-            isinstance(mechanisms, frozenset | set | tuple | list) and KV_RETENTION in mechanisms
+        self.kv_retention = (
+            bool(setup.extra.get("kv_retention", LEVERS["kv_retention"]))
+            and KV_RETENTION in setup.mechanisms
         )
         """Ask the engine to keep the call's KV by expected return (`kv_retention`)."""
         """Order a tier's calls in the engine by their task's start (task-level FCFS);
