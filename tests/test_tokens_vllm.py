@@ -121,15 +121,27 @@ def _long_conversation() -> list[dict[str, str]]:
 
 
 class StoreCountingScheduler(Scheduler):
-    """A scheduler that counts the tokens of the blocks the engine reported it cached."""
+    """A scheduler that keeps the token ids of every block the engine reported it cached.
 
-    stored_tokens = 0
+    The subscriber replays the shared server's earlier batches too, so a count of stored
+    tokens would be reached by other tests' blocks: the test waits for its own blocks' ids.
+    """
+
+    def __init__(self, fleet: Fleet) -> None:
+        super().__init__(fleet)
+        self.stored_blocks: set[tuple[int, ...]] = set()
 
     def apply_kv_events(
         self, replica: str, events: Iterable[KvEvent], model: str | None = None
     ) -> None:
         events = list(events)
-        self.stored_tokens += sum(len(e.token_ids) for e in events if isinstance(e, BlockStored))
+        for event in events:
+            if isinstance(event, BlockStored):
+                # One event may store several blocks: their ids come one after the other.
+                ids, size = event.token_ids, event.block_size
+                self.stored_blocks.update(
+                    tuple(ids[i : i + size]) for i in range(0, len(ids), size)
+                )
         super().apply_kv_events(replica, events, model)
 
 
@@ -181,12 +193,19 @@ async def _placed_and_cached(server: VllmServedModel, tokenizer: str) -> tuple[i
             prompt_tokens, cached = await chat()
             assert cached == 0
             # The engine publishes its KV events shortly after the step: wait for every full
-            # block of the prompt.
-            blocks = prompt_tokens // server.block_size * server.block_size
+            # block of this prompt, by its ids as vLLM tokenizes it.
+            tokenized = await client.post(
+                "/tokenize",
+                json={"model": server.model, "messages": messages, "add_generation_prompt": True},
+            )
+            ids = tokenized.json()["tokens"]
+            assert len(ids) == prompt_tokens
+            size = server.block_size
+            blocks = [tuple(ids[i : i + size]) for i in range(0, len(ids) - size + 1, size)]
             await eventually(
-                lambda: scheduler.stored_tokens >= blocks,
+                lambda: all(block in scheduler.stored_blocks for block in blocks),
                 within=20,
-                what=f"vLLM's KV events report the prompt's {blocks} tokens of full blocks",
+                what=f"vLLM's KV events report the prompt's {len(blocks)} full blocks",
             )
             answer = await activities.place(place)
             assert answer.placement is not None
