@@ -67,6 +67,7 @@ class Axis:
                       cached tokens anywhere, no cold load): a lower bound the search prunes by
       `factor`        the axis's factor on the objective (1 when it has none)
       `finish`        on the chosen replica's estimate: what only the placement needs
+      `idle`          the chosen replica's duration had it nothing else to run (task admission)
     """
 
     def refresh(self, state: ReplicaState) -> None:
@@ -104,6 +105,9 @@ class Axis:
 
     def finish(self, state: ReplicaState, decision: Decision, estimate: Estimate) -> None:
         """Complete the estimate of the replica chosen, for the placement."""
+
+    def idle(self, state: ReplicaState, decision: Decision, estimate: Estimate) -> None:
+        """Set `estimate.duration_s` to the call's duration on the replica were it idle."""
 
 
 class Speed(NamedTuple):
@@ -347,6 +351,19 @@ class GpuGenerationAxis(Axis):
             ttft + decision.output * speed.decode_s_per_token * state.decode_slowdown
         )
         return None
+
+    def idle(self, state: ReplicaState, decision: Decision, estimate: Estimate) -> None:
+        """No queue and no batch: the datasheet speed (`roofline`), alone on the replica.
+
+        Not the observed speed: what the replica was seen to do was done beside its other
+        calls, which is the load this estimate leaves out.
+        """
+        speed = self.roofline(state.pool, decision.spec)
+        estimate.duration_s = (
+            estimate.cold_load_s
+            + self.prefill_s(speed, decision.prompt - estimate.cached_tokens)
+            + decision.output * speed.decode_s_per_token
+        )
 
 
 class QueueLoad(Axis):

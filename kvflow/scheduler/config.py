@@ -135,6 +135,24 @@ class LatencyConfig(_Config):
     )
     min_schedule_to_start_s: float = Field(default=1.0, gt=0)
     max_schedule_to_start_s: float = Field(default=300.0, gt=0)
+    task_admission: bool = Field(
+        default=False,
+        description=(
+            "refuse a task at its first step, before it spends, when the fleet's load and not "
+            "the task itself makes it miss its deadline or its first step's objective "
+            "(`RefusalReason.OVERLOADED`). Off by default: the refusal is only as good as the "
+            "duration estimate, and on the overload benchmark the estimate refused tasks "
+            "that would have finished (benchmarks/README.md)"
+        ),
+    )
+    task_admission_margin: float = Field(
+        default=1.0,
+        gt=0,
+        description=(
+            "a task is refused when its estimate exceeds this multiple of its remaining "
+            "deadline: above 1 refuses only the tasks that miss by more"
+        ),
+    )
 
 
 class CircuitBreakerConfig(_Config):

@@ -18,6 +18,9 @@ A decision, for one `PlacementRequest`:
    when no feasible replica holds any of the prompt's prefix, rendezvous hashing of the prefix
    key over the near-best replicas, with bounded load, so that every scheduler process sends a
    new prefix to the same replica.
+5. **Task admission**, at a task's first step only (`_task_refusal`): the task is refused
+   before it spends when the pick's queue wait, repeated over its expected steps, would take
+   it past its deadline though an idle fleet would not (`RefusalReason.OVERLOADED`).
 
 This class is the front: it takes telemetry in, answers placements and reports status, and
 never names an axis. A decision answers first: what it changes (the replica's load and probe
@@ -448,6 +451,9 @@ class Scheduler:
             ctx = self._context(request, spec, now)
             outcome = self._place_model(ctx)
             if isinstance(outcome, tuple):
+                refused = self._task_refusal(ctx, outcome[0])
+                if refused is not None:
+                    return refused
                 return self._commit(ctx, *outcome, degraded_from=None)
             primary = outcome
             fallback = spec.fallback
@@ -466,6 +472,9 @@ class Scheduler:
                 attempt = self._place_model(ctx)
                 if isinstance(attempt, tuple):
                     if request.allow_fallback:
+                        refused = self._task_refusal(ctx, attempt[0])
+                        if refused is not None:
+                            return refused
                         return self._commit(ctx, *attempt, degraded_from=spec.name)
                     return reasons.fallback_would_fit(primary, fallback)
                 failed.append(f"{fallback}: {attempt.reason.value}")
@@ -627,6 +636,46 @@ class Scheduler:
             if state.rid not in found:
                 found[state.rid] = self.policy.evaluate(state.rid, ctx)
         return reasons.no_fit(ctx, found, self._replicas, self.config)
+
+    def _task_refusal(self, ctx: Decision, chosen: Estimate) -> Refusal | None:
+        """At a task's first step: refuse it when the load, not the task, makes it miss.
+
+        whole task = steps remaining · step estimate + expected tool time
+        refused iff whole task > margin · remaining deadline,
+                 or step estimate > margin · the step's objective (where declared),
+                and the same estimate on an idle replica (`Policy.idle_duration_s`) is not
+
+        Before it has spent anything, a task that the load would make late is worth more
+        started later than started now: admitted, it would hold KV and batch slots that the
+        tasks already running need to finish, and fail having spent. A task that would miss
+        on an idle fleet too is left to try (its deadline, not the load, is what to fix).
+        """
+        request = ctx.request
+        latency = self.config.latency
+        remaining = request.deadline_s_remaining
+        step_remaining = request.step_deadline_s_remaining
+        if (
+            not latency.task_admission
+            or (remaining is None and step_remaining is None)
+            or request.steps_done
+            or request.attempt > 1
+        ):
+            return None
+        margin = latency.task_admission_margin
+        steps = request.steps_remaining
+        tools = request.expected_tool_s
+        loaded = chosen.duration_s
+        late_task = remaining is not None and steps * loaded + tools > margin * remaining
+        late_step = step_remaining is not None and loaded > margin * step_remaining
+        if not (late_task or late_step):
+            return None
+        idle = self.policy.idle_duration_s(ctx, chosen)
+        if late_task and remaining is not None and steps * idle + tools > margin * remaining:
+            return None
+        if late_step and step_remaining is not None and idle > margin * step_remaining:
+            return None
+        retry_after = max(self.config.admission.retry_after_s, chosen.queue_wait_s)
+        return reasons.overloaded(ctx, loaded, idle, retry_after, whole_task=late_task)
 
     def _commit(
         self,

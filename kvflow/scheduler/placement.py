@@ -104,6 +104,13 @@ class PlacementRequest(_Wire):
     deadline_s_remaining: float | None = Field(
         default=None, description="seconds left for the whole task; None when it has no deadline"
     )
+    step_deadline_s_remaining: float | None = Field(
+        default=None,
+        description=(
+            "seconds left for this call under the task's per-step objective "
+            "(`TaskSpec.step_slo_s`); None when the task declares none"
+        ),
+    )
     steps_remaining: int = Field(default=1, ge=1, description="model calls left, this one included")
     previous_replica: str | None = Field(
         default=None, description="the replica that served this workflow's previous call"
@@ -129,6 +136,22 @@ class PlacementRequest(_Wire):
         description=(
             "when the task began (POSIX seconds): orders its calls in the engine behind older "
             "tasks of the same tier (`Placement.engine_priority`); None sorts last"
+        ),
+    )
+    steps_done: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "model calls the task has completed: at 0 the whole task is admitted or refused "
+            "(`LatencyConfig.task_admission`)"
+        ),
+    )
+    expected_tool_s: float = Field(
+        default=0.0,
+        ge=0,
+        description=(
+            "tool time the task still expects before its deadline (declared, or learned from "
+            "its workflow type's history); part of the whole task's estimate at its first step"
         ),
     )
     attempt: int = Field(default=1, ge=1, description="1, or 2+ when this call is re-placed")
@@ -226,6 +249,11 @@ class RefusalReason(StrEnum):
     """The fleet is too full for this tenant's tier, or every KV cache is too full."""
     NO_REPLICA = "no_replica"
     """Every replica is excluded, down, or too small for the request."""
+    OVERLOADED = "overloaded"
+    """At the task's first step: at the fleet's load the whole task would miss its deadline,
+    or its first step its per-step objective, though on an idle fleet it would not. Nothing
+    was spent; start the task again after `retry_after_s`. Final for the task (waiting would
+    spend its deadline)."""
 
 
 class Refusal(_Recorded):

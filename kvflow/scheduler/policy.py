@@ -97,6 +97,18 @@ class Policy:
                 return math.inf
         return cost_per_success(cost, estimate.at_risk, estimate.p_success) * state.penalty
 
+    def idle_duration_s(self, decision: Decision, chosen: Estimate) -> float:
+        """The chosen call's duration had its replica nothing else to run (`Axis.idle`)."""
+        state = self._replicas[chosen.rid]
+        estimate = Estimate(chosen.rid, chosen.p_success)
+        estimate.cached_tokens = chosen.cached_tokens
+        estimate.cold_load_s = chosen.cold_load_s
+        estimate.duration_s = chosen.duration_s - chosen.queue_wait_s
+        for axis in self.axes:
+            axis.idle(state, decision, estimate)
+        # Never above the loaded estimate less its queue (a roofline slower than observed).
+        return min(estimate.duration_s, chosen.duration_s - chosen.queue_wait_s)
+
     def finish(self, state: ReplicaState, decision: Decision, estimate: Estimate) -> None:
         """Complete the chosen replica's estimate for its placement."""
         for axis in self.axes:

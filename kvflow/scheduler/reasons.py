@@ -85,6 +85,38 @@ def refusal(
     )
 
 
+def overloaded(
+    decision: Decision, step_s: float, idle_step_s: float, retry_after: float, *, whole_task: bool
+) -> Refusal:
+    """A new task refused at its first step: the load, not the task, would make it late."""
+    request = decision.request
+    steps = request.steps_remaining
+    tools = request.expected_tool_s
+    if whole_task:
+        late = (
+            f"the task's {steps} steps of {decision.spec.name} and "
+            f"{seconds(tools)} of tools are estimated at {seconds(steps * step_s + tools)} "
+            f"at the fleet's current load ({seconds(steps * idle_step_s + tools)} on idle "
+            f"replicas), past the {seconds(request.deadline_s_remaining or 0.0)} left before "
+            "its deadline"
+        )
+    else:
+        late = (
+            f"the task's first step of {decision.spec.name} is estimated at "
+            f"{seconds(step_s)} at the fleet's current load ({seconds(idle_step_s)} on an idle "
+            f"replica), past its per-step objective of "
+            f"{seconds(request.step_deadline_s_remaining or 0.0)}"
+        )
+    return refusal(
+        decision,
+        RefusalReason.OVERLOADED,
+        f"{late}; nothing was spent: start it again in {retry_after:.0f} s, or give it a "
+        "longer latency budget",
+        retry_after=retry_after,
+        retryable=False,
+    )
+
+
 def context_too_long(decision: Decision) -> Refusal:
     """The prompt and output do not fit the model's context."""
     request, spec = decision.request, decision.spec

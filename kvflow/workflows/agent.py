@@ -184,6 +184,28 @@ class TaskSpec(BaseModel):
     expected_steps: int = Field(
         default=1, ge=1, le=MAX_EXPECTED_STEPS, description="model calls the task will make"
     )
+    step_slo_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=MAX_LATENCY_BUDGET_S,
+        allow_inf_nan=False,
+        description=(
+            "seconds each model call should end within, from when the task asks for it (an "
+            "objective, not a timeout): the scheduler refuses a new task whose first call the "
+            "fleet's load would make late (`Overloaded`); None: no per-step objective"
+        ),
+    )
+    expected_tool_s: float = Field(
+        default=0.0,
+        ge=0,
+        le=MAX_LATENCY_BUDGET_S,
+        allow_inf_nan=False,
+        description=(
+            "seconds the task expects to spend in its tools in all; at the first model call "
+            "the scheduler adds it to the model time of `expected_steps` calls to judge "
+            "whether the fleet's load would make the task miss its deadline (`Overloaded`)"
+        ),
+    )
     schema_repairs: int = Field(
         default=2,
         ge=0,
@@ -583,8 +605,13 @@ class Agent:
         record, checkpoint = call.record, call.checkpoint
         done = sum(1 for s in self.steps if s.kind == "infer" and s.outcome == "ok")
         waiting_since: datetime | None = None
+        asked_at = workflow.now()
+        step_slo = self.spec.step_slo_s
         while True:
             remaining = self._remaining_s()
+            step_remaining = (
+                None if step_slo is None else step_slo - (workflow.now() - asked_at).total_seconds()
+            )
             queued_s = (
                 0.0 if waiting_since is None else (workflow.now() - waiting_since).total_seconds()
             )
@@ -596,6 +623,7 @@ class Agent:
                 - (checkpoint.completion_tokens if checkpoint else 0),
                 tenant=self.spec.tenant,
                 deadline_s_remaining=remaining,
+                step_deadline_s_remaining=step_remaining,
                 steps_remaining=max(1, self.spec.expected_steps - done),
                 previous_replica=self._last_replica,
                 spent_micros=self.spend_micros,
@@ -604,6 +632,8 @@ class Agent:
                 workflow_id=workflow.info().workflow_id,
                 task_started_at=self._started_at.timestamp(),
                 queued_s=max(0.0, queued_s),
+                steps_done=done,
+                expected_tool_s=self.spec.expected_tool_s if done == 0 else 0.0,
                 attempt=call.attempt,
                 # Re-placements made before this request: this one is already counted.
                 task_retries=self.retries
@@ -646,6 +676,7 @@ class Agent:
             error_type = {
                 RefusalReason.DEADLINE: errors.TaskErrorType.DEADLINE_EXCEEDED,
                 RefusalReason.RETRY_BUDGET_EXHAUSTED: errors.TaskErrorType.RETRY_BUDGET_EXHAUSTED,
+                RefusalReason.OVERLOADED: errors.TaskErrorType.OVERLOADED,
             }.get(refusal.reason, errors.TaskErrorType.PLACEMENT_REFUSED)
             raise self._error(
                 error_type, record, refusal.message, refusal=refusal.model_dump(mode="json")

@@ -23,6 +23,10 @@ class TaskErrorType(StrEnum):
     """The task used every re-placement its retry budget allowed."""
     DEADLINE_EXCEEDED = "DeadlineExceeded"
     """The task's latency budget cannot be met (no time left, or no replica fast enough)."""
+    OVERLOADED = "Overloaded"
+    """Refused at its first model call, before it spent anything: at the fleet's load the task
+    was not expected to finish by its deadline. `details[0]["refusal"]["retry_after_s"]` says
+    when to start it again."""
     PLACEMENT_REFUSED = "PlacementRefused"
     """The scheduler refused the call: tenant over quota, model not served, all circuits open..."""
     SCHEMA_INVALID_OUTPUT = "SchemaInvalidOutput"

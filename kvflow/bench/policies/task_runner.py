@@ -361,6 +361,7 @@ class TaskRunner:
             session_id=f"task-{task.index}" if hints else None,
             expected_output_tokens=self._expected_output(task.application) if hints else None,
             expected_pause_s=self._expected_pause(task.application) if hints else None,
+            steps_done=state.calls_done,
             queued_s=self.sim.now
             - state.refused_at.get(_call_id(request.request_id), self.sim.now),
         )

@@ -97,6 +97,8 @@ class TaskContext:
     """Hint: how long the task's tool pause after this call is expected to last, the running
     mean of the pauses observed so far in tasks of the same application (kvflow learns it from
     its workflows' histories); None before the first, or when hints are off."""
+    steps_done: int = 0
+    """Model calls (steps) the task has completed, as its workflow counts them."""
 
 
 @dataclass(slots=True)

@@ -1,0 +1,153 @@
+"""Task admission: a new task that the fleet's load would make late is refused before it spends.
+
+The scheduler estimates the whole task at its first step (the pick's step estimate times the
+steps left, plus the tool time the task declares) and refuses it with `OVERLOADED` when the
+load (queues and batches), not the task, takes it past its deadline or its first step past
+the step's objective; a task already running is never refused this way, and one that would be
+late on an idle fleet too is left to try. Off by default (`LatencyConfig.task_admission`):
+these tests switch it on.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow.scheduler.config import LatencyConfig, SchedulerConfig
+from kvflow.scheduler.core import Scheduler
+from kvflow.scheduler.placement import Placement, Refusal, RefusalReason
+from kvflow.scheduler.state import ReplicaMetrics
+from tests.test_scheduler_placement import Clock, make_fleet, prompt, request
+from tests.test_scheduler_placement import make_scheduler as make_default_scheduler
+
+STEPS = 10
+ADMITTING = SchedulerConfig(latency=LatencyConfig(task_admission=True))
+
+
+def make_scheduler() -> Scheduler:
+    """A scheduler with task admission on (it is off by default)."""
+    return Scheduler(make_fleet(), ADMITTING, clock=Clock())
+
+
+def loaded(scheduler: Scheduler) -> Scheduler:
+    """Every replica running its slots full, with as many calls again waiting."""
+    for name in scheduler.replica_names():
+        slots = {"h200": 64, "h100": 48, "l4": 16}[name.split("/")[0]]
+        scheduler.update_metrics(name, ReplicaMetrics(running=slots, waiting=slots))
+    return scheduler
+
+
+def estimates(scheduler: Scheduler) -> tuple[float, float]:
+    """(a 10-step task at this scheduler's load, the same on an idle fleet)."""
+    loaded_step = scheduler.place(request(prompt(1, 2000), steps_remaining=STEPS))
+    idle_step = make_scheduler().place(request(prompt(1, 2000), steps_remaining=STEPS))
+    assert isinstance(loaded_step, Placement) and isinstance(idle_step, Placement)
+    return STEPS * loaded_step.est_duration_s, STEPS * idle_step.est_duration_s
+
+
+@pytest.fixture
+def between() -> float:
+    """A deadline an idle fleet meets and the loaded one misses."""
+    with_queues, without = estimates(loaded(make_scheduler()))
+    assert with_queues > 2 * without, "the queues must matter for these tests"
+    return (with_queues + without) / 2
+
+
+def test_a_new_task_the_queues_would_make_late_is_refused_before_it_spends(
+    between: float,
+) -> None:
+    scheduler = loaded(make_scheduler())
+    before = [state.load for state in scheduler._replicas]
+    answer = scheduler.place(
+        request(prompt(2, 2000), steps_remaining=STEPS, deadline_s_remaining=between)
+    )
+    assert isinstance(answer, Refusal)
+    assert answer.reason is RefusalReason.OVERLOADED
+    # Final for the task (waiting would spend its deadline), with when to start it again.
+    assert not answer.retryable
+    assert answer.retry_after_s is not None and answer.retry_after_s >= 2.0
+    assert f"{STEPS} steps" in answer.message and "nothing was spent" in answer.message
+    # Nothing was booked: no replica's load counts the refused call.
+    scheduler.settle()
+    assert [state.load for state in scheduler._replicas] == before
+
+
+def test_the_same_task_is_admitted_on_an_idle_fleet(between: float) -> None:
+    answer = make_scheduler().place(
+        request(prompt(2, 2000), steps_remaining=STEPS, deadline_s_remaining=between)
+    )
+    assert isinstance(answer, Placement)
+
+
+def test_a_task_already_running_is_never_refused_for_the_load(between: float) -> None:
+    scheduler = loaded(make_scheduler())
+    later_step = request(
+        prompt(2, 2000), steps_remaining=STEPS, deadline_s_remaining=between, steps_done=1
+    )
+    assert isinstance(scheduler.place(later_step), Placement)
+    replaced = request(
+        prompt(2, 2000), steps_remaining=STEPS, deadline_s_remaining=between, attempt=2
+    )
+    assert isinstance(scheduler.place(replaced), Placement)
+
+
+def test_declared_tool_time_counts_toward_the_whole_task() -> None:
+    scheduler = loaded(make_scheduler())
+    with_queues, _ = estimates(scheduler)
+    roomy = with_queues * 1.2
+    assert isinstance(
+        scheduler.place(
+            request(prompt(3, 2000), steps_remaining=STEPS, deadline_s_remaining=roomy)
+        ),
+        Placement,
+    )
+    answer = scheduler.place(
+        request(
+            prompt(3, 2000),
+            steps_remaining=STEPS,
+            deadline_s_remaining=roomy,
+            expected_tool_s=with_queues * 0.5,
+        )
+    )
+    assert isinstance(answer, Refusal) and answer.reason is RefusalReason.OVERLOADED
+
+
+def test_a_task_late_even_on_an_idle_fleet_is_left_to_try() -> None:
+    scheduler = loaded(make_scheduler())
+    _, without = estimates(scheduler)
+    # Its deadline, not the load, is what to fix: the step is placed as before.
+    answer = scheduler.place(
+        request(prompt(4, 2000), steps_remaining=STEPS, deadline_s_remaining=without * 0.8)
+    )
+    assert isinstance(answer, Placement)
+
+
+def test_task_admission_is_off_by_default(between: float) -> None:
+    scheduler = loaded(make_default_scheduler())
+    answer = scheduler.place(
+        request(prompt(2, 2000), steps_remaining=STEPS, deadline_s_remaining=between)
+    )
+    assert isinstance(answer, Placement)
+
+
+def test_a_wider_margin_refuses_only_tasks_that_miss_by_more(between: float) -> None:
+    config = SchedulerConfig(latency=LatencyConfig(task_admission=True, task_admission_margin=2.0))
+    scheduler = loaded(Scheduler(make_fleet(), config, clock=Clock()))
+    answer = scheduler.place(
+        request(prompt(2, 2000), steps_remaining=STEPS, deadline_s_remaining=between)
+    )
+    assert isinstance(answer, Placement)
+
+
+def test_a_new_task_whose_first_step_the_load_would_make_late_is_refused() -> None:
+    scheduler = loaded(make_scheduler())
+    loaded_task, idle_task = estimates(scheduler)
+    step = (loaded_task + idle_task) / 2 / STEPS
+    first = request(prompt(5, 2000), steps_remaining=STEPS, step_deadline_s_remaining=step)
+    answer = scheduler.place(first)
+    assert isinstance(answer, Refusal) and answer.reason is RefusalReason.OVERLOADED
+    assert "per-step objective" in answer.message
+    # A step of a task already running is placed, late or not: its task has spent already.
+    later = first.model_copy(update={"steps_done": 3})
+    assert isinstance(scheduler.place(later), Placement)
+    # On an idle fleet the same first step is placed.
+    assert isinstance(make_scheduler().place(first), Placement)
