@@ -199,6 +199,32 @@ def test_grouping_by_pool_counts_a_task_in_each_pool_it_used(filled: Ledger) -> 
     assert spends == Decimal("0.028550")
 
 
+def test_a_task_that_used_two_models_on_one_pool_is_one_task_of_that_pool(
+    ledger: Ledger,
+) -> None:
+    # The fallback model on the same pool as the model asked for: one task, two models.
+    on_h100: dict[str, Any] = {"tenant": "acme", "workflow_type": "Support", "pool": "h100"}
+    for record in [
+        attempt_record("G", **on_h100, model="llama-70b", activity_id="1", step="plan",
+                       prompt_tokens=1000, completion_tokens=100),
+        attempt_record("G", **on_h100, model="llama-8b", activity_id="2", step="answer",
+                       prompt_tokens=1000, completion_tokens=100),
+    ]:  # fmt: skip
+        assert ledger.record_attempt(record)
+    assert ledger.record_task(
+        task_record("G", tenant="acme", workflow_type="Support", outcome=TaskOutcome.SUCCEEDED,
+                    closed_at=DAY1, steps=2, attempts=2, spend_micros=0)
+    )  # fmt: skip
+    (pool,) = _json_rows(ledger.report(ReportQuery.parse("pool")))
+    assert (pool["pool"], pool["tasks"], pool["succeeded"]) == ("h100", 1, 1)
+    # Grouped by model too, the task is in each model's row, as it is in each pool it used.
+    by_model = _json_rows(ledger.report(ReportQuery.parse("model,pool")))
+    assert [(r["model"], r["tasks"]) for r in by_model] == [("llama-70b", 1), ("llama-8b", 1)]
+    assert sum(Decimal(str(r["total_spend_usd"])) for r in by_model) == Decimal(
+        str(pool["total_spend_usd"])
+    )
+
+
 def test_day_range_and_tenant_filter_select_tasks_by_close_day(filled: Ledger) -> None:
     report = filled.report(ReportQuery.parse("tenant,day", since="2025-03-04", until="2025-03-04"))
     rows = _json_rows(report)

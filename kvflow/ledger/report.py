@@ -339,16 +339,20 @@ def _group(
     attempts_by_task: dict[tuple[str, str], list[AttemptTotals]],
     group_by: tuple[GroupField, ...],
 ) -> list[ReportRow]:
-    split = any(f in ATTEMPT_LEVEL_FIELDS for f in group_by)
+    by_model = GroupField.MODEL in group_by
+    by_pool = GroupField.POOL in group_by
     rows: dict[tuple[str | None, ...], ReportRow] = {}
     for task in tasks:
         parts = attempts_by_task.get(task.key, [])
-        # One slice per (model, pool) the task touched when grouping splits attempts, else one.
+        # One slice per value of the attempt-level fields grouped by (model, pool or both)
+        # that the task touched, else one: grouped by pool alone, a task that used two models
+        # on one pool is one task of that pool, not two.
         slices: dict[tuple[str | None, str | None], list[AttemptTotals]] = defaultdict(list)
         if not parts:
             slices[(None, None)] = []
         for part in parts:
-            slices[(part.model, part.pool) if split else (None, None)].append(part)
+            key = (part.model if by_model else None, part.pool if by_pool else None)
+            slices[key].append(part)
         succeeded = task.outcome is TaskOutcome.SUCCEEDED
         for (model, pool), members in slices.items():
             values: dict[GroupField, str | None] = {
