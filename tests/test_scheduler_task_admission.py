@@ -5,18 +5,19 @@ steps left, plus the tool time the task declares) and refuses it with `OVERLOADE
 load (queues and batches), not the task, takes it past its deadline or its first step past
 the step's objective; a task already running is never refused this way, and one that would be
 late on an idle fleet too is left to try. Off by default (`LatencyConfig.task_admission`):
-these tests switch it on.
+these tests switch it on. Under saturation, a task that has run a step can be admitted ahead of
+new tasks of its tier (`AdmissionConfig.running_task_tiers`).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from kvflow.scheduler.config import LatencyConfig, SchedulerConfig
+from kvflow.scheduler.config import AdmissionConfig, LatencyConfig, SchedulerConfig
 from kvflow.scheduler.core import Scheduler
 from kvflow.scheduler.placement import Placement, Refusal, RefusalReason
 from kvflow.scheduler.state import ReplicaMetrics
-from tests.test_scheduler_placement import Clock, make_fleet, prompt, request
+from tests.test_scheduler_placement import SMALL, Clock, make_fleet, prompt, request
 from tests.test_scheduler_placement import make_scheduler as make_default_scheduler
 
 STEPS = 10
@@ -151,3 +152,25 @@ def test_a_new_task_whose_first_step_the_load_would_make_late_is_refused() -> No
     assert isinstance(scheduler.place(later), Placement)
     # On an idle fleet the same first step is placed.
     assert isinstance(make_scheduler().place(first), Placement)
+
+
+def test_under_saturation_a_running_task_is_admitted_before_a_new_one_of_its_tier() -> None:
+    config = SchedulerConfig(admission=AdmissionConfig(running_task_tiers=1))
+    scheduler = Scheduler(make_fleet(), config, clock=Clock())
+    for name in scheduler.replica_names():
+        slots = {"h200": 64, "h100": 48, "l4": 16}[name.split("/")[0]]
+        # 112% of the slots: over tier 5's threshold (100%), under tier 4's (125%).
+        scheduler.update_metrics(name, ReplicaMetrics(running=slots, waiting=slots // 8))
+    new = request(prompt(6, 300), model=SMALL, tenant="initech")
+    refusal = scheduler.place(new)
+    assert isinstance(refusal, Refusal) and refusal.reason is RefusalReason.SATURATED
+    assert "tier 5" in refusal.message and "as tier" not in refusal.message
+    # The same tenant's task that has already run a step has spent: it goes on.
+    assert isinstance(scheduler.place(new.model_copy(update={"steps_done": 2})), Placement)
+    # By default every call waits by its own tier.
+    default = make_default_scheduler()
+    for name in default.replica_names():
+        slots = {"h200": 64, "h100": 48, "l4": 16}[name.split("/")[0]]
+        default.update_metrics(name, ReplicaMetrics(running=slots, waiting=slots // 8))
+    running = default.place(new.model_copy(update={"steps_done": 2}))
+    assert isinstance(running, Refusal) and running.reason is RefusalReason.SATURATED

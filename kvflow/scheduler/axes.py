@@ -674,17 +674,21 @@ class TenantPriority(Axis):
     """Tenant tier and fairness, and admission under saturation.
 
     priority_key = tier (1 first), fairness_key = tenant name, fairness_weight = tenant weight
-    admits iff load fraction < saturation_by_tier[tier − 1]
+    admission tier = max(1, tier − running_task_tiers) once the task has completed a step,
+                     else tier
+    admits iff load fraction < saturation_by_tier[admission tier − 1]
                or the call has waited ≥ max_wait_s_by_tier[tier − 1] (`queued_s`)
     over quota iff the tenant's spend today ≥ its daily budget
 
-    Inputs: the fleet's tenants; the load fraction of the replicas serving the model.
-    Config: `admission.saturation_by_tier`. Quota and retry budgets: `kvflow.scheduler.tenancy`.
+    Inputs: the fleet's tenants; the load fraction of the replicas serving the model; the
+    task's completed steps. Config: `admission.saturation_by_tier`, `admission.
+    running_task_tiers`. Quota and retry budgets: `kvflow.scheduler.tenancy`.
     """
 
     def __init__(self, config: AdmissionConfig, tenants: tuple[Tenant, ...] = ()) -> None:
         self._saturation = tuple(config.saturation_by_tier)
         self._max_wait_s = tuple(config.max_wait_s_by_tier)
+        self._admission = config
         self._budget_micros: dict[str, int | None] = {}
         self._tiers = {t.name: t.tier for t in tenants}
 
@@ -695,9 +699,10 @@ class TenantPriority(Axis):
     def accepts(self, decision: Decision, load_fraction: float) -> bool:
         """Whether the tier is admitted at this load (`admits`) or the call waited long enough."""
         tier = self._tiers[decision.tenant]
+        request = decision.request
         return (
-            self.admits(tier, load_fraction)
-            or decision.request.queued_s >= self._max_wait_s[tier - 1]
+            self.admits(self._admission.admission_tier(tier, request.steps_done), load_fraction)
+            or request.queued_s >= self._max_wait_s[tier - 1]
         )
 
     def keys(self, tenant: Tenant) -> tuple[int, str, float]:

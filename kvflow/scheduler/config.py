@@ -361,6 +361,21 @@ class AdmissionConfig(_Config):
         ),
     )
 
+    running_task_tiers: int = Field(
+        default=0,
+        ge=0,
+        le=4,
+        description=(
+            "a call of a task that has completed a step is admitted as if its tier were this "
+            "many tiers better (at best tier 1): under saturation new tasks wait before tasks "
+            "that have already spent (sunk cost). 0: every call by its own tier"
+        ),
+    )
+
+    def admission_tier(self, tier: int, steps_done: int) -> int:
+        """The tier a call is admitted as: `running_task_tiers` better once its task ran."""
+        return max(1, tier - self.running_task_tiers) if steps_done else tier
+
     @model_validator(mode="after")
     def _tiers_ordered(self) -> Self:
         thresholds = self.saturation_by_tier

@@ -134,12 +134,15 @@ def saturated(
 ) -> Refusal:
     """The model's replicas are too loaded for the tenant's tier."""
     admission = config.admission
+    admitted_as = admission.admission_tier(tier, decision.request.steps_done)
     return refusal(
         decision,
         RefusalReason.SATURATED,
         f"replicas serving {decision.spec.name} are at {load_fraction:.0%} of their "
         f"slots; tier {tier} calls wait until load falls below "
-        f"{admission.saturation_by_tier[tier - 1]:.0%}, or for "
+        f"{admission.saturation_by_tier[admitted_as - 1]:.0%}"
+        + (f" (as tier {admitted_as}: its task has run)" if admitted_as != tier else "")
+        + ", or for "
         f"{admission.max_wait_s_by_tier[tier - 1]:g} s at most",
         retry_after=admission.retry_after_s,
         retryable=True,

@@ -64,6 +64,7 @@ LEVERS = {
     "kv_retention": False,
     "tier_headroom": False,
     "task_admission": False,
+    "running_first": False,
 }
 """kvflow's task-aware levers beyond the scheduler's axes, each a `PolicySetup.extra` switch,
 with its default; `kvflow bench policies --ablate` runs kvflow with each flipped in turn:
@@ -92,7 +93,13 @@ with its default; `kvflow bench policies --ablate` runs kvflow with each flipped
   default: on overload (seeds 0–2) it refused tasks the estimate called late that would
   have finished: at 2× capacity success 88.9% against 91.6% without, tier-1 SLO 66%
   against 75%, for a wasted share of 5.0% against 6.5%; at 1.5×, success 96.6% against
-  99.1%. A margin of 2 or more refuses nothing."""
+  99.1%. A margin of 2 or more refuses nothing;
+- `running_first`: under saturation a call of a task that has completed a step is admitted
+  as one tier better (`admission.running_task_tiers` = 1), so new tasks wait before tasks
+  that have spent (sunk cost); where off, every call by its own tier. Off by default: with
+  tier headroom on overload at 1.5× (seeds 0–2) it cut the mean model time from 34.0 s to
+  22.8 s but let tier 1's steps slow again: tier-1 SLO 97.3% against 99.3%, wasted share
+  0.87% against 0.14% (most calls belong to running tasks, so few wait at all)."""
 TIER_HEADROOM = (4.0, 2.0, 0.05, 0.04, 0.03)
 """`admission.saturation_by_tier` for the benchmark's fleet (256 slots per replica): tier 3
 waits above about 13 calls per replica, tier 4 above 10, tier 5 above 8, where a burst's
@@ -112,6 +119,10 @@ class KvflowPolicy:
         if setup.extra.get("tier_headroom", LEVERS["tier_headroom"]):
             base = config or SchedulerConfig()
             admission = base.admission.model_copy(update={"saturation_by_tier": TIER_HEADROOM})
+            config = base.model_copy(update={"admission": admission})
+        if setup.extra.get("running_first", LEVERS["running_first"]):
+            base = config or SchedulerConfig()
+            admission = base.admission.model_copy(update={"running_task_tiers": 1})
             config = base.model_copy(update={"admission": admission})
         task_admission = bool(setup.extra.get("task_admission", LEVERS["task_admission"]))
         if task_admission != (config or SchedulerConfig()).latency.task_admission:
