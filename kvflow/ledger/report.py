@@ -351,8 +351,8 @@ def _group(
         if not parts:
             slices[(None, None)] = []
         for part in parts:
-            key = (part.model if by_model else None, part.pool if by_pool else None)
-            slices[key].append(part)
+            touched = (part.model if by_model else None, part.pool if by_pool else None)
+            slices[touched].append(part)
         succeeded = task.outcome is TaskOutcome.SUCCEEDED
         for (model, pool), members in slices.items():
             values: dict[GroupField, str | None] = {
