@@ -6,7 +6,8 @@ load (queues and batches), not the task, takes it past its deadline or its first
 the step's objective; a task already running is never refused this way, and one that would be
 late on an idle fleet too is left to try. Off by default (`LatencyConfig.task_admission`):
 these tests switch it on. Under saturation, a task that has run a step can be admitted ahead of
-new tasks of its tier (`AdmissionConfig.running_task_tiers`).
+new tasks of its tier (`AdmissionConfig.running_task_tiers`), and lower tiers wait while tier 1's
+calls run late (`AdmissionConfig.headroom_by_tier`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 
 from kvflow.scheduler.config import AdmissionConfig, LatencyConfig, SchedulerConfig
 from kvflow.scheduler.core import Scheduler
-from kvflow.scheduler.placement import Placement, Refusal, RefusalReason
+from kvflow.scheduler.placement import Observation, Placement, Refusal, RefusalReason
 from kvflow.scheduler.state import ReplicaMetrics
 from tests.test_scheduler_placement import SMALL, Clock, make_fleet, prompt, request
 from tests.test_scheduler_placement import make_scheduler as make_default_scheduler
@@ -174,3 +175,52 @@ def test_under_saturation_a_running_task_is_admitted_before_a_new_one_of_its_tie
         default.update_metrics(name, ReplicaMetrics(running=slots, waiting=slots // 8))
     running = default.place(new.model_copy(update={"steps_done": 2}))
     assert isinstance(running, Refusal) and running.reason is RefusalReason.SATURATED
+
+
+HEADROOM = AdmissionConfig(headroom_by_tier=(4.0, 2.0, 0.05, 0.04, 0.03), headroom_hold_s=60)
+
+
+def busy(scheduler: Scheduler) -> Scheduler:
+    """Every replica running a fifth of its slots: far below saturation, above the headroom."""
+    for name in scheduler.replica_names():
+        slots = {"h200": 64, "h100": 48, "l4": 16}[name.split("/")[0]]
+        scheduler.update_metrics(name, ReplicaMetrics(running=slots // 5))
+    return scheduler
+
+
+def late_call(scheduler: Scheduler, tenant: str) -> None:
+    """A call of `tenant` that ended past its step's objective."""
+    placed = scheduler.place(request(prompt(7, 300), tenant=tenant, steps_done=1))
+    assert isinstance(placed, Placement)
+    scheduler.observe(
+        Observation(replica=placed.replica, model=placed.model, tenant=tenant, ok=True, late=True)
+    )
+
+
+def test_a_late_tier_1_call_makes_lower_tiers_wait_for_a_while() -> None:
+    clock = Clock()
+    scheduler = busy(Scheduler(make_fleet(), SchedulerConfig(admission=HEADROOM), clock=clock))
+    tier_3 = request(prompt(8, 300), tenant="globex", steps_done=1)
+    assert isinstance(scheduler.place(tier_3), Placement)
+    late_call(scheduler, "acme")
+    waiting = scheduler.place(tier_3)
+    assert isinstance(waiting, Refusal) and waiting.reason is RefusalReason.SATURATED
+    assert "below 5%" in waiting.message and "tier 1, whose steps ran late" in waiting.message
+    assert waiting.retryable and waiting.retry_after_s
+    # Tier 1 itself goes on; after the hold, lower tiers do too.
+    assert isinstance(scheduler.place(request(prompt(9, 300), tenant="acme")), Placement)
+    clock.advance(61)
+    assert isinstance(scheduler.place(tier_3), Placement)
+
+
+def test_only_tier_1_lateness_turns_the_headroom_on_and_only_where_configured() -> None:
+    scheduler = busy(Scheduler(make_fleet(), SchedulerConfig(admission=HEADROOM), clock=Clock()))
+    late_call(scheduler, "globex")
+    assert isinstance(
+        scheduler.place(request(prompt(10, 300), tenant="globex", steps_done=1)), Placement
+    )
+    default = busy(make_default_scheduler())
+    late_call(default, "acme")
+    assert isinstance(
+        default.place(request(prompt(10, 300), tenant="globex", steps_done=1)), Placement
+    )

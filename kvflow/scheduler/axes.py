@@ -68,6 +68,7 @@ class Axis:
       `factor`        the axis's factor on the objective (1 when it has none)
       `finish`        on the chosen replica's estimate: what only the placement needs
       `idle`          the chosen replica's duration had it nothing else to run (task admission)
+      `observed`      any call that ended, successful or not
     """
 
     def refresh(self, state: ReplicaState) -> None:
@@ -78,6 +79,9 @@ class Axis:
 
     def record(self, state: ReplicaState, model: ModelSpec, observation: Observation) -> None:
         """Fold a successful call on the replica into the axis's estimates."""
+
+    def observed(self, observation: Observation, now: float) -> None:
+        """Any call that ended, successful or not (after `record` for a successful one)."""
 
     def prepare(self, decision: Decision) -> None:
         """Set the axis's per-request constants on the decision."""
@@ -676,17 +680,25 @@ class TenantPriority(Axis):
     priority_key = tier (1 first), fairness_key = tenant name, fairness_weight = tenant weight
     admission tier = max(1, tier − running_task_tiers) once the task has completed a step,
                      else tier
-    admits iff load fraction < saturation_by_tier[admission tier − 1]
+    thresholds = headroom_by_tier for headroom_hold_s after a late tier-1 call, where set,
+                 else saturation_by_tier
+    admits iff load fraction < thresholds[admission tier − 1]
                or the call has waited ≥ max_wait_s_by_tier[tier − 1] (`queued_s`)
     over quota iff the tenant's spend today ≥ its daily budget
 
     Inputs: the fleet's tenants; the load fraction of the replicas serving the model; the
-    task's completed steps. Config: `admission.saturation_by_tier`, `admission.
-    running_task_tiers`. Quota and retry budgets: `kvflow.scheduler.tenancy`.
+    task's completed steps; tier-1 calls that ended late (`Observation.late`). Config:
+    `admission.*`. Quota and retry budgets: `kvflow.scheduler.tenancy`.
     """
 
     def __init__(self, config: AdmissionConfig, tenants: tuple[Tenant, ...] = ()) -> None:
         self._saturation = tuple(config.saturation_by_tier)
+        self._headroom = (
+            None if config.headroom_by_tier is None else tuple(config.headroom_by_tier)
+        )
+        self._hold_s = config.headroom_hold_s
+        self._headroom_until = -math.inf
+        """Until when `headroom_by_tier` applies: `hold_s` after the last late tier-1 call."""
         self._max_wait_s = tuple(config.max_wait_s_by_tier)
         self._admission = config
         self._budget_micros: dict[str, int | None] = {}
@@ -700,10 +712,17 @@ class TenantPriority(Axis):
         """Whether the tier is admitted at this load (`admits`) or the call waited long enough."""
         tier = self._tiers[decision.tenant]
         request = decision.request
-        return (
-            self.admits(self._admission.admission_tier(tier, request.steps_done), load_fraction)
-            or request.queued_s >= self._max_wait_s[tier - 1]
-        )
+        thresholds = self._saturation
+        if self._headroom is not None and decision.now < self._headroom_until:
+            thresholds = self._headroom
+        threshold = thresholds[self._admission.admission_tier(tier, request.steps_done) - 1]
+        decision.admission_threshold = threshold
+        return load_fraction < threshold or request.queued_s >= self._max_wait_s[tier - 1]
+
+    def observed(self, observation: Observation, now: float) -> None:
+        """A tier-1 call past its step's objective holds the headroom thresholds on."""
+        if observation.late and self._tiers.get(observation.tenant) == 1:
+            self._headroom_until = now + self._hold_s
 
     def keys(self, tenant: Tenant) -> tuple[int, str, float]:
         """Temporal `Priority` fields for the tenant's calls."""

@@ -361,6 +361,20 @@ class AdmissionConfig(_Config):
         ),
     )
 
+    headroom_by_tier: tuple[float, float, float, float, float] | None = Field(
+        default=None,
+        description=(
+            "the thresholds used instead of `saturation_by_tier` for `headroom_hold_s` after a "
+            "tier-1 call ended past its step's objective (`Observation.late`): lower tiers "
+            "then wait while the replicas are busy, so that they do not slow tier 1's steps. "
+            "None: never"
+        ),
+    )
+    headroom_hold_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="how long `headroom_by_tier` holds after the last late tier-1 call",
+    )
     running_task_tiers: int = Field(
         default=0,
         ge=0,
@@ -378,12 +392,17 @@ class AdmissionConfig(_Config):
 
     @model_validator(mode="after")
     def _tiers_ordered(self) -> Self:
-        thresholds = self.saturation_by_tier
-        if any(t <= 0 for t in thresholds) or list(thresholds) != sorted(thresholds, reverse=True):
-            raise ValueError(
-                "saturation_by_tier must be positive and non-increasing from tier 1 to tier 5 "
-                f"(tier 1 is admitted longest); got {list(thresholds)}"
-            )
+        named = [("saturation_by_tier", self.saturation_by_tier)]
+        if self.headroom_by_tier is not None:
+            named.append(("headroom_by_tier", self.headroom_by_tier))
+        for name, thresholds in named:
+            if any(t <= 0 for t in thresholds) or list(thresholds) != sorted(
+                thresholds, reverse=True
+            ):
+                raise ValueError(
+                    f"{name} must be positive and non-increasing from tier 1 to tier 5 "
+                    f"(tier 1 is admitted longest); got {list(thresholds)}"
+                )
         return self
 
 

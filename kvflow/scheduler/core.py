@@ -305,6 +305,7 @@ class Scheduler:
             spec = self._models.get(observation.model)
             if observation.ok and spec is not None:
                 self.policy.record(state, spec, observation)
+            self.policy.observed(observation, now)
             if observation.cost_micros:
                 self._tenants.add_spend(observation.tenant, observation.cost_micros, now)
             self._refresh(state)

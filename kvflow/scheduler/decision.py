@@ -58,6 +58,7 @@ class Decision:
     """Per-request constants, computed once per decision."""
 
     __slots__ = (
+        "admission_threshold",
         "block_hashes",
         "budget_micros",
         "budget_s",
@@ -94,6 +95,8 @@ class Decision:
     ) -> None:
         self.request = request
         self.now = now
+        self.admission_threshold = math.inf
+        """The load fraction below which the call's tier is admitted (`Axis.accepts`)."""
         self.budget_s: float | None = None
         """The step's share of the task deadline; None without a deadline (`Axis.prepare`)."""
         self.excluded = excluded

@@ -298,6 +298,14 @@ class Observation(_Wire):
     queue_s: float | None = Field(default=None, ge=0)
     ttft_s: float | None = Field(default=None, ge=0, description="includes the queue wait")
     duration_s: float | None = Field(default=None, ge=0, description="whole call")
+    late: bool | None = Field(
+        default=None,
+        description=(
+            "the call ended past its step's objective (`TaskSpec.step_slo_s`), or was cut "
+            "there; None when the task declares none. A late tier-1 call turns on "
+            "`admission.headroom_by_tier`"
+        ),
+    )
     prompt_tokens: int = Field(default=0, ge=0)
     cached_tokens: int = Field(default=0, ge=0)
     completion_tokens: int = Field(default=0, ge=0)

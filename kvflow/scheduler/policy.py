@@ -47,6 +47,11 @@ class Policy:
         for axis in self.axes:
             axis.record(state, model, observation)
 
+    def observed(self, observation: Observation, now: float) -> None:
+        """Any call that ended, to every axis."""
+        for axis in self.axes:
+            axis.observed(observation, now)
+
     def prepare(self, decision: Decision) -> None:
         """The axes' per-request constants."""
         for axis in self.axes:

@@ -135,13 +135,18 @@ def saturated(
     """The model's replicas are too loaded for the tenant's tier."""
     admission = config.admission
     admitted_as = admission.admission_tier(tier, decision.request.steps_done)
+    threshold = decision.admission_threshold
+    notes = []
+    if admitted_as != tier:
+        notes.append(f"as tier {admitted_as}: its task has run")
+    if threshold != admission.saturation_by_tier[admitted_as - 1]:
+        notes.append("headroom for tier 1, whose steps ran late")
     return refusal(
         decision,
         RefusalReason.SATURATED,
         f"replicas serving {decision.spec.name} are at {load_fraction:.0%} of their "
-        f"slots; tier {tier} calls wait until load falls below "
-        f"{admission.saturation_by_tier[admitted_as - 1]:.0%}"
-        + (f" (as tier {admitted_as}: its task has run)" if admitted_as != tier else "")
+        f"slots; tier {tier} calls wait until load falls below {threshold:.0%}"
+        + (f" ({'; '.join(notes)})" if notes else "")
         + ", or for "
         f"{admission.max_wait_s_by_tier[tier - 1]:g} s at most",
         retry_after=admission.retry_after_s,

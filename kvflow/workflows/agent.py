@@ -190,9 +190,11 @@ class TaskSpec(BaseModel):
         le=MAX_LATENCY_BUDGET_S,
         allow_inf_nan=False,
         description=(
-            "seconds each model call should end within, from when the task asks for it (an "
-            "objective, not a timeout): the scheduler refuses a new task whose first call the "
-            "fleet's load would make late (`Overloaded`); None: no per-step objective"
+            "seconds each model call should end within (an objective, not a timeout): a call "
+            "past it is reported late, and a late tier-1 call makes lower tiers wait where "
+            "`AdmissionConfig.headroom_by_tier` is set; with task admission on, a new task "
+            "whose first call the fleet's load would make late is refused (`Overloaded`). "
+            "None: no per-step objective"
         ),
     )
     expected_tool_s: float = Field(
@@ -782,6 +784,9 @@ class Agent:
         it was the latter.
         """
         sent, ended = dispatched_at.timestamp(), workflow.now().timestamp()
+        # Past the step's objective: a late tier-1 call makes lower tiers leave it headroom.
+        slo = self.spec.step_slo_s
+        late = None if slo is None else ended - sent > slo
         if failure is not None:
             observation = Observation(
                 replica=placement.replica,
@@ -799,6 +804,7 @@ class Agent:
                 cold_start=placement.cold_start,
                 dispatched_at=sent,
                 ended_at=ended,
+                late=late,
             )
         else:
             assert result is not None
@@ -818,6 +824,7 @@ class Agent:
                 cold_start=placement.cold_start,
                 dispatched_at=sent,
                 ended_at=ended,
+                late=late,
             )
         # The scheduler must hear how the call ended (its in-flight count), cancelled or not.
         verdict: ObservationVerdict | None = await uncancellable(
