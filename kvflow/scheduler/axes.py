@@ -693,9 +693,7 @@ class TenantPriority(Axis):
 
     def __init__(self, config: AdmissionConfig, tenants: tuple[Tenant, ...] = ()) -> None:
         self._saturation = tuple(config.saturation_by_tier)
-        self._headroom = (
-            None if config.headroom_by_tier is None else tuple(config.headroom_by_tier)
-        )
+        self._headroom = None if config.headroom_by_tier is None else tuple(config.headroom_by_tier)
         self._hold_s = config.headroom_hold_s
         self._headroom_until = -math.inf
         """Until when `headroom_by_tier` applies: `hold_s` after the last late tier-1 call."""
