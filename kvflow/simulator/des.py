@@ -126,13 +126,17 @@ class FleetView:
 
     def load(self, index: int) -> int:
         """Running plus waiting requests on replica `index`."""
-        replica = self.replicas[index]
-        return replica.num_running + replica.num_waiting
+        return self.replicas[index].load()
 
     def cached_tokens(self, index: int, model: str, block_hashes: Sequence[int]) -> int:
         """Tokens of a prompt with `block_hashes` that replica `index` holds in its cache now."""
         engine = self.replicas[index].engines.get(model)
         return 0 if engine is None else engine.cached_prefix_tokens(block_hashes)
+
+    def holds_block(self, index: int, model: str, block_hash: int) -> bool:
+        """Whether replica `index` has a block of `block_hash` cached now (one lookup)."""
+        engine = self.replicas[index].engines.get(model)
+        return engine is not None and engine.pool.is_cached(block_hash)
 
     def active_tokens(self, index: int) -> tuple[int, int]:
         """(prompt tokens still to prefill, KV tokens of decoding requests) on replica `index`."""
@@ -224,13 +228,45 @@ class PrefixAwareRouter:
         mean = sum(loads) / len(loads)
         prompt = max(request.prompt_tokens, 1)
         hashes = request.block_hashes[: request.prompt_tokens // self._block(fleet, serving[0])]
+        model = request.model
         best, best_score = serving[0], -math.inf
         for index, load in zip(serving, loads, strict=True):
-            cached = fleet.cached_tokens(index, request.model, hashes)
-            score = cached / prompt - self.load_weight * load / (mean + 1)
+            penalty = self.load_weight * load / (mean + 1)
+            if best_score != -math.inf:
+                # Probing a long prompt on every replica cost most of a simulation's time. A
+                # replica whose cached prefix is shorter than `need` blocks cannot beat the
+                # best so far, and it is if it lacks the prompt's `need`-th block: skipping it
+                # then picks the same replica as the full probe.
+                need = self._blocks_to_beat(
+                    best_score, penalty, prompt, self._block(fleet, index), len(hashes)
+                )
+                if need is None or (need and not fleet.holds_block(index, model, hashes[need - 1])):
+                    continue
+            cached = fleet.cached_tokens(index, model, hashes)
+            score = cached / prompt - penalty
             if score > best_score:
                 best, best_score = index, score
         return best
+
+    @staticmethod
+    def _blocks_to_beat(
+        best_score: float, penalty: float, prompt: int, block_size: int, blocks: int
+    ) -> int | None:
+        """Fewest cached blocks (of `blocks`) whose score beats `best_score`; None if none do.
+
+        The score is computed as `route` computes it, and it never falls as the cached tokens
+        grow (rounding is monotonic), so a binary search finds the exact threshold.
+        """
+        if (blocks * block_size) / prompt - penalty <= best_score:
+            return None
+        low, high = 0, blocks
+        while low < high:
+            middle = (low + high) // 2
+            if (middle * block_size) / prompt - penalty > best_score:
+                high = middle
+            else:
+                low = middle + 1
+        return low
 
     @staticmethod
     def _block(fleet: FleetView, index: int) -> int:

@@ -924,17 +924,17 @@ class EngineCore:
                 if num_new > budget:
                     num_new = budget
                 needed = -(-(num_cached + num_new) // block_size) - len(hits)
+                want = -(-num_tokens // block_size) - len(hits) if reserve_full else needed
                 # Free blocks among the hits stop being free once the request takes them.
-                available = pool.num_free_blocks - (pool.count_free(hits) if hits else 0)
-                if reserve_full:
-                    if -(-num_tokens // block_size) - len(hits) > available:
-                        if self._skip_blocked:
-                            missing = (
-                                hashes[len(hits)] if hashes and len(hits) < max_blocks else None
-                            )
-                            self._blocked = (request, pool.releases, missing)
-                        break
-                elif needed > available:
+                # Counting them walks every hit; it can change the answer only when the
+                # request would not fit with all of them counted out.
+                available = pool.num_free_blocks
+                if hits and want > available - len(hits):
+                    available -= pool.count_free(hits)
+                if want > available:
+                    if reserve_full and self._skip_blocked:
+                        missing = hashes[len(hits)] if hashes and len(hits) < max_blocks else None
+                        self._blocked = (request, pool.releases, missing)
                     break
                 self._blocked = None
                 pool.touch(hits)
@@ -1092,12 +1092,23 @@ class SimReplica:
     @property
     def num_running(self) -> int:
         """Running requests over all models."""
-        return sum(e.num_running for e in self._order)
+        if len(self._order) == 1:  # the usual replica; routers ask per request and replica
+            return len(self._order[0].running)
+        return sum(len(e.running) for e in self._order)
 
     @property
     def num_waiting(self) -> int:
         """Waiting requests over all models."""
-        return sum(e.num_waiting for e in self._order)
+        if len(self._order) == 1:
+            return len(self._order[0].waiting)
+        return sum(len(e.waiting) for e in self._order)
+
+    def load(self) -> int:
+        """Running plus waiting requests over all models."""
+        if len(self._order) == 1:
+            engine = self._order[0]
+            return len(engine.running) + len(engine.waiting)
+        return sum(len(e.running) + len(e.waiting) for e in self._order)
 
     def kv_cache_usage(self) -> float:
         """Mean KV usage over the models' caches."""
