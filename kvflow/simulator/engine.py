@@ -716,14 +716,19 @@ class EngineCore:
         steps = max_model_len
         context = 0
         pairs = 0.0
+        # Comparisons rather than min() calls here and a loop rather than sum() below: this
+        # runs at every step boundary of every replica.
         for request in running:
             produced = request.num_output_tokens
             computed = request.num_computed_tokens
             if request.sampler is not None or computed != request.num_prompt_tokens + produced - 1:
                 return None
-            left = min(request.max_tokens - produced, max_model_len - computed - 1)
-            if request.eos_after is not None:
-                left = min(left, request.eos_after - produced)
+            left = request.max_tokens - produced
+            if max_model_len - computed - 1 < left:
+                left = max_model_len - computed - 1
+            eos_after = request.eos_after
+            if eos_after is not None and eos_after - produced < left:
+                left = eos_after - produced
             if left - 1 < steps:
                 steps = left - 1  # the step that finishes a request is taken on its own
             context += computed
@@ -731,9 +736,10 @@ class EngineCore:
         if steps < 2:
             return None
         block_size = self.block_size
-        needed = sum(
-            -(-(r.num_computed_tokens + steps) // block_size) - len(r.block_ids) for r in running
-        )
+        needed = 0
+        for request in running:
+            blocks = -(-(request.num_computed_tokens + steps) // block_size)
+            needed += blocks - len(request.block_ids)
         if needed > self.pool.num_free_blocks:
             return None  # memory pressure: step one at a time, preempting as vLLM would
         if needed and self._retention_pool is not None:
