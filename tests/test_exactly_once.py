@@ -105,10 +105,14 @@ def _pools() -> list[PoolPlan]:
 
 
 def ledger_stack(
-    client: Client, tmp_path: Path, ledger_url: str, pools: list[PoolPlan]
+    client: Client,
+    tmp_path: Path,
+    ledger_url: str,
+    pools: list[PoolPlan],
+    **embedded_options: Any,
 ) -> AbstractAsyncContextManager[Stack]:
     """`fleet_stack` on the ledger at `ledger_url` (SQLite or PostgreSQL), tenant acme alone,
-    with `AnswersThenWaits` among the workflows."""
+    with `AnswersThenWaits` among the workflows; `embedded_options` as `fleet_stack`'s."""
     return fleet_stack(
         client,
         tmp_path,
@@ -116,6 +120,7 @@ def ledger_stack(
         fleet=fleet_for(pools, [Tenant(name="acme", tier=1, fairness_weight=3.0)]),
         workflows=[*wf.ALL_WORKFLOWS, AnswersThenWaits],
         ledger_url=ledger_url,
+        **embedded_options,
     )
 
 

@@ -130,7 +130,9 @@ async def test_cancelled_call_whose_row_was_spooled_is_counted_when_replayed(
 ) -> None:
     held = HeldRows()  # the GPU worker's ledger is down: its rows wait in the spool
     pools = [PoolPlan("spooling", gpu_worker=False)]
-    async with ledger_stack(temporal_client, tmp_path, ledger_url, pools) as s:
+    # A stream of seconds, not the default tenth of one: the cancellation reaches the call
+    # with a heartbeat (up to 1.6 s apart), and must find it still running.
+    async with ledger_stack(temporal_client, tmp_path, ledger_url, pools, time_scale=2.0) as s:
         binding = ReplicaBinding(
             pool=s.fleet.pool("spooling"),
             index=0,

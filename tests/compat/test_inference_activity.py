@@ -60,9 +60,6 @@ class CallOutcome(BaseModel):
     details: dict[str, Any] | None = None
 
 
-HEARTBEAT_TIMEOUT = timedelta(seconds=Call.model_fields["heartbeat_timeout_s"].default)
-
-
 @workflow.defn
 class CallOnce:
     @workflow.run
@@ -349,9 +346,16 @@ async def test_cancelled_call_stops_within_one_heartbeat_interval(
     # A slow stream, so the call is surely running when the cancellation arrives.
     proxy.fault = Fault(chunk_delay_s=0.05)
     request = _chat(server, "Tell a very long story.", 400)
+    # The SDK heartbeats at most every 0.8 x the timeout: 5 s leaves a loaded machine a
+    # second to send one in time, where 2 s left it 0.4 s and a late beat timed the call out.
+    heartbeat_timeout = timedelta(seconds=5)
     handle = await proxied.client.start_workflow(
         CallOnce.run,
-        Call(request=request, task_queue=proxied.worker.task_queue),
+        Call(
+            request=request,
+            task_queue=proxied.worker.task_queue,
+            heartbeat_timeout_s=heartbeat_timeout.total_seconds(),
+        ),
         id=f"cancel-{uuid.uuid4()}",
         task_queue=WORKFLOW_QUEUE,
     )
@@ -373,7 +377,7 @@ async def test_cancelled_call_stops_within_one_heartbeat_interval(
     # heartbeat timeout; allow half a second for the server's round trips. The bound is what
     # is tested, so only a slow machine (KVFLOW_TEST_SLOWDOWN) stretches it.
     assert proxy.streams_closed_early >= 1
-    interval = 0.8 * HEARTBEAT_TIMEOUT.total_seconds()
+    interval = 0.8 * heartbeat_timeout.total_seconds()
     took = (report.ended_at - cancelled_at).total_seconds()
     assert took < (interval + 0.5) * slowdown(), took
 
