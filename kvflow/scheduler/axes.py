@@ -698,7 +698,7 @@ class TenantPriority(Axis):
         self._headroom_until = -math.inf
         """Until when `headroom_by_tier` applies: `hold_s` after the last late tier-1 call."""
         self._max_wait_s = tuple(config.max_wait_s_by_tier)
-        self._admission = config
+        self._running_bonus = config.running_task_tiers
         self._budget_micros: dict[str, int | None] = {}
         self._tiers = {t.name: t.tier for t in tenants}
 
@@ -713,7 +713,10 @@ class TenantPriority(Axis):
         thresholds = self._saturation
         if self._headroom is not None and decision.now < self._headroom_until:
             thresholds = self._headroom
-        threshold = thresholds[self._admission.admission_tier(tier, request.steps_done) - 1]
+        # `AdmissionConfig.admission_tier`, inline: this runs on every decision.
+        bonus = self._running_bonus
+        admitted_as = max(1, tier - bonus) if bonus and request.steps_done else tier
+        threshold = thresholds[admitted_as - 1]
         decision.admission_threshold = threshold
         return load_fraction < threshold or request.queued_s >= self._max_wait_s[tier - 1]
 

@@ -140,6 +140,9 @@ class Scheduler:
     ) -> None:
         self.fleet = fleet
         self.config = config = config or SchedulerConfig()
+        self._task_admission = config.latency.task_admission
+        """Whether first steps are admitted as whole tasks (`_task_refusal`); read once, since
+        a decision should not pay for a lever that is off."""
         self._clock = clock
         self._lock = threading.RLock()
         self.block_size = config.prefix.block_size
@@ -452,9 +455,10 @@ class Scheduler:
             ctx = self._context(request, spec, now)
             outcome = self._place_model(ctx)
             if isinstance(outcome, tuple):
-                refused = self._task_refusal(ctx, outcome[0])
-                if refused is not None:
-                    return refused
+                if self._task_admission:
+                    refused = self._task_refusal(ctx, outcome[0])
+                    if refused is not None:
+                        return refused
                 return self._commit(ctx, *outcome, degraded_from=None)
             primary = outcome
             fallback = spec.fallback
@@ -473,9 +477,10 @@ class Scheduler:
                 attempt = self._place_model(ctx)
                 if isinstance(attempt, tuple):
                     if request.allow_fallback:
-                        refused = self._task_refusal(ctx, attempt[0])
-                        if refused is not None:
-                            return refused
+                        if self._task_admission:
+                            refused = self._task_refusal(ctx, attempt[0])
+                            if refused is not None:
+                                return refused
                         return self._commit(ctx, *attempt, degraded_from=spec.name)
                     return reasons.fallback_would_fit(primary, fallback)
                 failed.append(f"{fallback}: {attempt.reason.value}")
@@ -656,8 +661,7 @@ class Scheduler:
         remaining = request.deadline_s_remaining
         step_remaining = request.step_deadline_s_remaining
         if (
-            not latency.task_admission
-            or (remaining is None and step_remaining is None)
+            (remaining is None and step_remaining is None)
             or request.steps_done
             or request.attempt > 1
         ):
