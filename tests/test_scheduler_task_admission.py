@@ -30,12 +30,19 @@ def make_scheduler() -> Scheduler:
     return Scheduler(make_fleet(), ADMITTING, clock=Clock())
 
 
-def loaded(scheduler: Scheduler) -> Scheduler:
-    """Every replica running its slots full, with as many calls again waiting."""
+def with_load(scheduler: Scheduler, running: float, waiting: float) -> Scheduler:
+    """Every replica running and holding waiting these fractions of its slots."""
     for name in scheduler.replica_names():
         slots = {"h200": 64, "h100": 48, "l4": 16}[name.split("/")[0]]
-        scheduler.update_metrics(name, ReplicaMetrics(running=slots, waiting=slots))
+        scheduler.update_metrics(
+            name, ReplicaMetrics(running=int(slots * running), waiting=int(slots * waiting))
+        )
     return scheduler
+
+
+def loaded(scheduler: Scheduler) -> Scheduler:
+    """Every replica running its slots full, with as many calls again waiting."""
+    return with_load(scheduler, 1.0, 1.0)
 
 
 def estimates(scheduler: Scheduler) -> tuple[float, float]:
@@ -157,11 +164,8 @@ def test_a_new_task_whose_first_step_the_load_would_make_late_is_refused() -> No
 
 def test_under_saturation_a_running_task_is_admitted_before_a_new_one_of_its_tier() -> None:
     config = SchedulerConfig(admission=AdmissionConfig(running_task_tiers=1))
-    scheduler = Scheduler(make_fleet(), config, clock=Clock())
-    for name in scheduler.replica_names():
-        slots = {"h200": 64, "h100": 48, "l4": 16}[name.split("/")[0]]
-        # 112% of the slots: over tier 5's threshold (100%), under tier 4's (125%).
-        scheduler.update_metrics(name, ReplicaMetrics(running=slots, waiting=slots // 8))
+    # 112% of the slots: over tier 5's threshold (100%), under tier 4's (125%).
+    scheduler = with_load(Scheduler(make_fleet(), config, clock=Clock()), 1.0, 0.125)
     new = request(prompt(6, 300), model=SMALL, tenant="initech")
     refusal = scheduler.place(new)
     assert isinstance(refusal, Refusal) and refusal.reason is RefusalReason.SATURATED
@@ -169,10 +173,7 @@ def test_under_saturation_a_running_task_is_admitted_before_a_new_one_of_its_tie
     # The same tenant's task that has already run a step has spent: it goes on.
     assert isinstance(scheduler.place(new.model_copy(update={"steps_done": 2})), Placement)
     # By default every call waits by its own tier.
-    default = make_default_scheduler()
-    for name in default.replica_names():
-        slots = {"h200": 64, "h100": 48, "l4": 16}[name.split("/")[0]]
-        default.update_metrics(name, ReplicaMetrics(running=slots, waiting=slots // 8))
+    default = with_load(make_default_scheduler(), 1.0, 0.125)
     running = default.place(new.model_copy(update={"steps_done": 2}))
     assert isinstance(running, Refusal) and running.reason is RefusalReason.SATURATED
 
@@ -182,10 +183,7 @@ HEADROOM = AdmissionConfig(headroom_by_tier=(4.0, 2.0, 0.05, 0.04, 0.03), headro
 
 def busy(scheduler: Scheduler) -> Scheduler:
     """Every replica running a fifth of its slots: far below saturation, above the headroom."""
-    for name in scheduler.replica_names():
-        slots = {"h200": 64, "h100": 48, "l4": 16}[name.split("/")[0]]
-        scheduler.update_metrics(name, ReplicaMetrics(running=slots // 5))
-    return scheduler
+    return with_load(scheduler, 0.2, 0.0)
 
 
 def late_call(scheduler: Scheduler, tenant: str) -> None:

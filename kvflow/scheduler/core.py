@@ -18,9 +18,10 @@ A decision, for one `PlacementRequest`:
    when no feasible replica holds any of the prompt's prefix, rendezvous hashing of the prefix
    key over the near-best replicas, with bounded load, so that every scheduler process sends a
    new prefix to the same replica.
-5. **Task admission**, at a task's first step only (`_task_refusal`): the task is refused
-   before it spends when the pick's queue wait, repeated over its expected steps, would take
-   it past its deadline though an idle fleet would not (`RefusalReason.OVERLOADED`).
+5. **Task admission**, at a task's first step only and where `latency.task_admission` is on
+   (`_task_refusal`): the task is refused before it spends when the pick's estimate, over its
+   expected steps and tool time, misses its deadline or its first step's objective though
+   the same call on an idle replica would not (`RefusalReason.OVERLOADED`).
 
 This class is the front: it takes telemetry in, answers placements and reports status, and
 never names an axis. A decision answers first: what it changes (the replica's load and probe
