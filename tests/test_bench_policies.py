@@ -19,9 +19,15 @@ from kvflow.bench.policies import (
     run_policy,
     run_workload,
 )
-from kvflow.bench.policies.bounds import lifetime_estimate_s, zero_miss_floor
+from kvflow.bench.policies.bounds import (
+    idle_call_s,
+    kv_cache_tokens,
+    kv_capacity_floor,
+    lifetime_estimate_s,
+    zero_miss_floor,
+)
 from kvflow.bench.policies.figures import cost_per_success, figures, percentile
-from kvflow.bench.policies.fleet import bench_fleet, simulated_replicas
+from kvflow.bench.policies.fleet import bench_fleet, engine_config, fastest_perf, simulated_replicas
 from kvflow.bench.policies.task_runner import Outcome, TaskRunner
 from kvflow.scheduler.blocks import ROOT_HASH, hash_block
 from kvflow.scheduler.config import DEFAULT_AXES, REQUIRED_AXIS
@@ -211,6 +217,56 @@ def test_zero_miss_floor_of_a_task_and_a_fan_out_matches_the_hand_computed_figur
     assert counted.cost_per_task_usd == Decimal(23 + 13) / 1_000_000
 
 
+def _paused_task(index: int, tool: str, pause_s: float) -> Task:
+    """Two steps: 64 prompt tokens, a tool of `pause_s`, then 128 that reuse the first 96."""
+    chain = _chain(10, first_token=10_000 * index)
+    steps = [
+        Step([Call(64, 32, chain[:6])], pause_s, tool),
+        Step([Call(128, 32, chain[:10])], 0.0),
+    ]
+    return Task(index, "acme", 1, float(index), 1_000.0, steps)
+
+
+def test_kv_capacity_floor_keeps_what_a_policy_blind_to_the_pause_can_keep() -> None:
+    # A file read of 1 s and two test runs of 100 s and 300 s, each holding a conversation
+    # of 96 reusable tokens. The cache is sized so that, once the calls' own running time is
+    # paid, it holds exactly the read and the shorter test run: 96 · 1 + 96 · 100 token-s.
+    spec = WORKLOADS["agent"]
+    fleet = bench_fleet("agent", 1)
+    tasks = [_paused_task(0, "read", 1.0), _paused_task(1, "test", 100.0)]
+    tasks.append(_paused_task(2, "test", 300.0))
+    perf = fastest_perf(fleet, engine_config(spec))
+    running = sum(
+        call.prompt_tokens * idle_call_s(call, perf, cached)
+        for task in tasks
+        for call, cached in zip([s.calls[0] for s in task.steps], (0, 96), strict=True)
+    )
+    budget = 96 * 1 + 96 * 100
+    rate = kv_cache_tokens(fleet, spec) * len(tasks) / (running + budget)
+    floor = kv_capacity_floor(tasks, fleet, spec, task_rate=rate)
+    zero = zero_miss_floor(tasks, fleet, block_size=16)
+    # Knowing the pauses, keep the read and the 100-s run: 96 of 288 reusable tokens missed.
+    assert floor.clairvoyant_hit_rate == pytest.approx((288 - 96) / 576)
+    # Knowing only the kind: keep every read; a test run is kept 100 s or 300 s, equally
+    # good per token-second (96 tokens for 19,200 token-s), so the 9,600 token-s left keep
+    # a quarter of the test runs' conversations: 48 of their 192 tokens.
+    assert floor.prefix_hit_rate == pytest.approx((288 - 144) / 576)
+    # One keep time for both kinds: 1 s keeps the read (288 token-s), and the 9,408 left
+    # buy 9,408 / 19,008 of the step to 100 s, which saves 96 tokens more.
+    one_time = 96 + 96 * 9_408 / 19_008
+    assert floor.one_keep_time_hit_rate == pytest.approx(one_time / 576)
+    assert floor.demand_over_cache == pytest.approx(96 * 401 / budget)
+    # Zero-miss: 29 + 25 µ$ a task. Each test run misses 72 tokens at ≥ 0.162 µ$ more.
+    assert zero.cost_per_task_usd == Decimal(54) / 1_000_000
+    assert floor.per_task_micros == {0: 54, 1: 54 + 11, 2: 54 + 11}
+    assert floor.cost_per_task_usd == cost_per_success(54 * 3 + 22, 3)
+    # With the cache to hold every pause, it is the zero-miss floor.
+    roomy = kv_capacity_floor(tasks, fleet, spec, task_rate=rate / 100)
+    assert roomy.demand_over_cache < 1
+    assert roomy.cost_per_task_usd == zero.cost_per_task_usd
+    assert roomy.prefix_hit_rate == zero.prefix_hit_rate
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("workload", list(WORKLOADS))
 def test_the_floor_is_below_every_policy_on_every_workload_on_two_seeds(workload: str) -> None:
@@ -236,6 +292,11 @@ def test_the_floor_is_below_every_policy_on_every_workload_on_two_seeds(workload
             assert run.cost_per_successful_task_usd >= floor.cost_per_task_usd, run.policy
             assert run.floor_of_successes_usd is not None
             assert run.cost_per_successful_task_usd >= run.floor_of_successes_usd, run.policy
+    assert len(result.capacity_floors) == 2
+    for zero, kv in zip(result.floors, result.capacity_floors, strict=True):
+        assert kv.cost_per_task_usd is not None and zero.cost_per_task_usd is not None
+        assert kv.cost_per_task_usd >= zero.cost_per_task_usd
+        assert kv.one_keep_time_hit_rate <= kv.prefix_hit_rate <= kv.clairvoyant_hit_rate
 
 
 def test_ablation_runs_kvflow_once_without_each_axis_but_the_required_one_and_each_lever() -> None:
@@ -351,6 +412,10 @@ def test_bench_policies_prints_the_table_and_writes_the_json_keys_scripts_read(
     floor = workload["zero_miss_floor"]
     Decimal(floor["cost_per_successful_task_usd"])  # exact, never a float
     assert len(floor["ci95"]) == 2
+    kv = workload["kv_capacity_floor"]
+    kv_cost = Decimal(kv["cost_per_successful_task_usd"])
+    assert kv_cost >= Decimal(floor["cost_per_successful_task_usd"])
+    assert kv["one_keep_time_hit_rate"] <= kv["prefix_hit_rate"] <= kv["clairvoyant_hit_rate"]
     policies = data["workloads"]["agent"]["policies"]
     assert set(policies) == {*POLICIES, GREEDY_REFERENCE}
     assert any(name.endswith("-tuned") for name in policies)

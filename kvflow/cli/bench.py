@@ -286,6 +286,15 @@ def _policy_table(result: WorkloadResult) -> Table:
     cells = ["" for _ in columns[2:]]
     cells[columns.index("hit") - 2] = "" if hit is None else f"{hit.mean:.1%}"
     table.add_row("zero-miss floor", _money_pm(floor), *cells)
+    kv_floor = money_ci(
+        [f.cost_per_task_usd for f in result.capacity_floors if f.cost_per_task_usd]
+    )
+    if kv_floor is not None and floor is not None and kv_floor.mean > floor.mean:
+        # Only where the cache binds: elsewhere it is the zero-miss floor again.
+        hit = mean_ci([f.prefix_hit_rate for f in result.capacity_floors])
+        cells = ["" for _ in columns[2:]]
+        cells[columns.index("hit") - 2] = "" if hit is None else f"{hit.mean:.1%}"
+        table.add_row("KV-capacity floor", _money_pm(kv_floor), *cells)
     return table
 
 
@@ -603,7 +612,9 @@ def policies_bench(
         "above 1: kvflow does better). GPU-s/task: engine busy time × GPUs over successful "
         "tasks. model s: task time less the task's own tool pauses. zero-miss floor: every "
         "call finds cached all that an earlier call computed, at the cheapest prices; no "
-        "placement costs less. busiest: the busiest replica's attempts over the mean. "
+        "placement costs less. KV-capacity floor (where the cache binds): the same with the "
+        "fleet's KV cache, for a policy that knows each tool's kind but not how long it will "
+        "run. busiest: the busiest replica's attempts over the mean. "
         "benchmarks/README.md explains the method. "
         f"Simulated in {time.perf_counter() - started:.0f} s.",
         highlight=False,

@@ -20,8 +20,10 @@ plus unloaded model time), times `LIFETIME_MARGIN`; each run reports the warm-up
 measured lifetimes.
 
 **Bounds.** The zero-miss floor (`zero_miss_floor`) is the cost per successful task no
-placement can go below; the success ceiling (`success_ceiling`) the share of tasks an idle
-fleet could finish within their declared budgets.
+placement can go below; the KV-capacity floor (`kv_capacity_floor`) the same with the fleet's
+KV cache as it is, for any policy that cannot see how long a tool call will run; the success
+ceiling (`success_ceiling`) the share of tasks an idle fleet could finish within their
+declared budgets.
 
 **Seeds.** Every cell (policy × load) runs on each seed (`kvflow.bench.policies.runs`,
 in several processes with `workers`); `kvflow.bench.policies.figures` gives means and 95%
@@ -39,9 +41,11 @@ from decimal import Decimal
 from typing import Any
 
 from kvflow.bench.policies.bounds import (
+    KvCapacityFloor,
     SuccessCeiling,
     ZeroMissFloor,
     compute_bound_tasks_per_s,
+    kv_capacity_floor,
     lifetime_estimate_s,
     success_ceiling,
     zero_miss_floor,
@@ -260,6 +264,7 @@ class WorkloadResult:
     summaries: dict[str, Summary]
     floors: list[ZeroMissFloor]
     ceilings: list[SuccessCeiling]
+    capacity_floors: list[KvCapacityFloor] = field(default_factory=list)
     sweep: dict[float, dict[str, Summary]] = field(default_factory=dict)
     ablations: dict[str, Summary] = field(default_factory=dict)
     goals: list[Goal] = field(default_factory=list)
@@ -275,6 +280,33 @@ class WorkloadResult:
         """The zero-miss floor's cost per task, mean over seeds."""
         interval = money_ci([f.cost_per_task_usd for f in self.floors if f.cost_per_task_usd])
         return None if interval is None else interval.mean
+
+    def capacity_floor_cost(self) -> Decimal | None:
+        """The KV-capacity floor's cost per task, mean over seeds."""
+        interval = money_ci(
+            [f.cost_per_task_usd for f in self.capacity_floors if f.cost_per_task_usd]
+        )
+        return None if interval is None else interval.mean
+
+    def capacity_floor_json(self) -> dict[str, Any] | None:
+        """`workload.kv_capacity_floor`: the floor, its interval and what knowledge is worth."""
+        floors = self.capacity_floors
+        cost = money_ci([f.cost_per_task_usd for f in floors if f.cost_per_task_usd])
+        if not floors or cost is None:
+            return None
+
+        def mean(pick: Callable[[KvCapacityFloor], float]) -> float:
+            return round(sum(pick(f) for f in floors) / len(floors), 6)
+
+        return {
+            "cost_per_successful_task_usd": str(cost.mean),
+            "ci95": cost.as_pair(),
+            "prefix_hit_rate": mean(lambda f: f.prefix_hit_rate),
+            "clairvoyant_hit_rate": mean(lambda f: f.clairvoyant_hit_rate),
+            "one_keep_time_hit_rate": mean(lambda f: f.one_keep_time_hit_rate),
+            "demand_over_cache": mean(lambda f: f.demand_over_cache),
+            "recompute_s_per_task": mean(lambda f: f.recompute_s_per_task),
+        }
 
     def as_json(self) -> dict[str, Any]:
         """The figures scripts read (benchmarks/README.md describes every key)."""
@@ -316,6 +348,7 @@ class WorkloadResult:
                     "ci95": None if floor is None else floor.as_pair(),
                     "prefix_hit_rate": None if floor_hit is None else round(floor_hit.mean, 6),
                 },
+                "kv_capacity_floor": self.capacity_floor_json(),
                 "success_ceiling": {
                     "overall": None if ceiling is None else round(ceiling.mean, 6),
                     "by_tier": {
@@ -479,6 +512,7 @@ def run_workload(
         summaries=summaries(headline),
         floors=[h.floor for h in heads if h.floor is not None],
         ceilings=[h.ceiling for h in heads if h.ceiling is not None],
+        capacity_floors=[h.capacity_floor for h in heads if h.capacity_floor is not None],
         sources=spec.sources,
     )
     kvflow_runs = headline.get("kvflow")
@@ -565,15 +599,34 @@ def _ceiling_mean(result: WorkloadResult, pick: Callable[[SuccessCeiling], float
     return sum(values) / len(values) if values else None
 
 
+def _floor_ratio(result: WorkloadResult, best: str) -> Interval | None:
+    """The KV-capacity floor over `best`'s cost, seed by seed (seeds in the same order)."""
+    ratios = [
+        float(floor.cost_per_task_usd / run.cost_per_successful_task_usd)
+        for floor, run in zip(result.capacity_floors, result.summaries[best].runs, strict=False)
+        if floor.cost_per_task_usd and run.cost_per_successful_task_usd
+    ]
+    return mean_ci(ratios)
+
+
 def _cost_goal(result: WorkloadResult, target: float) -> Goal | None:
     best = _best(result, "cost_per_successful_task_usd", low=True)
     floor = result.floor_cost()
+    capacity = result.capacity_floor_cost()
     bound = ""
     if best is not None and floor is not None:
         cost = result.summaries[best].mean("cost_per_successful_task_usd") or 0.0
         if cost:
             bound = (
                 f"; bound: no placement goes below the zero-miss floor, {float(floor) / cost:.3f}×"
+            )
+        ratio = _floor_ratio(result, best)
+        if cost and capacity is not None and capacity > floor and ratio is not None:
+            pair = ratio.as_pair()
+            spread = "" if pair is None else f" [{pair[0]:.3f}, {pair[1]:.3f}]"
+            bound += (
+                ", and no policy that cannot see how long a tool will run goes below the "
+                f"KV-capacity floor, {ratio.mean:.3f}×{spread}"
             )
     return _ratio_goal(
         result,
@@ -591,10 +644,20 @@ def _model_time_goal(result: WorkloadResult, figure: str, target: float) -> Goal
         result,
         (lambda c: c.mean_model_s) if figure == "mean_model_s" else (lambda c: c.p99_model_s),
     )
+    recompute = 0.0
+    if figure == "mean_model_s" and result.capacity_floors:
+        floors = result.capacity_floors
+        recompute = sum(f.recompute_s_per_task for f in floors) / len(floors)
     bound = ""
     if best is not None and idle:
         theirs = result.summaries[best].mean(figure) or 0.0
-        if theirs:
+        if theirs and recompute >= 0.05:
+            bound = (
+                f"; bound: an idle fleet with every conversation cached takes {idle:.1f} s, "
+                f"and recomputing what the KV-capacity floor misses adds {recompute:.1f} s: "
+                f"{(idle + recompute) / theirs:.2f}×"
+            )
+        elif theirs:
             bound = (
                 f"; bound: an idle fleet with every conversation cached takes {idle:.1f} s, "
                 f"{idle / theirs:.2f}×"
@@ -709,7 +772,7 @@ LOADED_AGENT = 0.9
 def goals(result: WorkloadResult) -> list[Goal]:
     """The goals of the workload, each against the best anchor at its figure, with a bound.
 
-    The bound explains a miss: the zero-miss floor, or the idle fleet.
+    The bound explains a miss: the zero-miss and KV-capacity floors, or the idle fleet.
 
     overload: goodput ≥ 1.3×, tier-1 SLO ≥ 99%, wasted share ≤ half; long-agent: cost
     ≤ 0.85×, mean model time ≤ 0.8×; agent near capacity (≥ 0.9×): mean model time ≤ 0.7×,
@@ -745,12 +808,14 @@ __all__ = [
     "DOWN_DETECTION_S",
     "Capacity",
     "Goal",
+    "KvCapacityFloor",
     "PolicyRun",
     "Probe",
     "RunPlan",
     "WorkloadResult",
     "ZeroMissFloor",
     "bench_fleet",
+    "kv_capacity_floor",
     "measure_capacity",
     "policy_factories",
     "run_plan",

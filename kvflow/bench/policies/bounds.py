@@ -2,6 +2,8 @@
 
 - the zero-miss floor (`zero_miss_floor`): the cost per successful task with every block an
   earlier call computed found cached, at the cheapest prices;
+- the KV-capacity floor (`kv_capacity_floor`): the same with the fleet's KV cache as it is,
+  for every policy that cannot see how long a tool call will run;
 - the success ceiling (`success_ceiling`): the share of tasks an idle fleet finishes within
   their declared budgets;
 - idle-fleet lifetimes (`lifetime_estimate_s`), behind the runs' warm-up, and the compute
@@ -10,9 +12,12 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
+from fractions import Fraction
 
 from kvflow.bench.policies.figures import cost_per_success, percentile
 from kvflow.bench.policies.fleet import (
@@ -25,24 +30,25 @@ from kvflow.bench.policies.fleet import (
 from kvflow.scheduler.fleet import Fleet
 from kvflow.simulator.engine import SimReplica
 from kvflow.simulator.perf import PerfModel
-from kvflow.simulator.workloads import Step, Task, WorkloadSpec, calibration_sample
+from kvflow.simulator.workloads import Call, Step, Task, WorkloadSpec, calibration_sample
 
 LIFETIME_MARGIN = 1.5
 """Estimated lifetime = idle-fleet lifetime × this (queueing under load)."""
 
 
-def idle_step_s(step: Step, perf: PerfModel, cached: int) -> float:
-    """Model time of `step` on an idle replica: its slowest call.
+def idle_call_s(call: Call, perf: PerfModel, cached: int) -> float:
+    """Model time of `call` alone on an idle replica with `cached` tokens of it cached.
 
     Prefill of what `cached` does not cover, then decode at a batch of one.
     """
-    longest = 0.0
-    for call in step.calls:
-        hit = min(cached, call.prompt_tokens - 1)
-        seconds = perf.prefill_seconds(call.prompt_tokens - hit, hit)
-        seconds += call.output_tokens * perf.decode_step_seconds(1, call.prompt_tokens)
-        longest = max(longest, seconds)
-    return longest
+    hit = min(cached, call.prompt_tokens - 1)
+    seconds = perf.prefill_seconds(call.prompt_tokens - hit, hit)
+    return seconds + call.output_tokens * perf.decode_step_seconds(1, call.prompt_tokens)
+
+
+def idle_step_s(step: Step, perf: PerfModel, cached: int) -> float:
+    """Model time of `step` on an idle replica: its slowest call (`idle_call_s`)."""
+    return max(idle_call_s(call, perf, cached) for call in step.calls)
 
 
 def idle_lifetime_s(steps: Sequence[Step], perf: PerfModel) -> tuple[float, list[float]]:
@@ -150,6 +156,240 @@ def zero_miss_floor(
         cost_per_success(micros, len(per_task)),
         cached_tokens / prompt_tokens if prompt_tokens else 0.0,
         per_task,
+    )
+
+
+# ------------------------------------------------------------------ the KV-capacity floor
+
+
+@dataclass(frozen=True)
+class KvCapacityFloor:
+    """What no policy blind to a tool call's duration can beat with the fleet's KV cache.
+
+    `kv_capacity_floor` builds it; the hit rates beside it say what knowledge would be worth.
+    """
+
+    cost_per_task_usd: Decimal | None
+    """None when no task is counted."""
+    prefix_hit_rate: float
+    demand_over_cache: float
+    """Token-seconds the counted tasks' paused conversations would hold, over what the cache
+    offers them (below 1: the cache holds every pause, and the floor is the zero-miss floor)."""
+    clairvoyant_hit_rate: float
+    """The hit rate with every pause's length known in advance (no engine knows it)."""
+    one_keep_time_hit_rate: float
+    """The hit rate keeping every paused conversation for one and the same time, whatever its
+    tool: the fluid model of least-recently-used eviction."""
+    recompute_s_per_task: float
+    """Seconds per counted task to recompute the tokens the floor misses, at the fastest
+    replica's full prefill speed: the least it adds to model time."""
+    per_task_micros: dict[int, int] = field(default_factory=dict)
+
+    def of(self, indexes: Iterable[int]) -> Decimal | None:
+        """The floor's cost per task over the tasks `indexes` (a policy's successes)."""
+        chosen = [self.per_task_micros[i] for i in indexes if i in self.per_task_micros]
+        return cost_per_success(sum(chosen), len(chosen))
+
+
+@dataclass(frozen=True, slots=True)
+class _Pause:
+    """A paused conversation: keeping it costs `tokens` × the pause, and saves `saves` tokens."""
+
+    kind: str
+    seconds: float
+    tokens: int
+    saves: int
+    task: int
+
+
+def _hull(pauses: Sequence[_Pause]) -> list[tuple[float, float, float]]:
+    """The segments (token-seconds, tokens saved, keep time reached) of one kind's best keeps.
+
+    Keeping every conversation of the kind for τ costs Σ tokens × min(pause, τ) and saves
+    the conversations back by τ. Mixing two keep times gives any point between them, so the
+    frontier is the upper concave hull of those points; its segments come in falling slope.
+    """
+    ordered = sorted(pauses, key=lambda p: p.seconds)
+    remaining = sum(p.tokens for p in ordered)
+    points = [(0.0, 0.0, 0.0)]
+    held = saved = 0.0
+    for pause in ordered:
+        # Raising τ to this pause: everyone still out holds longer, this one comes back.
+        held += remaining * (pause.seconds - points[-1][2])
+        remaining -= pause.tokens
+        saved += pause.saves
+        points.append((held, saved, pause.seconds))
+    hull: list[tuple[float, float, float]] = [points[0]]
+    for point in points[1:]:
+        while len(hull) >= 2:
+            (x0, y0, _), (x1, y1, _) = hull[-2], hull[-1]
+            # Drop the middle point when it lies on or under the chord to the new one.
+            if (y1 - y0) * (point[0] - x0) <= (point[1] - y0) * (x1 - x0):
+                hull.pop()
+            else:
+                break
+        hull.append(point)
+    return [(b[0] - a[0], b[1] - a[1], b[2]) for a, b in itertools.pairwise(hull) if b[1] > a[1]]
+
+
+def _keep_times(
+    pauses: Sequence[_Pause], budget: float, *, by_kind: bool
+) -> dict[str, tuple[float, float, float]]:
+    """Per kind, (keep time, next keep time, the share of conversations kept that long).
+
+    Segments of every kind in falling order of tokens saved per token-second, each taken
+    while the budget lasts, the last one in part: the fractional knapsack over the hulls.
+    """
+    kinds: dict[str, list[_Pause]] = {}
+    for pause in pauses:
+        kinds.setdefault(pause.kind if by_kind else "", []).append(pause)
+    segments = [
+        (cost, gain, tau, kind) for kind, its in kinds.items() for cost, gain, tau in _hull(its)
+    ]
+    segments.sort(key=lambda s: s[1] / s[0] if s[0] > 0 else math.inf, reverse=True)
+    chosen = {kind: (0.0, 0.0, 0.0) for kind in kinds}
+    left = budget
+    for cost, _, tau, kind in segments:
+        reached = chosen[kind][0]
+        if cost <= left:
+            chosen[kind] = (tau, tau, 0.0)
+            left -= cost
+            continue
+        if left > 0:
+            chosen[kind] = (reached, tau, left / cost)
+        break
+    return chosen
+
+
+def _saved_share(pause: _Pause, keep: tuple[float, float, float]) -> float:
+    below, above, share = keep
+    if pause.seconds <= below:
+        return 1.0
+    return share if pause.seconds <= above else 0.0
+
+
+def kv_cache_tokens(fleet: Fleet, spec: WorkloadSpec, model: str = MODEL) -> int:
+    """Tokens of KV cache all replicas serving `model` hold together."""
+    engine = engine_config(spec)
+    total = 0
+    for pool in fleet.pools:
+        if model not in pool.warm_models:
+            continue
+        spec_of = perf_model(fleet, pool, engine).model
+        blocks = SimReplica(pool.gpu, [spec_of], engine).engine(spec_of.name).num_gpu_blocks
+        total += pool.replicas * blocks * engine.block_size
+    return total
+
+
+def kv_capacity_floor(
+    tasks: Iterable[Task],
+    fleet: Fleet,
+    spec: WorkloadSpec,
+    *,
+    task_rate: float,
+    counted: Callable[[Task], bool] = lambda task: True,
+    model: str = MODEL,
+) -> KvCapacityFloor:
+    """A lower bound on cost per successful task for every policy that cannot see the future.
+
+    The zero-miss floor with the cache the fleet has. A paused conversation is found again
+    only if its blocks were kept for the whole pause, and keeping them takes cache: tokens ×
+    seconds. In steady state (Little's law) the counted tasks' conversations can hold at most
+    the fleet's KV tokens × (counted tasks / `task_rate`) token-seconds, less what their
+    running calls hold (each call's prompt for its idle-fleet model time).
+
+    No policy knows how long a tool call will run, only its kind (the workload's tool, or the
+    task's tier where it has none) and how long it has run so far. Knowing only that, keeping
+    a conversation comes down to a keep time per kind (a conversation still out after it is
+    never worth more than one just as old of the same kind), mixed at most. The best keep
+    times under the budget give the floor: a fractional knapsack over each kind's frontier
+    (`_hull`). It is a relaxation, so a bound: the budget is an average, not a limit at every
+    instant; a conversation may be kept in part and split across replicas; the shared system
+    prompts are always found; a pause lasts only the tool's time, never a queue's.
+
+    `clairvoyant_hit_rate` knows every pause (keep the shortest first) and
+    `one_keep_time_hit_rate` keeps all kinds alike: the fluid model of least recently used.
+    """
+    block_size = engine_config(spec).block_size
+    serving = [pool for pool in fleet.pools if model in pool.warm_models] or fleet.pools
+    prices = {pool.token_prices.exact() for pool in serving}
+    # A missed token costs at least the smallest gap between an input and a cached token.
+    per_missed = min(Fraction(p.input - p.cached_input, p.scale) for p in prices)
+    perf = fastest_perf(fleet, engine_config(spec))
+    seen: set[int] = set()
+    pauses: list[_Pause] = []
+    micros: dict[int, int] = {}
+    running = 0.0
+    prompt_tokens = cached_tokens = 0
+    for task in tasks:
+        counts = counted(task)
+        own: set[int] = set()
+        before: Step | None = None
+        task_micros = 0
+        for step in task.steps:
+            reused: list[int] = []
+            for call in step.calls:
+                chain = call.block_hashes
+                matched = _cached_blocks(chain, seen)
+                if counts:
+                    cached = min(matched * block_size, call.prompt_tokens)
+                    prompt_tokens += call.prompt_tokens
+                    cached_tokens += cached
+                    task_micros += min(
+                        p.cost_micros(call.prompt_tokens, cached, call.output_tokens)
+                        for p in prices
+                    )
+                    mine = sum(1 for h in chain[:matched] if h in own) * block_size
+                    reused.append(min(mine, call.prompt_tokens))
+                    running += call.prompt_tokens * idle_call_s(call, perf, cached)
+                seen.update(chain[matched:])
+                own.update(chain)
+            if counts and before is not None and any(reused):
+                # Siblings of a fan-out share the prefix: holding the shortest one is charged,
+                # all of them are credited, which can only loosen the bound.
+                kind = before.tool or f"tier {task.tier}"
+                held = min(r for r in reused if r)
+                pauses.append(_Pause(kind, before.pause_after_s, held, sum(reused), task.index))
+            before = step
+        if counts:
+            micros[task.index] = task_micros
+    count = len(micros)
+    budget = kv_cache_tokens(fleet, spec, model) * count / task_rate - running
+    budget = max(0.0, budget)
+    demand = sum(p.tokens * p.seconds for p in pauses)
+
+    def missed(by_kind: bool) -> tuple[float, dict[int, float]]:
+        keeps = _keep_times(pauses, budget, by_kind=by_kind)
+        per_task: dict[int, float] = {}
+        for pause in pauses:
+            lost = pause.saves * (1 - _saved_share(pause, keeps[pause.kind if by_kind else ""]))
+            per_task[pause.task] = per_task.get(pause.task, 0.0) + lost
+        return sum(per_task.values()), per_task
+
+    informed, per_task = missed(True)
+    one_time, _ = missed(False)
+    clairvoyant = 0.0
+    left = budget
+    for pause in sorted(pauses, key=lambda p: p.seconds):
+        need = pause.tokens * pause.seconds
+        kept = 1.0 if need <= left else max(0.0, left / need) if need else 1.0
+        left = max(0.0, left - need)
+        clairvoyant += pause.saves * (1 - kept)
+    for index, lost in per_task.items():
+        micros[index] += int(Fraction(lost) * per_missed)
+
+    def hit(lost: float) -> float:
+        return (cached_tokens - lost) / prompt_tokens if prompt_tokens else 0.0
+
+    seconds_per_token = 2 * perf.parameters / perf.flops_per_second
+    return KvCapacityFloor(
+        cost_per_success(sum(micros.values()), count),
+        hit(informed),
+        demand / budget if budget else math.inf if demand else 0.0,
+        hit(clairvoyant),
+        hit(one_time),
+        informed * seconds_per_token / count if count else 0.0,
+        micros,
     )
 
 

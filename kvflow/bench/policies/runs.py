@@ -16,8 +16,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvflow.bench.policies.bounds import (
+    KvCapacityFloor,
     SuccessCeiling,
     ZeroMissFloor,
+    kv_capacity_floor,
     success_ceiling,
     zero_miss_floor,
 )
@@ -234,7 +236,7 @@ class SeedJob:
     extra: dict[str, dict[str, object]]
     ablate: bool = False
     bounds: bool = True
-    """Also compute the zero-miss floor and the success ceiling (at the first load)."""
+    """Also compute the bounds: both floors and the success ceiling (at the first load)."""
 
 
 @dataclass
@@ -246,6 +248,7 @@ class SeedResult:
     ablations: dict[str, PolicyFigures]
     floor: ZeroMissFloor | None
     ceiling: SuccessCeiling | None
+    capacity_floor: KvCapacityFloor | None = None
 
 
 def _plan(job: SeedJob, rate: float) -> RunPlan:
@@ -279,6 +282,9 @@ def run_seed(job: SeedJob, progress: Callable[[str], None] | None = None) -> See
         if job.bounds and number == 0:
             result.floor = floor
             result.ceiling = success_ceiling(arrivals, fleet, spec, counted=counted)
+            result.capacity_floor = kv_capacity_floor(
+                arrivals, fleet, spec, task_rate=rate, counted=counted
+            )
         outcomes: dict[str, Outcome] = {}
         for policy in sorted(job.policies, key=lambda n: n != GREEDY_REFERENCE):
             if progress is not None:
