@@ -136,12 +136,19 @@ def run_policy(
     extra: dict[str, object] | None = None,
     workload: Workload | None = None,
     record_decisions: bool = False,
+    kv_cache_scale: float = 1.0,
+    retention_oracle: bool = False,
 ) -> PolicyRun:
     """Run one policy on one workload (faults included for `faults`).
 
     With a `plan`, tasks arrive until `plan.arrivals_until_s` and those in its window count;
     else the first `tasks` tasks arrive and all count. `workload` shares drawn tasks between
     runs of the same spec and seed.
+
+    Two relaxations, for bounds and never for a comparison (`kvflow.bench.policies.
+    relaxations`): `kv_cache_scale` gives every engine that multiple of its KV cache (a fleet
+    of one pool); `retention_oracle` evicts by each conversation's true return
+    (`oracle_retention`), on engines that evict by retention.
     """
     factories = policy_factories()
     extra = dict(extra or {})
@@ -155,10 +162,18 @@ def run_policy(
     if plan is None and tasks is None:
         raise ValueError("give a plan or a number of tasks")
     engine = engine_config(
-        spec, priority=ENGINE_PRIORITY in mechanisms, retention=KV_RETENTION in mechanisms
+        spec,
+        priority=ENGINE_PRIORITY in mechanisms,
+        retention=KV_RETENTION in mechanisms or retention_oracle,
     )
     slow = {1: 4.0} if spec.name == "faults" and sum(p.replicas for p in fleet.pools) > 2 else {}
     replicas = simulated_replicas(fleet, slow=slow, engine=engine)
+    if kv_cache_scale != 1.0:
+        if len(fleet.pools) != 1 or kv_cache_scale <= 0:
+            raise ValueError("kv_cache_scale needs a positive scale and a fleet of one pool")
+        blocks = next(iter(replicas[0].engines.values())).num_gpu_blocks
+        engine = engine.model_copy(update={"num_gpu_blocks": round(blocks * kv_cache_scale)})
+        replicas = simulated_replicas(fleet, slow=slow, engine=engine)
     block_size = replicas[0].config.block_size
     if workload is None:
         workload = Workload(
@@ -194,6 +209,7 @@ def run_policy(
         model=MODEL,
         typical_output_tokens=spec.output_median,
         record_decisions=record_decisions,
+        retention_oracle=retention_oracle,
     )
     runner_box.append(runner)
     crash_at = (

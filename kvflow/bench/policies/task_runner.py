@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -162,6 +163,23 @@ class Outcome:
     fleet's KV-cache tokens: above 1, the fleet cannot keep every conversation cached."""
 
 
+ORACLE_RETENTION_S = 10.0
+"""What `oracle_retention` keeps a conversation beyond its pause (its next call's queueing)."""
+
+
+def oracle_retention(pause_s: float, *, last: bool) -> tuple[int, float | None]:
+    """The retention that evicts the conversation returning last: (priority, seconds).
+
+    From the call's true pause, which no policy knows: the sooner back, the higher the
+    priority (100 − 8 · log2(1 + pause), within 36–100, above the engine's default 35) for the
+    pause plus `ORACLE_RETENTION_S`; a task's last call asks for 0, evicted first.
+    """
+    if last:
+        return 0, None
+    priority = int(100 - 8 * math.log2(1 + pause_s))
+    return max(36, min(100, priority)), pause_s + ORACLE_RETENTION_S
+
+
 class TaskRunner:
     """Runs a workload's tasks on a fleet with one policy (module docstring)."""
 
@@ -178,8 +196,13 @@ class TaskRunner:
         model: str = DEFAULT_MODEL,
         typical_output_tokens: int = 120,
         record_decisions: bool = False,
+        retention_oracle: bool = False,
     ) -> None:
         self.policy = policy
+        self.retention_oracle = retention_oracle
+        """Replace every call's KV retention by one read from its task's future
+        (`oracle_retention`): a relaxation that bounds what eviction order can buy, never a
+        policy (needs engines that evict by retention, the kv-retention mechanism)."""
         self.mechanisms = mechanisms
         self.window = window
         self.model = model
@@ -436,6 +459,11 @@ class TaskRunner:
         index = self.policy.route(view, fleet, now)
         request.model, request.priority = view.model, view.priority
         request.retention_priority, request.retention_s = view.retention_priority, view.retention_s
+        if self.retention_oracle:
+            steps = state.task.steps
+            last = state.step >= len(steps) - 1
+            pause = 0.0 if last else steps[state.step].pause_after_s
+            request.retention_priority, request.retention_s = oracle_retention(pause, last=last)
         if self.decisions is not None:
             self.decisions.append(
                 Decision(

@@ -1,0 +1,251 @@
+"""Relaxations: what a fleet does with more than any policy has, to explain a missed goal.
+
+Where the KV cache binds (long-agent), the KV-capacity floor (`kv_capacity_floor`) bounds the
+hit rate of every policy that cannot see how long a tool call will run, but model time has no
+such closed form: a miss slows the recomputing call and, through the prefill it adds to the
+batch, every call decoding beside it. So model time is measured against hit rate, with one
+constraint lifted at a time, on the seeds, tasks and load of `kvflow bench policies`:
+
+- **a larger KV cache** (`kv_cache_scale`): the same policy on engines with that multiple of
+  their cache. Least-recently-used eviction then reaches higher hit rates, and the model time
+  at the floor's hit rate, interpolated between the scales, is the model time of a policy
+  that reached the floor on the fleet as it is (`model_s_at_floor`);
+- **eviction by true return** (`retention_oracle`): engines that evict the conversation coming
+  back last, read from the task's future (`oracle_retention`), which no policy knows.
+
+Neither is a policy: both read what production cannot have, and only bound what placement,
+admission and eviction order can buy.
+
+    python -m kvflow.bench.policies.relaxations --workload long-agent --capacity 0.0229
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import json
+import multiprocessing
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvflow.bench.policies.bounds import kv_capacity_floor, lifetime_estimate_s
+from kvflow.bench.policies.figures import figures, mean_ci
+from kvflow.bench.policies.fleet import bench_fleet, engine_config, fleet_tenants
+from kvflow.bench.policies.runs import run_plan, run_policy
+from kvflow.simulator.workloads import WORKLOADS, Task, Workload
+
+SCALES = (1.0, 1.15, 1.3)
+"""KV-cache multiples run by default: from the fleet as it is to past the floor's hit rate."""
+
+
+@dataclass(frozen=True)
+class RelaxedRun:
+    """One run: a seed, what was lifted, and what the policy reached."""
+
+    seed: int
+    variant: str
+    """`cache ×<scale>` or `oracle retention`."""
+    prefix_hit_rate: float
+    cost_per_successful_task_usd: str
+    mean_model_s: float
+    success_rate: float
+
+
+@dataclass(frozen=True)
+class _Job:
+    workload: str
+    replicas: int
+    seed: int
+    task_rate: float
+    policy: str
+    scale: float
+    oracle: bool
+
+
+def _run(job: _Job) -> RelaxedRun:
+    spec = WORKLOADS[job.workload]
+    fleet = bench_fleet(job.workload, job.replicas)
+    plan = run_plan(
+        lifetime_estimate_s(spec, fleet), task_rate=job.task_rate, window_lifetimes=1.0,
+        min_counted=100,
+    )  # fmt: skip
+    run = run_policy(
+        job.policy, spec=spec, fleet=fleet, task_rate=job.task_rate, seed=job.seed, plan=plan,
+        kv_cache_scale=job.scale, retention_oracle=job.oracle,
+    )  # fmt: skip
+    fig = figures(run.outcome, 0.0)
+    return RelaxedRun(
+        seed=job.seed,
+        variant="oracle retention" if job.oracle else f"cache ×{job.scale:g}",
+        prefix_hit_rate=fig.prefix_hit_rate,
+        cost_per_successful_task_usd=str(fig.cost_per_successful_task_usd),
+        mean_model_s=fig.mean_model_s,
+        success_rate=fig.success_rate,
+    )
+
+
+def floor_hit_rate(workload: str, replicas: int, seed: int, task_rate: float) -> float:
+    """The KV-capacity floor's hit rate on the counted tasks of that run."""
+    spec = WORKLOADS[workload]
+    fleet = bench_fleet(workload, replicas)
+    plan = run_plan(
+        lifetime_estimate_s(spec, fleet), task_rate=task_rate, window_lifetimes=1.0,
+        min_counted=100,
+    )  # fmt: skip
+    window = plan.window
+    drawn = Workload(
+        spec, fleet_tenants(fleet), tasks=1, task_rate=1.0, seed=seed,
+        block_size=engine_config(spec).block_size,
+    )  # fmt: skip
+    arrivals = drawn.at_rate(task_rate, until_s=plan.arrivals_until_s)
+
+    def counted(task: Task) -> bool:
+        return window.start <= task.arrival < window.end
+
+    return kv_capacity_floor(
+        arrivals, fleet, spec, task_rate=task_rate, counted=counted
+    ).prefix_hit_rate
+
+
+def at_hit_rate(points: list[tuple[float, float]], hit: float) -> float | None:
+    """Model time at `hit`, linear between the measured (hit rate, model time) around it.
+
+    None outside the range measured: no extrapolation.
+    """
+    ordered = sorted(points)
+    for (h0, m0), (h1, m1) in itertools.pairwise(ordered):
+        if h0 <= hit <= h1:
+            return m0 if h1 == h0 else m0 + (m1 - m0) * (hit - h0) / (h1 - h0)
+    return None
+
+
+def relax(
+    workload: str,
+    *,
+    task_rate: float,
+    seeds: list[int],
+    replicas: int | None = None,
+    policy: str = "kvflow",
+    scales: tuple[float, ...] = SCALES,
+    oracle: bool = True,
+    workers: int = 2,
+) -> dict[str, Any]:
+    """Every scale (and the oracle) on every seed; the floor's hit rate and model time there."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
+    if task_rate <= 0:
+        raise ValueError(f"the task rate must be positive, got {task_rate}")
+    count = replicas or WORKLOADS[workload].quick_replicas
+    jobs = [
+        _Job(workload, count, seed, task_rate, policy, scale, False)
+        for seed in seeds
+        for scale in scales
+    ]
+    if oracle:
+        jobs += [_Job(workload, count, seed, task_rate, policy, 1.0, True) for seed in seeds]
+    context = multiprocessing.get_context("fork")
+    with concurrent.futures.ProcessPoolExecutor(max(1, workers), mp_context=context) as pool:
+        runs = list(pool.map(_run, jobs))
+        floors = list(
+            pool.map(
+                floor_hit_rate,
+                [workload] * len(seeds),
+                [count] * len(seeds),
+                seeds,
+                [task_rate] * len(seeds),
+            )
+        )
+    per_seed = []
+    for seed, floor in zip(seeds, floors, strict=True):
+        points = [
+            (r.prefix_hit_rate, r.mean_model_s)
+            for r in runs
+            if r.seed == seed and r.variant.startswith("cache")
+        ]
+        per_seed.append(
+            {"seed": seed, "floor_hit_rate": floor, "model_s_at_floor": at_hit_rate(points, floor)}
+        )
+    return {
+        "workload": workload,
+        "policy": policy,
+        "replicas": count,
+        "task_rate_per_s": task_rate,
+        "runs": [asdict(r) for r in runs],
+        "seeds": per_seed,
+    }
+
+
+def _table(result: dict[str, Any]) -> Table:
+    table = Table(
+        title=(
+            f"{result['workload']}: {result['policy']} with one constraint lifted "
+            "(mean ± 95% half-width over seeds)"
+        )
+    )
+    for column in ("variant", "hit", "$/successful task", "model s", "success"):
+        table.add_column(column, justify="left" if column == "variant" else "right")
+    variants = list(dict.fromkeys(r["variant"] for r in result["runs"]))
+    for variant in variants:
+        rows = [r for r in result["runs"] if r["variant"] == variant]
+
+        def cell(key: str, fmt: str, rows: list[dict[str, Any]] = rows) -> str:
+            interval = mean_ci([float(r[key]) for r in rows])
+            if interval is None:
+                return ""
+            pair = interval.as_pair()
+            half = "" if pair is None else f" ±{format(pair[1] - interval.mean, fmt)}"
+            return f"{format(interval.mean, fmt)}{half}"
+
+        table.add_row(
+            variant,
+            cell("prefix_hit_rate", ".1%"),
+            cell("cost_per_successful_task_usd", ".5f"),
+            cell("mean_model_s", ".1f"),
+            cell("success_rate", ".1%"),
+        )
+    floors = [s["floor_hit_rate"] for s in result["seeds"]]
+    at_floor = [s["model_s_at_floor"] for s in result["seeds"] if s["model_s_at_floor"]]
+    floor_hit = mean_ci(floors)
+    model = mean_ci(at_floor)
+    table.add_row(
+        "at the KV-capacity floor's hit rate",
+        "" if floor_hit is None else f"{floor_hit.mean:.1%}",
+        "",
+        "" if model is None else f"{model.mean:.1f} ({len(at_floor)} seeds)",
+        "",
+    )
+    return table
+
+
+def main(
+    workload: Annotated[str, typer.Option(help="a workload of `kvflow bench policies`")],
+    capacity: Annotated[
+        float, typer.Option(help="tasks per second at 1× load (the benchmark's capacity)")
+    ],
+    load: Annotated[float, typer.Option(help="multiple of the capacity")] = 1.0,
+    seeds: Annotated[int, typer.Option(min=1, help="seeds 0 … N−1")] = 5,
+    policy: Annotated[str, typer.Option(help="the policy to relax")] = "kvflow",
+    jobs: Annotated[int, typer.Option(min=1, help="processes")] = 2,
+    json_file: Annotated[Path | None, typer.Option("--json", help="write the runs here")] = None,
+) -> None:
+    """Run `policy` with a larger KV cache and with eviction by true return (module doc)."""
+    try:
+        result = relax(
+            workload, task_rate=capacity * load, seeds=list(range(seeds)), policy=policy,
+            workers=jobs,
+        )  # fmt: skip
+    except ValueError as error:
+        Console(stderr=True).print(f"error: {error}", highlight=False)
+        raise typer.Exit(2) from None
+    Console().print(_table(result))
+    if json_file is not None:
+        json_file.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    typer.run(main)

@@ -1,0 +1,63 @@
+"""The relaxations that explain a missed goal: a larger KV cache, eviction by true return."""
+
+from __future__ import annotations
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from kvflow.bench.policies.fleet import bench_fleet
+from kvflow.bench.policies.relaxations import at_hit_rate, main
+from kvflow.bench.policies.runs import run_policy
+from kvflow.bench.policies.task_runner import ORACLE_RETENTION_S, oracle_retention
+from kvflow.simulator.kvcache import DEFAULT_RETENTION_PRIORITY
+from kvflow.simulator.workloads import WORKLOADS
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_oracle_retention_keeps_the_conversation_back_soonest_and_drops_a_finished_one() -> None:
+    read, search, test_run = (oracle_retention(s, last=False) for s in (0.2, 1.0, 120.0))
+    assert read[0] > search[0] > test_run[0] > DEFAULT_RETENTION_PRIORITY
+    assert read[1] == pytest.approx(0.2 + ORACLE_RETENTION_S)
+    assert test_run[1] == pytest.approx(120.0 + ORACLE_RETENTION_S)
+    # A task's last call never comes back: below every other, evicted first.
+    assert oracle_retention(0.0, last=True) == (0, None)
+    assert oracle_retention(10_000.0, last=False)[0] == DEFAULT_RETENTION_PRIORITY + 1
+
+
+def test_model_time_is_read_between_the_hit_rates_measured_and_never_beyond() -> None:
+    points = [(0.76, 164.0), (0.79, 155.0), (0.815, 142.0)]
+    assert at_hit_rate(points, 0.80) == pytest.approx(155.0 - 13.0 * 0.01 / 0.025)
+    assert at_hit_rate(points, 0.76) == pytest.approx(164.0)
+    assert at_hit_rate(points, 0.82) is None
+    assert at_hit_rate(points, 0.70) is None
+
+
+def test_a_larger_kv_cache_gives_every_engine_that_many_blocks() -> None:
+    spec = WORKLOADS["agent"]
+    fleet = bench_fleet("agent", 2)
+
+    def blocks(scale: float) -> list[int]:
+        run = run_policy(
+            "round-robin", spec=spec, fleet=fleet, task_rate=1.0, seed=0, tasks=2,
+            kv_cache_scale=scale,
+        )  # fmt: skip
+        return [next(iter(r.engines.values())).num_gpu_blocks for r in run.runner.sim.replicas]
+
+    base = blocks(1.0)
+    assert blocks(1.5) == [round(b * 1.5) for b in base]
+    with pytest.raises(ValueError, match="one pool"):
+        run_policy(
+            "round-robin", spec=spec, fleet=bench_fleet("heterogeneous", 4), task_rate=1.0,
+            seed=0, tasks=1, kv_cache_scale=2.0,
+        )  # fmt: skip
+
+
+def test_an_unknown_workload_is_a_clear_error_without_a_traceback() -> None:
+    app = typer.Typer()
+    app.command()(main)
+    done = CliRunner().invoke(app, ["--workload", "nope", "--capacity", "0.1"])
+    assert done.exit_code == 2
+    assert "unknown workload 'nope'" in done.output
+    assert "Traceback" not in done.output
