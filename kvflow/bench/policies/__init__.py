@@ -655,7 +655,9 @@ def _model_time_goal(result: WorkloadResult, figure: str, target: float) -> Goal
             bound = (
                 f"; bound: an idle fleet with every conversation cached takes {idle:.1f} s, "
                 f"and recomputing what the KV-capacity floor misses adds {recompute:.1f} s: "
-                f"{(idle + recompute) / theirs:.2f}×"
+                f"{(idle + recompute) / theirs:.2f}× (a miss also slows the calls beside it: "
+                "model time at the floor's hit rate, `python -m "
+                "kvflow.bench.policies.relaxations`)"
             )
         elif theirs:
             bound = (

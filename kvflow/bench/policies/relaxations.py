@@ -39,7 +39,7 @@ from kvflow.bench.policies.fleet import bench_fleet, engine_config, fleet_tenant
 from kvflow.bench.policies.runs import run_plan, run_policy
 from kvflow.simulator.workloads import WORKLOADS, Task, Workload
 
-SCALES = (1.0, 1.15, 1.3)
+SCALES = (1.0, 1.15, 1.3, 1.5)
 """KV-cache multiples run by default: from the fleet as it is to past the floor's hit rate."""
 
 
