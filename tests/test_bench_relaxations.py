@@ -61,3 +61,6 @@ def test_an_unknown_workload_is_a_clear_error_without_a_traceback() -> None:
     assert done.exit_code == 2
     assert "unknown workload 'nope'" in done.output
     assert "Traceback" not in done.output
+    done = CliRunner().invoke(app, ["--workload", "agent", "--capacity", "1", "--scales", "1,x"])
+    assert done.exit_code == 2
+    assert "--scales takes positive numbers separated by commas, got '1,x'" in done.output

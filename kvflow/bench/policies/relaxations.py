@@ -222,6 +222,17 @@ def _table(result: dict[str, Any]) -> Table:
     return table
 
 
+def _scales(text: str) -> tuple[float, ...]:
+    """`--scales`: positive numbers, comma-separated."""
+    try:
+        multiples = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        multiples = ()
+    if not multiples or min(multiples) <= 0:
+        raise ValueError(f"--scales takes positive numbers separated by commas, got {text!r}")
+    return multiples
+
+
 def main(
     workload: Annotated[str, typer.Option(help="a workload of `kvflow bench policies`")],
     capacity: Annotated[
@@ -230,14 +241,19 @@ def main(
     load: Annotated[float, typer.Option(help="multiple of the capacity")] = 1.0,
     seeds: Annotated[int, typer.Option(min=1, help="seeds 0 … N−1")] = 5,
     policy: Annotated[str, typer.Option(help="the policy to relax")] = "kvflow",
+    scales: Annotated[
+        str, typer.Option(help="KV-cache multiples, comma-separated (1 is the fleet as it is)")
+    ] = "1,1.15,1.3,1.5",
+    oracle: Annotated[bool, typer.Option(help="also run eviction by true return")] = True,
     jobs: Annotated[int, typer.Option(min=1, help="processes")] = 2,
     json_file: Annotated[Path | None, typer.Option("--json", help="write the runs here")] = None,
 ) -> None:
     """Run `policy` with a larger KV cache and with eviction by true return (module doc)."""
     try:
+        multiples = _scales(scales)
         result = relax(
             workload, task_rate=capacity * load, seeds=list(range(seeds)), policy=policy,
-            workers=jobs,
+            scales=multiples, oracle=oracle, workers=jobs,
         )  # fmt: skip
     except ValueError as error:
         Console(stderr=True).print(f"error: {error}", highlight=False)
