@@ -8,16 +8,22 @@ the environment the tests that need it are skipped with a message saying how to 
 under `CI=true` they fail instead. `served_vllm` builds such a server for a fixture of its
 own, e.g. with another chat template or other engine arguments; `served_vllms` builds several
 that load side by side.
+
+A module whose servers differ from the session's registers them with `early_vllm` when it is
+imported; `vllm_servers` then hands its fixture servers that began loading in the background
+while earlier tests ran (one group at a time, at most `EARLY_UNCLAIMED` servers ahead), and
+starts them itself only when that did not happen or did not succeed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvflow.workers.vllm_server import (
@@ -48,12 +54,16 @@ __all__ = [
     "STOP_TIMEOUT_S",
     "VllmInstall",
     "VllmServedModel",
+    "early_vllm",
     "run_vllm_server",
     "run_vllm_servers",
+    "served_model",
     "served_vllm",
     "served_vllms",
     "skip_or_fail",
+    "tiny_server",
     "vllm_install",
+    "vllm_servers",
 ]
 
 
@@ -124,7 +134,7 @@ class _VllmServerWithArgs(VllmServer):
         return {**super().environment(), **self.extra_env}
 
 
-def _test_server(
+def tiny_server(
     install: VllmInstall,
     log_dir: Path,
     *,
@@ -151,7 +161,7 @@ def _test_server(
     )
 
 
-def _served(server: VllmServer) -> VllmServedModel:
+def served_model(server: VllmServer) -> VllmServedModel:
     """What the tests know of a started server."""
     assert server.pid is not None
     assert server.kv_events_endpoint is not None and server.kv_replay_endpoint is not None
@@ -188,9 +198,9 @@ def run_vllm_server(
     SIGKILL after STOP_TIMEOUT_S. Tests that must kill a server (a stream cut mid-way) start
     their own with this rather than kill the session's.
     """
-    server = _test_server(install, log_dir, chat_template=chat_template, extra_args=extra_args)
+    server = tiny_server(install, log_dir, chat_template=chat_template, extra_args=extra_args)
     with server:
-        yield _served(server)
+        yield served_model(server)
 
 
 @contextlib.contextmanager
@@ -209,7 +219,7 @@ def run_vllm_servers(
     `VllmServerError` as `run_vllm_server` does.
     """
     servers = {
-        name: _test_server(install, log_dir / name, extra_args=args, extra_env=extra_env)
+        name: tiny_server(install, log_dir / name, extra_args=args, extra_env=extra_env)
         for name, args in extra_args.items()
     }
     try:
@@ -217,7 +227,7 @@ def run_vllm_servers(
             server.start()
         for server in servers.values():
             server.wait_ready()
-        yield {name: _served(server) for name, server in servers.items()}
+        yield {name: served_model(server) for name, server in servers.items()}
     finally:
         stop_servers([server for server in servers.values() if server.pid is not None])
 
@@ -281,3 +291,168 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServed
 def vllm_kv_events_endpoint(vllm_server: VllmServedModel) -> str:
     """The real server's KV-cache event publisher (`ipc://...`, topic `kv`)."""
     return vllm_server.kv_events_endpoint
+
+
+ServerBuilder = Callable[[VllmInstall, Path], dict[str, VllmServer]]
+"""A fixture's servers, by name, not started yet: given the vLLM install and a log folder."""
+
+EARLY_UNCLAIMED = 2
+"""No group starts early while this many started early wait for their module (about 2 GiB
+of memory each)."""
+
+
+@dataclass(frozen=True)
+class EarlyServers:
+    """Servers a test module needs, which may start loading before its first test."""
+
+    module: str
+    """The module's `__name__`: its servers start early only when some of its tests run."""
+    name: str
+    """Also the name of their log folder."""
+    build: ServerBuilder
+
+
+_REGISTERED: list[EarlyServers] = []
+_PLANNED: list[EarlyServers] = []
+"""The registered groups whose modules have tests in this session, in the order they run."""
+
+
+def early_vllm(module: str, name: str, build: ServerBuilder) -> EarlyServers:
+    """Register `module`'s servers (call it at import) so that they may load in the background."""
+    early = EarlyServers(module, name, build)
+    _REGISTERED.append(early)
+    return early
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Plan the early starts: the registered groups of the modules this session runs, in order."""
+    first: dict[str, int] = {}
+    for index, item in enumerate(session.items):
+        module = getattr(item, "module", None)
+        if module is not None:
+            first.setdefault(module.__name__, index)
+    _PLANNED[:] = sorted(
+        (early for early in _REGISTERED if early.module in first),
+        key=lambda early: first[early.module],
+    )
+
+
+@dataclass
+class _EarlyStarts:
+    """Starts the planned groups one at a time, from the main thread, between tests."""
+
+    install: VllmInstall
+    tmp_path_factory: pytest.TempPathFactory
+    pending: list[EarlyServers]
+    started: dict[str, dict[str, VllmServer]] = field(default_factory=dict)
+    loading: dict[str, VllmServer] | None = None
+
+    def _loaded(self, servers: dict[str, VllmServer]) -> bool:
+        """Whether every server of a group answers `/health` (or has died: no longer loading)."""
+        for server in servers.values():
+            process = server._process
+            if process is None or process.poll() is not None:
+                continue
+            try:
+                if httpx.get(f"{server.base_url}/health", timeout=1.0).status_code != 200:
+                    return False
+            except httpx.HTTPError:
+                return False
+        return True
+
+    def tick(self) -> None:
+        """Start the next group if none is loading and few enough wait for their module."""
+        if self.loading is not None:
+            if not self._loaded(self.loading):
+                return
+            self.loading = None
+        if not self.pending:
+            return
+        if sum(len(servers) for servers in self.started.values()) >= EARLY_UNCLAIMED:
+            return
+        early = self.pending.pop(0)
+        servers = early.build(self.install, self.tmp_path_factory.mktemp(early.name))
+        self.started[early.name] = servers
+        self.loading = servers
+        for server in servers.values():
+            server.start()
+
+    def claim(self, early: EarlyServers) -> dict[str, VllmServer] | None:
+        """The group's servers if they were started early (not waited for), else None."""
+        self.pending = [planned for planned in self.pending if planned is not early]
+        servers = self.started.pop(early.name, None)
+        if servers is not None and self.loading is servers:
+            self.loading = None
+        return servers
+
+    def close(self) -> None:
+        """Stop what no module claimed (a session cut short)."""
+        self.pending = []
+        for servers in self.started.values():
+            stop_servers(list(servers.values()))
+        self.started.clear()
+
+
+_early_starts: _EarlyStarts | None = None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_early_starts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Loads the planned servers in the background for the whole session (when vLLM is set up)."""
+    global _early_starts
+    install = vllm_install()
+    if not _PLANNED or install.missing() is not None:
+        yield
+        return
+    _early_starts = _EarlyStarts(install, tmp_path_factory, list(_PLANNED))
+    try:
+        _early_starts.tick()
+        yield
+    finally:
+        _early_starts.close()
+        _early_starts = None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Between tests: start the next early group when its turn has come."""
+    if _early_starts is not None:
+        _early_starts.tick()
+
+
+@contextlib.contextmanager
+def vllm_servers(
+    tmp_path_factory: pytest.TempPathFactory, early: EarlyServers
+) -> Iterator[dict[str, VllmServer]]:
+    """The servers of `early`, ready, for a fixture; stopped on exit.
+
+    Servers started early are taken when they come up; when they did not start early, or did
+    not come up, they are started here, side by side. Skips (or fails under CI) without the
+    vLLM environment; fails with the log's tail when a server does not come up.
+    """
+    install = vllm_install()
+    missing = install.missing()
+    if missing is not None:
+        skip_or_fail(missing)
+    servers = _early_starts.claim(early) if _early_starts is not None else None
+    if servers is not None:
+        try:
+            for server in servers.values():
+                server.wait_ready()
+        except VllmServerError:
+            # Loaded beside other tests and did not come up: start afresh, as without it.
+            stop_servers(list(servers.values()))
+            servers = None
+    if servers is None:
+        servers = early.build(install, tmp_path_factory.mktemp(early.name))
+        try:
+            for server in servers.values():
+                server.start()
+            for server in servers.values():
+                server.wait_ready()
+        except VllmServerError as exc:
+            stop_servers([server for server in servers.values() if server.pid is not None])
+            pytest.fail(str(exc), pytrace=False)
+    try:
+        yield servers
+    finally:
+        stop_servers(list(servers.values()))

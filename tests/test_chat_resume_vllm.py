@@ -20,9 +20,9 @@ from temporalio.worker import Worker
 from kvflow.activities.inference import ReplicaBinding
 from kvflow.activities.wire import Checkpoint
 from kvflow.workers.gpu_worker import GpuWorker
-from kvflow.workers.vllm_server import VllmServer, VllmServerError, vllm_install
+from kvflow.workers.vllm_server import VllmInstall, VllmServer
 from tests.compat.test_inference_activity import Call, CallOnce, _chat, _pool
-from tests.fixtures_vllm import MAX_MODEL_LEN, SERVED_MODEL_NAME, skip_or_fail
+from tests.fixtures_vllm import MAX_MODEL_LEN, SERVED_MODEL_NAME, early_vllm, vllm_servers
 from tests.servers import ServedModel
 
 # Llama 3.x's trimming, on the tiny model's own role markers.
@@ -36,36 +36,37 @@ TRIMMING_TEMPLATE = (
 QUEUE = f"chat-resume-{uuid.uuid4()}"
 
 
-@pytest.fixture(scope="module")
-def trimming_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedModel]:
-    """Real vLLM serving the tiny model with a content-trimming chat template."""
-    install = vllm_install()
-    missing = install.missing()
-    if missing is not None:
-        skip_or_fail(missing)
-    model_dir = tmp_path_factory.mktemp("trimming-model")
+def _trimming_server(install: VllmInstall, log_dir: Path) -> dict[str, VllmServer]:
+    model_dir = log_dir / "trimming-model"
+    model_dir.mkdir()
     for file in install.model_dir.iterdir():
         if file.name != "chat_template.jinja":
             (model_dir / file.name).symlink_to(file)
     (model_dir / "chat_template.jinja").write_text(TRIMMING_TEMPLATE)
     server = VllmServer(
         install,
-        log_path=model_dir.parent / "vllm-trimming.log",
+        log_path=log_dir / "vllm-trimming.log",
         model_dir=model_dir,
         served_model_names=[SERVED_MODEL_NAME],
         max_model_len=MAX_MODEL_LEN,
     )
-    try:
-        with server:
-            yield ServedModel(
-                kind="vllm",
-                base_url=server.base_url,
-                model=SERVED_MODEL_NAME,
-                block_size=128,
-                max_model_len=MAX_MODEL_LEN,
-            )
-    except VllmServerError as exc:
-        pytest.fail(str(exc), pytrace=False)
+    return {"trimming": server}
+
+
+TRIMMING = early_vllm(__name__, "trimming-model", _trimming_server)
+
+
+@pytest.fixture(scope="module")
+def trimming_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedModel]:
+    """Real vLLM serving the tiny model with a content-trimming chat template."""
+    with vllm_servers(tmp_path_factory, TRIMMING) as servers:
+        yield ServedModel(
+            kind="vllm",
+            base_url=servers["trimming"].base_url,
+            model=SERVED_MODEL_NAME,
+            block_size=128,
+            max_model_len=MAX_MODEL_LEN,
+        )
 
 
 @pytest.fixture

@@ -28,9 +28,9 @@ import samples.pydantic_ai_support as support
 from kvflow.activities.inference import INFER_ACTIVITY
 from kvflow.ledger.records import AttemptRecord, TaskOutcome
 from kvflow.scheduler.fleet import task_queue_for
-from kvflow.workers.vllm_server import VllmServer, VllmServerError, vllm_install
+from kvflow.workers.vllm_server import VllmInstall, VllmServer
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
-from tests.fixtures_vllm import skip_or_fail
+from tests.fixtures_vllm import early_vllm, vllm_servers
 from tests.fleets import one_pool_fleet
 from tests.stacks import Stack, fleet_stack
 
@@ -50,22 +50,22 @@ class JsonWithoutFreeWhitespace(VllmServer):
         return [*super().command(), "--structured-outputs-config", json.dumps(config)]
 
 
+def _samples_server(install: VllmInstall, log_dir: Path) -> dict[str, VllmServer]:
+    server = JsonWithoutFreeWhitespace(
+        install, log_path=log_dir / "vllm.log", served_model_names=[MODEL], max_model_len=CONTEXT
+    )
+    return {"samples": server}
+
+
+SAMPLES_SERVER = early_vllm(__name__, "vllm-samples", _samples_server)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real vLLM server serving the tiny model as `MODEL`, with the Hermes tool parser."""
     assert travel.workflow.MODEL == MODEL and support.workflow.MODEL == MODEL
-    install = vllm_install()
-    missing = install.missing()
-    if missing is not None:
-        skip_or_fail(missing)
-    log = tmp_path_factory.mktemp("vllm-samples") / "vllm.log"
-    try:
-        with JsonWithoutFreeWhitespace(
-            install, log_path=log, served_model_names=[MODEL], max_model_len=CONTEXT
-        ) as server:
-            yield server.base_url
-    except VllmServerError as exc:
-        pytest.fail(str(exc), pytrace=False)
+    with vllm_servers(tmp_path_factory, SAMPLES_SERVER) as servers:
+        yield servers["samples"].base_url
 
 
 def vllm_stack(

@@ -23,11 +23,10 @@ from kvflow.workers.vllm_server import (
     CPU_BLOCK_SIZE,
     READY_TIMEOUT_S,
     STOP_TIMEOUT_S,
+    VllmInstall,
     VllmServer,
-    VllmServerError,
-    vllm_install,
 )
-from tests.fixtures_vllm import skip_or_fail
+from tests.fixtures_vllm import early_vllm, vllm_servers
 
 pytestmark = pytest.mark.vllm
 
@@ -49,14 +48,7 @@ class SmallCacheVllm(VllmServer):
         return [*super().command(), "--num-gpu-blocks-override", str(self.num_gpu_blocks)]
 
 
-@pytest.fixture(scope="module")
-def small_cache_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Base URL of a real vLLM server with a KV cache of NUM_GPU_BLOCKS blocks."""
-    install = vllm_install()
-    missing = install.missing()
-    if missing is not None:
-        skip_or_fail(missing)
-    log_dir: Path = tmp_path_factory.mktemp("vllm-small-cache")
+def _small_cache_server(install: VllmInstall, log_dir: Path) -> dict[str, VllmServer]:
     server = SmallCacheVllm(
         install,
         log_path=log_dir / "vllm-server.log",
@@ -66,11 +58,17 @@ def small_cache_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         stop_timeout_s=STOP_TIMEOUT_S,
         num_gpu_blocks=NUM_GPU_BLOCKS,
     )
-    try:
-        with server:
-            yield server.base_url
-    except VllmServerError as exc:
-        pytest.fail(str(exc), pytrace=False)
+    return {"small-cache": server}
+
+
+SMALL_CACHE = early_vllm(__name__, "vllm-small-cache", _small_cache_server)
+
+
+@pytest.fixture(scope="module")
+def small_cache_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Base URL of a real vLLM server with a KV cache of NUM_GPU_BLOCKS blocks."""
+    with vllm_servers(tmp_path_factory, SMALL_CACHE) as servers:
+        yield servers["small-cache"].base_url
 
 
 def tokens(seed: int, count: int) -> list[int]:

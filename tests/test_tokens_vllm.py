@@ -28,7 +28,14 @@ from kvflow.scheduler.kv_events import KvEventSubscriber
 from kvflow.scheduler.placement import PlacementRequest
 from kvflow.scheduler.prefix_index import BlockStored, KvEvent
 from kvflow.scheduler.tokens import HfTokenizer, render_tools
-from tests.fixtures_vllm import VllmServedModel, served_vllm, vllm_install
+from tests.fixtures_vllm import (
+    VllmServedModel,
+    early_vllm,
+    served_model,
+    tiny_server,
+    vllm_install,
+    vllm_servers,
+)
 from tests.fleets import one_pool_fleet
 from tests.servers import ServedModel
 from tests.test_tokens import TOOL_CHAT, TOOL_SPECS, TOOLS_TEMPLATE, tool_chat_api
@@ -263,10 +270,18 @@ async def test_tokenize_time_per_prompt(
     assert min(sizes) > 2 * vllm_server.block_size
 
 
+TOOLS_SERVER = early_vllm(
+    __name__,
+    "vllm-tools",
+    lambda install, log_dir: {"tools": tiny_server(install, log_dir, chat_template=TOOLS_TEMPLATE)},
+)
+
+
 @pytest.fixture(scope="module")
 def tools_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServedModel]:
     """Real vLLM serving the tiny model with a template that renders tools and tool calls."""
-    yield from served_vllm(tmp_path_factory, "vllm-tools", chat_template=TOOLS_TEMPLATE)
+    with vllm_servers(tmp_path_factory, TOOLS_SERVER) as servers:
+        yield served_model(servers["tools"])
 
 
 SERVER_OF_TEMPLATE = {"own": "vllm_server", "renders_tools": "tools_server"}

@@ -41,7 +41,15 @@ from kvflow.scheduler.fleet import Pool, TokenPrices
 from kvflow.scheduler.kv_events import END_OF_REPLAY, decode_event_batch
 from kvflow.scheduler.placement import engine_priority
 from kvflow.scheduler.prefix_index import BlockStored
-from tests.fixtures_vllm import BLOCK_SIZE, SERVED_MODEL_NAME, VllmServedModel, served_vllms
+from tests.fixtures_vllm import (
+    BLOCK_SIZE,
+    SERVED_MODEL_NAME,
+    VllmServedModel,
+    early_vllm,
+    served_model,
+    tiny_server,
+    vllm_servers,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -59,18 +67,25 @@ FILLER = " ".join(f"Section {k} covers topic {7 * k} in depth." for k in range(3
 CALL_NAME = re.compile(r"Write the (\S+) report\.")
 
 
+SCHEDULING = {
+    "priority": ["--scheduling-policy", "priority", *ONE_AT_A_TIME],
+    "fcfs": ["--scheduling-policy", "fcfs", *ONE_AT_A_TIME],
+}
+SERVERS = early_vllm(
+    __name__,
+    "vllm-priority",
+    lambda install, log_dir: {
+        name: tiny_server(install, log_dir / name, extra_args=args, extra_env=DEV_MODE)
+        for name, args in SCHEDULING.items()
+    },
+)
+
+
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmServedModel]]:
     """Two real vLLM servers that run one request at a time: priority and fcfs scheduling."""
-    yield from served_vllms(
-        tmp_path_factory,
-        "vllm-priority",
-        {
-            "priority": ["--scheduling-policy", "priority", *ONE_AT_A_TIME],
-            "fcfs": ["--scheduling-policy", "fcfs", *ONE_AT_A_TIME],
-        },
-        extra_env=DEV_MODE,
-    )
+    with vllm_servers(tmp_path_factory, SERVERS) as started:
+        yield {name: served_model(server) for name, server in started.items()}
 
 
 def priority_pool() -> Pool:
