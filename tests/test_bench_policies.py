@@ -267,6 +267,46 @@ def test_kv_capacity_floor_keeps_what_a_policy_blind_to_the_pause_can_keep() -> 
     assert roomy.prefix_hit_rate == zero.prefix_hit_rate
 
 
+def test_kv_capacity_floor_finds_shared_prompts_and_a_siblings_blocks_without_keeping() -> None:
+    # No cache to keep anything through a pause: only what a task's earlier steps computed
+    # is missed. Task 0 computes the system prompt (s1, s2) and its own blocks; task 1 finds
+    # the system prompt, pauses, then fans out: its second call finds c1, which the first
+    # computed a moment before.
+    spec = WORKLOADS["agent"]
+    fleet = bench_fleet("agent", 1)
+    s1, s2, a, b, c1, c2, c3, d1 = (
+        1,
+        2,
+        [10, 11, 12, 13, 14, 15, 16, 17],
+        [20, 21, 22, 23],
+        30,
+        31,
+        32,
+        40,
+    )
+    tasks = [
+        Task(0, "acme", 1, 0.0, 1_000.0, [
+            Step([Call(64, 32, [s1, s2, *a[:4]])], 10.0),
+            Step([Call(128, 32, [s1, s2, *a])], 0.0),
+        ]),
+        Task(1, "acme", 1, 1.0, 1_000.0, [
+            Step([Call(64, 32, [s1, s2, *b])], 10.0),
+            Step([
+                Call(112, 16, [s1, s2, *b, c1, c2, c3]),
+                Call(112, 16, [s1, s2, *b, c1, d1]),
+            ], 0.0),
+        ]),
+    ]  # fmt: skip
+    zero = zero_miss_floor(tasks, fleet, block_size=16)
+    floor = kv_capacity_floor(tasks, fleet, spec, task_rate=1e12)
+    # Zero-miss: 96 + 32 (the system prompt) + 96 + 112 of 480 prompt tokens cached.
+    assert zero.prefix_hit_rate == pytest.approx(336 / 480)
+    # Missed: task 0's 6 blocks (it computed the system prompt itself), and task 1's own 4
+    # blocks in each sibling; never the system prompt task 0 sent, nor c1.
+    assert floor.prefix_hit_rate == pytest.approx((336 - 96 - 64 - 64) / 480)
+    assert floor.clairvoyant_hit_rate == floor.prefix_hit_rate
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("workload", list(WORKLOADS))
 def test_the_floor_is_below_every_policy_on_every_workload_on_two_seeds(workload: str) -> None:

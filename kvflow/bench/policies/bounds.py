@@ -328,6 +328,7 @@ def kv_capacity_floor(
         task_micros = 0
         for step in task.steps:
             reused: list[int] = []
+            computed: list[int] = []
             for call in step.calls:
                 chain = call.block_hashes
                 matched = _cached_blocks(chain, seen)
@@ -339,11 +340,15 @@ def kv_capacity_floor(
                         p.cost_micros(call.prompt_tokens, cached, call.output_tokens)
                         for p in prices
                     )
+                    # Only what the task's earlier steps computed had to last through the
+                    # pause: a shared system prompt, or a block a sibling of this fan-out
+                    # just computed, is found as in the zero-miss floor.
                     mine = sum(1 for h in chain[:matched] if h in own) * block_size
                     reused.append(min(mine, call.prompt_tokens))
                     running += call.prompt_tokens * idle_call_s(call, perf, cached)
                 seen.update(chain[matched:])
-                own.update(chain)
+                computed.extend(chain[matched:])
+            own.update(computed)
             if counts and before is not None and any(reused):
                 # Siblings of a fan-out share the prefix: holding the shortest one is charged,
                 # all of them are credited, which can only loosen the bound.
