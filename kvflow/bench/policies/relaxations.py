@@ -39,7 +39,7 @@ from kvflow.bench.policies.fleet import bench_fleet, engine_config, fleet_tenant
 from kvflow.bench.policies.runs import run_plan, run_policy
 from kvflow.simulator.workloads import WORKLOADS, Task, Workload
 
-SCALES = (1.0, 1.15, 1.3, 1.5)
+SCALES = (1.0, 1.15, 1.3, 1.5, 1.75)
 """KV-cache multiples run by default: from the fleet as it is to past the floor's hit rate."""
 
 
@@ -243,7 +243,7 @@ def main(
     policy: Annotated[str, typer.Option(help="the policy to relax")] = "kvflow",
     scales: Annotated[
         str, typer.Option(help="KV-cache multiples, comma-separated (1 is the fleet as it is)")
-    ] = "1,1.15,1.3,1.5",
+    ] = "1,1.15,1.3,1.5,1.75",
     oracle: Annotated[bool, typer.Option(help="also run eviction by true return")] = True,
     jobs: Annotated[int, typer.Option(min=1, help="processes")] = 2,
     json_file: Annotated[Path | None, typer.Option("--json", help="write the runs here")] = None,
