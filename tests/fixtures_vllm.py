@@ -6,8 +6,7 @@ and the tiny model, both under `KVFLOW_VLLM_HOME` (default `~/.cache/kvflow/vllm
 test asks for it, once per session, and stops it with its engine processes at the end. Without
 the environment the tests that need it are skipped with a message saying how to build it;
 under `CI=true` they fail instead. `served_vllm` builds such a server for a fixture of its
-own, e.g. with another chat template or other engine arguments; `served_vllms` builds several
-that load side by side.
+own, e.g. with another chat template or other engine arguments.
 
 A module whose servers differ from the session's registers them with `early_vllm` when it is
 imported; `vllm_servers` then hands its fixture servers that began loading in the background
@@ -56,10 +55,8 @@ __all__ = [
     "VllmServedModel",
     "early_vllm",
     "run_vllm_server",
-    "run_vllm_servers",
     "served_model",
     "served_vllm",
-    "served_vllms",
     "skip_or_fail",
     "tiny_server",
     "vllm_install",
@@ -203,35 +200,6 @@ def run_vllm_server(
         yield served_model(server)
 
 
-@contextlib.contextmanager
-def run_vllm_servers(
-    install: VllmInstall,
-    log_dir: Path,
-    extra_args: Mapping[str, Sequence[str]],
-    *,
-    extra_env: Mapping[str, str] | None = None,
-) -> Iterator[dict[str, VllmServedModel]]:
-    """Several real vLLM servers, by name, each with its `extra_args`; stopped on exit.
-
-    They are all started before any is waited for, so they load side by side (two take about
-    40 s on two cores where one after the other take about 55 s). Each logs to
-    `log_dir/NAME/vllm-server.log`; `extra_env` is added to every server's environment. Raises
-    `VllmServerError` as `run_vllm_server` does.
-    """
-    servers = {
-        name: tiny_server(install, log_dir / name, extra_args=args, extra_env=extra_env)
-        for name, args in extra_args.items()
-    }
-    try:
-        for server in servers.values():
-            server.start()
-        for server in servers.values():
-            server.wait_ready()
-        yield {name: served_model(server) for name, server in servers.items()}
-    finally:
-        stop_servers([server for server in servers.values() if server.pid is not None])
-
-
 def served_vllm(
     tmp_path_factory: pytest.TempPathFactory,
     name: str,
@@ -252,26 +220,6 @@ def served_vllm(
             extra_args=extra_args,
         )
         with server as served:
-            yield served
-    except VllmServerError as exc:
-        pytest.fail(str(exc), pytrace=False)
-
-
-def served_vllms(
-    tmp_path_factory: pytest.TempPathFactory,
-    name: str,
-    extra_args: Mapping[str, Sequence[str]],
-    *,
-    extra_env: Mapping[str, str] | None = None,
-) -> Iterator[dict[str, VllmServedModel]]:
-    """The body of a fixture of several real vLLM servers (`run_vllm_servers`), by name."""
-    install = vllm_install()
-    missing = install.missing()
-    if missing is not None:
-        skip_or_fail(missing)
-    try:
-        log_dir = tmp_path_factory.mktemp(name)
-        with run_vllm_servers(install, log_dir, extra_args, extra_env=extra_env) as served:
             yield served
     except VllmServerError as exc:
         pytest.fail(str(exc), pytrace=False)
