@@ -58,6 +58,7 @@ from kvflow.scheduler.placement import (
     Refusal,
     RefusalReason,
 )
+from kvflow.scheduler.state import ReplicaMetrics
 from kvflow.simulator import BUILTIN_MODELS, EngineConfig, ServerSettings, SimServer
 from kvflow.simulator.faults import FaultSpec
 from kvflow.workers.config import load_fleet
@@ -222,6 +223,64 @@ async def test_deadline_too_tight_fails_fast_and_runs_the_compensation(
         assert breakdown.steps[2].outcome == "ok"
         # The refund is the one step the task completed; undoing it is not a step of the task.
         assert row.steps == 1
+        await assert_replays(handle)
+
+
+async def test_a_task_the_load_would_make_late_fails_overloaded_before_it_spends(
+    temporal_client: Client, tmp_path: Path
+):
+    # Task admission on; scrapes far apart, so that the load the test sets is the one the
+    # scheduler sees: the replica's 16 slots running and as many calls waiting.
+    admitting = SchedulerConfig(latency=LatencyConfig(task_admission=True))
+    pools = [PoolPlan("only", gpu="H100")]
+    async with fleet_stack(
+        temporal_client, tmp_path, pools, scheduler=admitting, scrape_interval_s=3600.0
+    ) as s:
+        scheduler = s.control.scheduler
+        await eventually(
+            lambda: scheduler._replicas[0].num_gpu_blocks is not None,
+            within=10,
+            what="the first scrape",
+        )
+        busy = ReplicaMetrics(running=16, waiting=16)
+        scheduler.update_metrics("only/0", busy)
+
+        # The same first step on a scheduler at this load and on an idle one: an objective
+        # between the two is met by an idle fleet and missed under this load.
+        def first_step(at: Scheduler) -> float:
+            answer = at.place(
+                PlacementRequest(
+                    model=MODEL, block_hashes=[], prompt_tokens=64, max_output_tokens=16,
+                    tenant="acme", steps_remaining=1,
+                )
+            )  # fmt: skip
+            assert isinstance(answer, Placement)
+            return answer.est_duration_s
+
+        loaded_at = Scheduler(s.fleet, admitting)
+        loaded_at.update_metrics("only/0", busy)
+        loaded, idle = first_step(loaded_at), first_step(Scheduler(s.fleet, admitting))
+        assert loaded > 4 * idle, (loaded, idle)
+        task = wf.StepsInput(
+            spec=task_spec(expected_steps=1, step_slo_s=(loaded * idle) ** 0.5),
+            model=MODEL,
+            steps=1,
+        )
+        handle = await s.start(wf.MultiStepAgent.run, task)
+        with pytest.raises(WorkflowFailureError) as failed:
+            await asyncio.wait_for(handle.result(), 60)
+        cause = failed.value.cause
+        assert isinstance(cause, ApplicationError)
+        assert cause.type == errors.TaskErrorType.OVERLOADED and cause.non_retryable
+        assert "nothing was spent" in cause.message
+        # Nothing ran: no attempt, no spend; the task's row says it failed.
+        row, attempts = await s.rows(handle)
+        assert attempts == []
+        assert row is not None and row.outcome == TaskOutcome.FAILED
+        assert row.spend_micros == 0
+        breakdown = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
+        assert breakdown.spend_micros == 0
+        assert [step.outcome for step in breakdown.steps] == ["refused: overloaded"]
         await assert_replays(handle)
 
 
