@@ -229,19 +229,16 @@ async def test_deadline_too_tight_fails_fast_and_runs_the_compensation(
 async def test_a_task_the_load_would_make_late_fails_overloaded_before_it_spends(
     temporal_client: Client, tmp_path: Path
 ):
-    # Task admission on; scrapes far apart, so that the load the test sets is the one the
-    # scheduler sees: the replica's 16 slots running and as many calls waiting.
+    # Task admission on, and the scraper stopped once it has scraped, so that the load the
+    # test sets is the one the scheduler sees: the replica's 16 slots running and as many
+    # calls waiting.
     admitting = SchedulerConfig(latency=LatencyConfig(task_admission=True))
     pools = [PoolPlan("only", gpu="H100")]
-    async with fleet_stack(
-        temporal_client, tmp_path, pools, scheduler=admitting, scrape_interval_s=3600.0
-    ) as s:
+    async with fleet_stack(temporal_client, tmp_path, pools, scheduler=admitting) as s:
         scheduler = s.control.scheduler
-        await eventually(
-            lambda: scheduler._replicas[0].num_gpu_blocks is not None,
-            within=10,
-            what="the first scrape",
-        )
+        s.control.scraper.stop()
+        assert s.control._scraping is not None
+        await asyncio.wait_for(s.control._scraping, 10)
         busy = ReplicaMetrics(running=16, waiting=16)
         scheduler.update_metrics("only/0", busy)
 
