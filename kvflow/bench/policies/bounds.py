@@ -299,13 +299,14 @@ def kv_capacity_floor(
     running calls hold (each call's prompt for its idle-fleet model time).
 
     No policy knows how long a tool call will run, only its kind (the workload's tool, or the
-    task's tier where it has none) and how long it has run so far. Knowing only that, keeping
-    a conversation comes down to a keep time per kind (a conversation still out after it is
-    never worth more than one just as old of the same kind), mixed at most. The best keep
-    times under the budget give the floor: a fractional knapsack over each kind's frontier
-    (`_hull`). It is a relaxation, so a bound: the budget is an average, not a limit at every
-    instant; a conversation may be kept in part and split across replicas; the shared system
-    prompts are always found; a pause lasts only the tool's time, never a queue's.
+    task's tier where it has none) and how long it has run so far. Two conversations of the
+    same kind that have waited as long are alike to it, so the most it can do is keep each
+    kind's conversations for a chosen time, or mix two such times. The best keep times under
+    the budget give the floor: a fractional knapsack over each kind's frontier (`_hull`). It
+    is a relaxation, so a bound: the budget is an average, not a limit at every instant; a
+    conversation may be kept in part and split across replicas; shared system prompts and a
+    fan-out sibling's fresh blocks are always found; a pause lasts only the tool's time,
+    never a queue's.
 
     `clairvoyant_hit_rate` knows every pause (keep the shortest first) and
     `one_keep_time_hit_rate` keeps all kinds alike: the fluid model of least recently used.
