@@ -36,8 +36,9 @@ from rich.table import Table
 from kvflow.bench.policies.bounds import kv_capacity_floor, lifetime_estimate_s
 from kvflow.bench.policies.figures import figures, mean_ci
 from kvflow.bench.policies.fleet import bench_fleet, engine_config, fleet_tenants
-from kvflow.bench.policies.runs import run_plan, run_policy
-from kvflow.simulator.workloads import WORKLOADS, Task, Workload
+from kvflow.bench.policies.runs import RunPlan, run_plan, run_policy
+from kvflow.scheduler.fleet import Fleet
+from kvflow.simulator.workloads import WORKLOADS, Task, Workload, WorkloadSpec
 
 SCALES = (1.0, 1.15, 1.3, 1.5, 1.75)
 """KV-cache multiples run by default: from the fleet as it is to past the floor's hit rate."""
@@ -67,13 +68,18 @@ class _Job:
     oracle: bool
 
 
+def _quick_plan(spec: WorkloadSpec, fleet: Fleet, task_rate: float) -> RunPlan:
+    """The run plan of a quick `kvflow bench policies` run at `task_rate`."""
+    return run_plan(
+        lifetime_estimate_s(spec, fleet), task_rate=task_rate, window_lifetimes=1.0,
+        min_counted=100,
+    )  # fmt: skip
+
+
 def _run(job: _Job) -> RelaxedRun:
     spec = WORKLOADS[job.workload]
     fleet = bench_fleet(job.workload, job.replicas)
-    plan = run_plan(
-        lifetime_estimate_s(spec, fleet), task_rate=job.task_rate, window_lifetimes=1.0,
-        min_counted=100,
-    )  # fmt: skip
+    plan = _quick_plan(spec, fleet, job.task_rate)
     run = run_policy(
         job.policy, spec=spec, fleet=fleet, task_rate=job.task_rate, seed=job.seed, plan=plan,
         kv_cache_scale=job.scale, retention_oracle=job.oracle,
@@ -93,10 +99,7 @@ def floor_hit_rate(workload: str, replicas: int, seed: int, task_rate: float) ->
     """The KV-capacity floor's hit rate on the counted tasks of that run."""
     spec = WORKLOADS[workload]
     fleet = bench_fleet(workload, replicas)
-    plan = run_plan(
-        lifetime_estimate_s(spec, fleet), task_rate=task_rate, window_lifetimes=1.0,
-        min_counted=100,
-    )  # fmt: skip
+    plan = _quick_plan(spec, fleet, task_rate)
     window = plan.window
     drawn = Workload(
         spec, fleet_tenants(fleet), tasks=1, task_rate=1.0, seed=seed,
