@@ -105,8 +105,11 @@ def test_every_attempt_is_billed_once_and_every_task_row_matches(run: Run):
     assert books.problems() == [], "\n".join(books.problems())
     assert books.billed_once == books.attempts
     assert books.task_rows == TASKS
-    # The lost attempts could not be billed by their dead worker: the estimates stand.
-    assert books.estimates == len(run.lost)
+    # A stream cut by the kill cannot be billed by its dead worker: its estimate stands. An
+    # attempt whose stream had ended and whose row was written just before the kill is lost
+    # to Temporal all the same (its completion was never reported), and keeps its exact row;
+    # `problems()` already refuses an estimate for any attempt that is not lost.
+    assert 1 <= books.estimates <= len(run.lost), (books.estimates, len(run.lost))
 
 
 def test_no_secret_reaches_a_log_or_a_history(run: Run):
