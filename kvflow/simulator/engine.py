@@ -548,6 +548,15 @@ class EngineCore:
         """Drop every cached block (`AllBlocksCleared`); False while requests hold blocks."""
         return self.pool.reset()
 
+    def evict_first(self, block_hashes: Sequence[int]) -> int:
+        """Evict the free blocks of `block_hashes` before any other cached block.
+
+        What a client's "this conversation is over" does (Dynamo's `nvext.session_control`
+        close, which frees an SGLang session's KV); vLLM has no such request. Returns how many
+        blocks moved (`BlockPool.evict_first`).
+        """
+        return self.pool.evict_first(block_hashes)
+
     # -- stepping -----------------------------------------------------------------------
 
     def next_wake_time(self) -> float | None:

@@ -197,6 +197,34 @@ class BlockPool:
             free[block] = None
             free.move_to_end(block, last=False)
 
+    def blocks_of(self, block_hashes: Sequence[int]) -> list[int]:
+        """Every block that holds one of `block_hashes` now (held or free)."""
+        found: list[int] = []
+        for value in block_hashes:
+            first = self._cached.get(value)
+            if first is not None:
+                found.append(first)
+                found.extend(self._copies.get(value, ()))
+        return found
+
+    def evict_first(self, block_hashes: Sequence[int]) -> int:
+        """Put the free blocks holding `block_hashes` at the head of the eviction order.
+
+        For a conversation that will not come back (its task ended): the engine evicts its
+        blocks before any other cached block, the last block of the chain first, as vLLM
+        frees a request's blocks. Blocks a running request holds are left alone (they come
+        back to the tail when it frees them), and the blocks stay findable until evicted.
+        Returns how many blocks moved.
+        """
+        ref_cnt = self._ref_cnt
+        free = self._free
+        moved = 0
+        for block in self.blocks_of(block_hashes):
+            if ref_cnt[block] == 0:
+                free.move_to_end(block, last=False)
+                moved += 1
+        return moved
+
     def cache_blocks(
         self,
         blocks: Sequence[int],
@@ -449,6 +477,35 @@ class RetentionBlockPool(BlockPool):
             level[block] = _UNHASHED
             free[block] = None
             free.move_to_end(block, last=False)
+
+    def evict_first(self, block_hashes: Sequence[int]) -> int:
+        """As `BlockPool.evict_first`: the free blocks go to the lowest priority (0), first.
+
+        Whatever retention they were released under no longer holds: a new release number
+        makes their pending lapse (or their place among the lapsed blocks) stale.
+        """
+        ref_cnt = self._ref_cnt
+        level = self._level
+        queues = self._queues
+        seq = self._seq
+        queue = queues.get(MIN_RETENTION_PRIORITY)
+        if queue is None:
+            queue = queues[MIN_RETENTION_PRIORITY] = OrderedDict()
+            insort(self._levels, MIN_RETENTION_PRIORITY)
+        moved = 0
+        for block in self.blocks_of(block_hashes):
+            if ref_cnt[block] != 0:
+                continue
+            where = level[block]
+            if where != _AGED:
+                del queues[where][block]
+            self._clock += 1
+            seq[block] = self._clock
+            level[block] = MIN_RETENTION_PRIORITY
+            queue[block] = None
+            queue.move_to_end(block, last=False)
+            moved += 1
+        return moved
 
     def reset(self) -> bool:
         """Forget every cached hash; only possible when no request holds a block.

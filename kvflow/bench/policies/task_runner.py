@@ -49,6 +49,7 @@ from kvflow.simulator.policies.base import (
     ENGINE_PRIORITY,
     HINTS,
     ROUTER_QUEUE,
+    TASK_END,
     AttemptEnd,
     PlacementPolicy,
     TaskContext,
@@ -62,6 +63,8 @@ RETRY_BUDGET = 3
 DEFAULT_MODEL = "llama-3.1-8b"
 KV_SAMPLES = 50
 """Samples of the open conversations' KV demand over the window."""
+_SHARED = -1
+"""Owner of a block more than one task used (`TaskRunner._block_owner`)."""
 
 
 def _call_id(request_id: str) -> str:
@@ -115,6 +118,8 @@ class _TaskState:
     step_deadline_at: float | None = None
     context_tokens: int = 0
     """The conversation's tokens so far (its last issued prompt)."""
+    blocks: set[int] = field(default_factory=set)
+    """Hashes of every block its calls asked for (`TASK_END` only)."""
     inflight: dict[str, tuple[int, FleetRequest]] = field(default_factory=dict)
     refused_at: dict[str, float] = field(default_factory=dict)
     """Call (request id before its `#attempt`) → when admission first refused it."""
@@ -225,6 +230,8 @@ class TaskRunner:
         self.prices = prices
         self.gpus = gpus
         self.queue = RouterQueue() if ROUTER_QUEUE in mechanisms else None
+        self._block_owner: dict[int, int] | None = {} if TASK_END in mechanisms else None
+        """Block hash → the one task that used it, or `_SHARED` (`TASK_END` only)."""
         self.decisions: list[Decision] | None = [] if record_decisions else None
         """Every placement in order, when `record_decisions` (tests)."""
         self.attempt_log: list[tuple[float, int, bool]] = []
@@ -324,6 +331,8 @@ class TaskRunner:
             )
         step = task.steps[state.step]
         state.pending = len(step.calls)
+        if self._block_owner is not None:
+            self._own_blocks(state, [call.block_hashes for call in step.calls])
         context = step.calls[0].prompt_tokens
         self._open_context += context - state.context_tokens
         state.context_tokens = context
@@ -428,10 +437,14 @@ class TaskRunner:
             if sim is not None:
                 self._bill_partial(state, replica, request, sim, replica_fault=False)
         state.inflight.clear()
+        if self._block_owner is not None:
+            self._end_conversation(state)  # now that the aborted calls freed their blocks
 
     def _finish_task(self, state: _TaskState, *, ok: bool) -> None:
         self._open_context -= state.context_tokens
         state.done = True
+        if self._block_owner is not None and not state.inflight:
+            self._end_conversation(state)
         state.ok = ok
         state.end = self.sim.now
         if not state.counted:
@@ -441,6 +454,39 @@ class TaskRunner:
         self._open_counted -= 1
         if self._closed and self._open_counted == 0:
             self.sim.stop()
+
+    def _own_blocks(self, state: _TaskState, chains: list[list[int]]) -> None:
+        """Note which blocks of this step's `chains` only this task has used (`TASK_END`).
+
+        A block another task asked for first (a system prompt) is shared; so is one that a
+        task asks for after its first user ended (it was named already).
+        """
+        owner = self._block_owner
+        assert owner is not None
+        index = state.task.index
+        for chain in chains:
+            fresh = set(chain) - state.blocks  # a set difference: a conversation grows
+            for value in fresh:
+                first = owner.setdefault(value, index)
+                if first != index and first != _SHARED:
+                    owner[value] = _SHARED
+            state.blocks |= fresh
+
+    def _end_conversation(self, state: _TaskState) -> None:
+        """The task ended: its own blocks go first in every engine's eviction (`TASK_END`)."""
+        owner = self._block_owner
+        assert owner is not None
+        index = state.task.index
+        own = [value for value in state.blocks if owner.get(value) == index]
+        state.blocks = set()
+        for value in own:
+            owner[value] = _SHARED
+        if not own:
+            return
+        for replica in self.sim.replicas:
+            engine = replica.engines.get(self.model)
+            if engine is not None:
+                engine.evict_first(own)
 
     # ---- fleet callbacks
 

@@ -27,6 +27,11 @@ context, as its workflow sends it; the anchors' tuned variants read the hints in
   `agent_hints.priority` drives; `EngineConfig.kv_retention`); a policy that documents such
   hints sets `FleetRequest.retention_priority` and `retention_s`, the others leave the engine
   evicting least recently used first, as vLLM does;
+- `TASK_END`: when a task ends, the client tells the engines its conversation will not be
+  back, and they evict its blocks before any other cached block (Dynamo's
+  `nvext.session_control` close, which frees an SGLang session's KV; vLLM takes no such
+  request). Blocks another task shares (a system prompt) are not named. Every client knows
+  when its own task ends, so every policy gets it or none does;
 - `FALLBACK`: a policy may degrade a call to the model's cheaper fallback
   (`extra["allow_fallback"]`); a task with a degraded call is counted apart, never as a
   success. Off in the comparison.
@@ -47,8 +52,9 @@ ENGINE_PRIORITY = "engine-priority"
 ROUTER_QUEUE = "router-queue"
 HINTS = "hints"
 KV_RETENTION = "kv-retention"
+TASK_END = "task-end"
 FALLBACK = "fallback"
-MECHANISMS = (ENGINE_PRIORITY, ROUTER_QUEUE, HINTS, KV_RETENTION, FALLBACK)
+MECHANISMS = (ENGINE_PRIORITY, ROUTER_QUEUE, HINTS, KV_RETENTION, TASK_END, FALLBACK)
 """Every mechanism the harness can apply around placement (module docstring)."""
 DEFAULT_MECHANISMS = frozenset({ENGINE_PRIORITY, ROUTER_QUEUE, HINTS})
 """What the comparison gives every policy: all but fallback and KV retention. Retention is
