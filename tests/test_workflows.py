@@ -60,7 +60,7 @@ from kvflow.scheduler.placement import (
 )
 from kvflow.scheduler.state import ReplicaMetrics
 from kvflow.simulator import BUILTIN_MODELS, EngineConfig, ServerSettings, SimServer
-from kvflow.simulator.faults import FaultSpec
+from kvflow.simulator.faults import FaultDice, FaultSpec
 from kvflow.workers.config import load_fleet
 from kvflow.workflows import errors, search_attributes
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown, TaskSpec
@@ -312,6 +312,58 @@ async def test_exhausted_retry_budget_fails_with_its_own_error_and_bills_every_a
         row = await s.ledger.task(handle.id, run_id)
         assert row is not None and row.outcome == TaskOutcome.FAILED
         assert row.spend_micros == sum(a.cost_micros for a in attempts)
+        await assert_replays(handle)
+
+
+def _seed_failing_first_only(rate: float) -> int:
+    """A simulator seed whose `error_rate` fails the first request and not the next two."""
+    seed = 0
+    while True:
+        dice = FaultDice(seed)
+        if [dice.fails(rate) for _ in range(3)] == [True, False, False]:
+            return seed
+        seed += 1
+
+
+async def test_a_call_its_only_replica_failed_is_placed_there_again_within_the_budget(
+    temporal_client: Client, tmp_path: Path
+):
+    # One replica: its first answer is a 503. Exclusion keeps a re-placement off a replica
+    # that just failed while another could serve it; with none, the call goes back to it.
+    rate = 0.5
+    pools = [PoolPlan("one", gpu="H100", faults=FaultSpec(error_rate=rate, error_code=503))]
+    seed = _seed_failing_first_only(rate)
+    async with fleet_stack(temporal_client, tmp_path, pools, seed=seed) as s:
+        task = wf.StepsInput(
+            spec=task_spec(expected_steps=1, retry_budget=2), model=MODEL, steps=1, max_tokens=40
+        )
+        handle = await s.start(wf.MultiStepAgent.run, task)
+        await handle.result()
+        breakdown = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
+        attempts = breakdown.steps[0].attempts
+        assert [a.outcome for a in attempts][-1] == "ok" and len(attempts) == 2, attempts
+        assert {a.replica for a in attempts} == {"one/0"} and breakdown.retries == 1
+        await assert_replays(handle)
+
+
+async def test_a_replica_that_fails_every_attempt_spends_the_whole_retry_budget(
+    temporal_client: Client, tmp_path: Path
+):
+    # Every attempt on the only replica is cut: the task fails on its retry budget, the
+    # error an operator can act on, not on the exclusion of its one replica.
+    pools = [PoolPlan("one", gpu="H100", faults=FaultSpec(disconnect_after=8))]
+    async with fleet_stack(temporal_client, tmp_path, pools) as s:
+        task = wf.StepsInput(
+            spec=task_spec(expected_steps=1, retry_budget=2), model=MODEL, steps=1, max_tokens=60
+        )
+        handle = await s.start(wf.MultiStepAgent.run, task)
+        with pytest.raises(WorkflowFailureError) as failed:
+            await handle.result()
+        cause = failed.value.cause
+        assert isinstance(cause, ApplicationError)
+        assert cause.type == errors.TaskErrorType.RETRY_BUDGET_EXHAUSTED, cause.message
+        _, rows = await s.rows(handle)
+        assert len(rows) == 3 and {row.replica for row in rows} == {"one/0"}
         await assert_replays(handle)
 
 

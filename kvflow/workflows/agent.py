@@ -22,7 +22,8 @@ One `infer` call does what the control plane needs, durably:
    the UI, and no Temporal retries;
 3. **re-place** on a retryable failure or a schedule-to-start timeout: the scheduler hears of
    it, one unit of the task's retry budget is spent, the failed replica is excluded, and the
-   call resumes from the partial output the failure carried;
+   call resumes from the partial output the failure carried; once every replica that could
+   serve the call has failed it, the exclusions lapse and it is placed among them again;
 4. **fail** with one `ApplicationError` type per cause (see `kvflow.workflows.errors`) when the
    failure is permanent, the retry budget is empty or the deadline cannot be met;
 5. **return** the parsed pydantic model when `output` is given, re-asking a bounded number of
@@ -108,6 +109,7 @@ with workflow.unsafe.imports_passed_through():
         needs_store,
     )
     from kvflow.ledger.records import TaskOutcome
+    from kvflow.scheduler.decision import Filter
     from kvflow.scheduler.fleet import format_usd
     from kvflow.scheduler.placement import (
         Observation,
@@ -138,6 +140,9 @@ TOOL_RETRY = RetryPolicy(
 )
 """How a tool call is retried unless `Agent.tool` is given a policy: three attempts in about
 3 s, enough for a blip; a tool that keeps failing fails its task instead of holding it."""
+EXCLUSIONS_LAPSE_PATCH = "kvflow-exclusions-lapse"
+"""`workflow.patched` id of the rule that a call every candidate replica has failed is placed
+again among them (histories from before it failed the task there)."""
 MAX_ADMISSION_WAITS = 60
 """How many times one step waits for admission before it fails (without a deadline)."""
 MAX_OUTAGE_REPLACEMENTS = 10
@@ -673,6 +678,19 @@ class Agent:
                 record.outcome = f"waiting: {refusal.reason.value}"
                 self._publish()
                 await workflow.sleep(wait)
+                continue
+            if (
+                refusal.reason is RefusalReason.NO_REPLICA
+                and call.exclude
+                and Filter.EXCLUDED.value in refusal.rejections
+                and workflow.patched(EXCLUSIONS_LAPSE_PATCH)
+            ):
+                # Every replica that could serve the call has failed it once. Exclusion keeps
+                # a re-placement off a replica that just failed while another can serve it; it
+                # is no reason to fail a task whose retry budget holds (a single replica, a
+                # heartbeat lost on a busy host). The re-placement was charged when the
+                # replica was excluded, and open circuits still keep dead replicas out.
+                call.exclude.clear()
                 continue
             record.outcome = f"refused: {refusal.reason.value}"
             error_type = {
