@@ -260,6 +260,14 @@ def test_kv_capacity_floor_keeps_what_a_policy_blind_to_the_pause_can_keep() -> 
     assert zero.cost_per_task_usd == Decimal(54) / 1_000_000
     assert floor.per_task_micros == {0: 54, 1: 54 + 11, 2: 54 + 11}
     assert floor.cost_per_task_usd == cost_per_success(54 * 3 + 22, 3)
+    # Running calls held longer than on an idle fleet take the cache from the pauses: held
+    # for the budget less the read's 96 token-s, only the read is kept.
+    slow = kv_capacity_floor(
+        tasks, fleet, spec, task_rate=rate, running_time_scale=1 + (budget - 96) / running
+    )
+    assert slow.prefix_hit_rate == pytest.approx(96 / 576)
+    with pytest.raises(ValueError, match="running_time_scale must be at least 1"):
+        kv_capacity_floor(tasks, fleet, spec, task_rate=rate, running_time_scale=0.5)
     # With the cache to hold every pause, it is the zero-miss floor.
     roomy = kv_capacity_floor(tasks, fleet, spec, task_rate=rate / 100)
     assert roomy.demand_over_cache < 1

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 import pytest
 import typer
 from typer.testing import CliRunner
 
 from kvflow.bench.policies.fleet import bench_fleet
-from kvflow.bench.policies.relaxations import at_hit_rate, main
+from kvflow.bench.policies.relaxations import at_hit_rate, main, seed_floors
 from kvflow.bench.policies.runs import run_policy
 from kvflow.bench.policies.task_runner import ORACLE_RETENTION_S, oracle_retention
 from kvflow.simulator.kvcache import DEFAULT_RETENTION_PRIORITY
@@ -64,3 +66,30 @@ def test_an_unknown_workload_is_a_clear_error_without_a_traceback() -> None:
     done = CliRunner().invoke(app, ["--workload", "agent", "--capacity", "1", "--scales", "1,x"])
     assert done.exit_code == 2
     assert "--scales takes positive numbers separated by commas, got '1,x'" in done.output
+
+
+def test_the_floor_at_measured_load_is_above_the_bound_and_none_without_a_measure() -> None:
+    # Long-agent, 2 replicas, seed 0: running calls held twice their idle-fleet time take
+    # cache from the pauses; the bound itself holds them for the idle time.
+    bound_only = seed_floors("long-agent", 2, 0, 0.0229, None)
+    assert bound_only["loaded"] is None
+    idle = bound_only["idle_model_s"]
+    floors = seed_floors("long-agent", 2, 0, 0.0229, 2 * idle)
+    loaded = floors["loaded"]
+    assert loaded["running_time_scale"] == pytest.approx(2.0)
+    assert loaded["prefix_hit_rate"] < floors["floor_hit_rate"]
+    assert Decimal(loaded["cost_usd"]) > Decimal(floors["floor_cost_usd"])
+    # Faster than an idle fleet is no measurement: the bound's own time is used.
+    faster = seed_floors("long-agent", 2, 0, 0.0229, idle / 2)["loaded"]
+    assert faster["prefix_hit_rate"] == pytest.approx(floors["floor_hit_rate"])
+
+
+def test_an_unknown_mechanism_is_a_clear_error_without_a_traceback() -> None:
+    app = typer.Typer()
+    app.command()(main)
+    done = CliRunner().invoke(
+        app, ["--workload", "agent", "--capacity", "1", "--mechanisms", "hints,telepathy"]
+    )
+    assert done.exit_code == 2
+    assert "unknown mechanism telepathy; choose from" in done.output
+    assert "Traceback" not in done.output

@@ -289,6 +289,7 @@ def kv_capacity_floor(
     task_rate: float,
     counted: Callable[[Task], bool] = lambda task: True,
     model: str = MODEL,
+    running_time_scale: float = 1.0,
 ) -> KvCapacityFloor:
     """A lower bound on cost per successful task for every policy that cannot see the future.
 
@@ -310,7 +311,17 @@ def kv_capacity_floor(
 
     `clairvoyant_hit_rate` knows every pause (keep the shortest first) and
     `one_keep_time_hit_rate` keeps all kinds alike: the fluid model of least recently used.
+
+    `running_time_scale` holds each running call's prompt that many times its idle-fleet
+    model time. Only 1 gives a bound; a fleet's measured model time over the idle fleet's
+    gives the floor at the KV its running calls really hold, an estimate
+    (`kvflow.bench.policies.relaxations`).
     """
+    if running_time_scale < 1:
+        raise ValueError(
+            f"running_time_scale must be at least 1 (no call runs faster than on an idle "
+            f"fleet), got {running_time_scale}"
+        )
     block_size = engine_config(spec).block_size
     serving = [pool for pool in fleet.pools if model in pool.warm_models] or fleet.pools
     prices = {pool.token_prices.exact() for pool in serving}
@@ -346,7 +357,9 @@ def kv_capacity_floor(
                     # just computed, is found as in the zero-miss floor.
                     mine = sum(1 for h in chain[:matched] if h in own) * block_size
                     reused.append(min(mine, call.prompt_tokens))
-                    running += call.prompt_tokens * idle_call_s(call, perf, cached)
+                    running += (
+                        call.prompt_tokens * idle_call_s(call, perf, cached) * running_time_scale
+                    )
                 seen.update(chain[matched:])
                 computed.extend(chain[matched:])
             own.update(computed)

@@ -13,10 +13,17 @@ constraint lifted at a time, on the seeds, tasks and load of `kvflow bench polic
 - **eviction by true return** (`retention_oracle`): engines that evict the conversation coming
   back last, read from the task's future (`oracle_retention`), which no policy knows.
 
+Beside them, the KV-capacity floor twice: as the bound (running calls hold their prompt for
+their idle-fleet model time) and with running calls held as long as the policy's measured
+model time says (`running_time_scale`: measured over idle model time, on the fleet as it is).
+The second is an estimate, not a bound: it says how much of the gap between the bound and
+what engines reach is the KV that calls under load hold while they run.
+
 Neither is a policy: both read what production cannot have, and only bound what placement,
 admission and eviction order can buy.
 
-    python -m kvflow.bench.policies.relaxations --workload long-agent --capacity 0.0229
+    python -m kvflow.bench.policies.relaxations --workload long-agent --capacity 0.0229 \
+        [--mechanisms engine-priority,router-queue,hints,task-end]
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import itertools
 import json
 import multiprocessing
 from dataclasses import asdict, dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -33,11 +41,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvflow.bench.policies.bounds import kv_capacity_floor, lifetime_estimate_s
+from kvflow.bench.policies.bounds import kv_capacity_floor, lifetime_estimate_s, success_ceiling
 from kvflow.bench.policies.figures import figures, mean_ci
 from kvflow.bench.policies.fleet import bench_fleet, engine_config, fleet_tenants
 from kvflow.bench.policies.runs import RunPlan, run_plan, run_policy
 from kvflow.scheduler.fleet import Fleet
+from kvflow.simulator.policies.base import DEFAULT_MECHANISMS, MECHANISMS
 from kvflow.simulator.workloads import WORKLOADS, Task, Workload, WorkloadSpec
 
 SCALES = (1.0, 1.15, 1.3, 1.5, 1.75)
@@ -66,6 +75,7 @@ class _Job:
     policy: str
     scale: float
     oracle: bool
+    mechanisms: frozenset[str] = DEFAULT_MECHANISMS
 
 
 def _quick_plan(spec: WorkloadSpec, fleet: Fleet, task_rate: float) -> RunPlan:
@@ -82,7 +92,7 @@ def _run(job: _Job) -> RelaxedRun:
     plan = _quick_plan(spec, fleet, job.task_rate)
     run = run_policy(
         job.policy, spec=spec, fleet=fleet, task_rate=job.task_rate, seed=job.seed, plan=plan,
-        kv_cache_scale=job.scale, retention_oracle=job.oracle,
+        kv_cache_scale=job.scale, retention_oracle=job.oracle, mechanisms=job.mechanisms,
     )  # fmt: skip
     fig = figures(run.outcome, 0.0)
     return RelaxedRun(
@@ -95,8 +105,18 @@ def _run(job: _Job) -> RelaxedRun:
     )
 
 
-def floor_hit_rate(workload: str, replicas: int, seed: int, task_rate: float) -> float:
-    """The KV-capacity floor's hit rate on the counted tasks of that run."""
+def _usd(amount: Decimal | None) -> str | None:
+    return None if amount is None else str(amount)
+
+
+def seed_floors(
+    workload: str, replicas: int, seed: int, task_rate: float, measured_model_s: float | None
+) -> dict[str, Any]:
+    """The KV-capacity floor of that run's counted tasks: the bound, and at measured load.
+
+    `measured_model_s`, the policy's mean model time on the fleet as it is, over the idle
+    fleet's, is the `running_time_scale` of the second (none without a measurement).
+    """
     spec = WORKLOADS[workload]
     fleet = bench_fleet(workload, replicas)
     plan = _quick_plan(spec, fleet, task_rate)
@@ -110,9 +130,27 @@ def floor_hit_rate(workload: str, replicas: int, seed: int, task_rate: float) ->
     def counted(task: Task) -> bool:
         return window.start <= task.arrival < window.end
 
-    return kv_capacity_floor(
-        arrivals, fleet, spec, task_rate=task_rate, counted=counted
-    ).prefix_hit_rate
+    bound = kv_capacity_floor(arrivals, fleet, spec, task_rate=task_rate, counted=counted)
+    idle_model_s = success_ceiling(arrivals, fleet, spec, counted=counted).mean_model_s
+    result: dict[str, Any] = {
+        "seed": seed,
+        "floor_hit_rate": bound.prefix_hit_rate,
+        "floor_cost_usd": _usd(bound.cost_per_task_usd),
+        "idle_model_s": idle_model_s,
+        "loaded": None,
+    }
+    if measured_model_s is not None and idle_model_s > 0:
+        scale = max(1.0, measured_model_s / idle_model_s)
+        loaded = kv_capacity_floor(
+            arrivals, fleet, spec, task_rate=task_rate, counted=counted,
+            running_time_scale=scale,
+        )  # fmt: skip
+        result["loaded"] = {
+            "running_time_scale": scale,
+            "prefix_hit_rate": loaded.prefix_hit_rate,
+            "cost_usd": _usd(loaded.cost_per_task_usd),
+        }
+    return result
 
 
 def at_hit_rate(points: list[tuple[float, float]], hit: float) -> float | None:
@@ -137,6 +175,7 @@ def relax(
     scales: tuple[float, ...] = SCALES,
     oracle: bool = True,
     workers: int = 2,
+    mechanisms: frozenset[str] = DEFAULT_MECHANISMS,
 ) -> dict[str, Any]:
     """Every scale (and the oracle) on every seed; the floor's hit rate and model time there."""
     if workload not in WORKLOADS:
@@ -145,42 +184,55 @@ def relax(
         raise ValueError(f"the task rate must be positive, got {task_rate}")
     count = replicas or WORKLOADS[workload].quick_replicas
     jobs = [
-        _Job(workload, count, seed, task_rate, policy, scale, False)
+        _Job(workload, count, seed, task_rate, policy, scale, False, mechanisms)
         for seed in seeds
         for scale in scales
     ]
     if oracle:
-        jobs += [_Job(workload, count, seed, task_rate, policy, 1.0, True) for seed in seeds]
+        jobs += [
+            _Job(workload, count, seed, task_rate, policy, 1.0, True, mechanisms) for seed in seeds
+        ]
     context = multiprocessing.get_context("fork")
     with concurrent.futures.ProcessPoolExecutor(max(1, workers), mp_context=context) as pool:
         runs = list(pool.map(_run, jobs))
+        # The model time measured on the fleet as it is: what its running calls hold.
+        measured = {r.seed: r.mean_model_s for r in runs if r.variant == "cache ×1"}
         floors = list(
             pool.map(
-                floor_hit_rate,
+                seed_floors,
                 [workload] * len(seeds),
                 [count] * len(seeds),
                 seeds,
                 [task_rate] * len(seeds),
+                [measured.get(seed) for seed in seeds],
             )
         )
-    per_seed = []
-    for seed, floor in zip(seeds, floors, strict=True):
+    for floor in floors:
         points = [
             (r.prefix_hit_rate, r.mean_model_s)
             for r in runs
-            if r.seed == seed and r.variant.startswith("cache")
+            if r.seed == floor["seed"] and r.variant.startswith("cache")
         ]
-        per_seed.append(
-            {"seed": seed, "floor_hit_rate": floor, "model_s_at_floor": at_hit_rate(points, floor)}
-        )
+        floor["model_s_at_floor"] = at_hit_rate(points, floor["floor_hit_rate"])
     return {
         "workload": workload,
         "policy": policy,
         "replicas": count,
         "task_rate_per_s": task_rate,
+        "mechanisms": sorted(mechanisms),
         "runs": [asdict(r) for r in runs],
-        "seeds": per_seed,
+        "seeds": floors,
     }
+
+
+def _cell(values: list[float], fmt: str) -> str:
+    """The mean ± the 95% half-width of `values` (empty without any)."""
+    interval = mean_ci(values)
+    if interval is None:
+        return ""
+    pair = interval.as_pair()
+    half = "" if pair is None else f" ±{format(pair[1] - interval.mean, fmt)}"
+    return f"{format(interval.mean, fmt)}{half}"
 
 
 def _table(result: dict[str, Any]) -> Table:
@@ -195,34 +247,52 @@ def _table(result: dict[str, Any]) -> Table:
     variants = list(dict.fromkeys(r["variant"] for r in result["runs"]))
     for variant in variants:
         rows = [r for r in result["runs"] if r["variant"] == variant]
-
-        def cell(key: str, fmt: str, rows: list[dict[str, Any]] = rows) -> str:
-            interval = mean_ci([float(r[key]) for r in rows])
-            if interval is None:
-                return ""
-            pair = interval.as_pair()
-            half = "" if pair is None else f" ±{format(pair[1] - interval.mean, fmt)}"
-            return f"{format(interval.mean, fmt)}{half}"
-
         table.add_row(
             variant,
-            cell("prefix_hit_rate", ".1%"),
-            cell("cost_per_successful_task_usd", ".5f"),
-            cell("mean_model_s", ".1f"),
-            cell("success_rate", ".1%"),
+            _cell([r["prefix_hit_rate"] for r in rows], ".1%"),
+            _cell([float(r["cost_per_successful_task_usd"]) for r in rows], ".5f"),
+            _cell([r["mean_model_s"] for r in rows], ".1f"),
+            _cell([r["success_rate"] for r in rows], ".1%"),
         )
-    floors = [s["floor_hit_rate"] for s in result["seeds"]]
-    at_floor = [s["model_s_at_floor"] for s in result["seeds"] if s["model_s_at_floor"]]
-    floor_hit = mean_ci(floors)
+    seeds = result["seeds"]
+    table.add_row(
+        "KV-capacity floor (the bound)",
+        _cell([s["floor_hit_rate"] for s in seeds], ".1%"),
+        _cell([float(s["floor_cost_usd"]) for s in seeds if s["floor_cost_usd"]], ".5f"),
+        _cell([s["idle_model_s"] for s in seeds], ".1f") + " (idle fleet)",
+        "",
+    )
+    loaded = [s["loaded"] for s in seeds if s["loaded"]]
+    if loaded:
+        scale = sum(item["running_time_scale"] for item in loaded) / len(loaded)
+        table.add_row(
+            f"the floor with running calls held {scale:.2f}× longer, as measured (an estimate)",
+            _cell([item["prefix_hit_rate"] for item in loaded], ".1%"),
+            _cell([float(item["cost_usd"]) for item in loaded if item["cost_usd"]], ".5f"),
+            "",
+            "",
+        )
+    at_floor = [s["model_s_at_floor"] for s in seeds if s["model_s_at_floor"]]
     model = mean_ci(at_floor)
     table.add_row(
         "at the KV-capacity floor's hit rate",
-        "" if floor_hit is None else f"{floor_hit.mean:.1%}",
+        _cell([s["floor_hit_rate"] for s in seeds], ".1%"),
         "",
         "" if model is None else f"{model.mean:.1f} ({len(at_floor)} seeds)",
         "",
     )
     return table
+
+
+def _mechanisms(text: str) -> frozenset[str]:
+    """`--mechanisms`: names of `MECHANISMS`, comma-separated."""
+    names = frozenset(part.strip() for part in text.split(",") if part.strip())
+    unknown = sorted(names - set(MECHANISMS))
+    if unknown:
+        raise ValueError(
+            f"unknown mechanism {', '.join(unknown)}; choose from {', '.join(MECHANISMS)}"
+        )
+    return names
 
 
 def _scales(text: str) -> tuple[float, ...]:
@@ -248,6 +318,9 @@ def main(
         str, typer.Option(help="KV-cache multiples, comma-separated (1 is the fleet as it is)")
     ] = "1,1.15,1.3,1.5,1.75",
     oracle: Annotated[bool, typer.Option(help="also run eviction by true return")] = True,
+    mechanisms: Annotated[
+        str, typer.Option(help="mechanisms around every run, comma-separated (as the benchmark)")
+    ] = ",".join(sorted(DEFAULT_MECHANISMS)),
     jobs: Annotated[int, typer.Option(min=1, help="processes")] = 2,
     json_file: Annotated[Path | None, typer.Option("--json", help="write the runs here")] = None,
 ) -> None:
@@ -256,7 +329,7 @@ def main(
         multiples = _scales(scales)
         result = relax(
             workload, task_rate=capacity * load, seeds=list(range(seeds)), policy=policy,
-            scales=multiples, oracle=oracle, workers=jobs,
+            scales=multiples, oracle=oracle, workers=jobs, mechanisms=_mechanisms(mechanisms),
         )  # fmt: skip
     except ValueError as error:
         Console(stderr=True).print(f"error: {error}", highlight=False)
