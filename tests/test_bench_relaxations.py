@@ -93,3 +93,28 @@ def test_an_unknown_mechanism_is_a_clear_error_without_a_traceback() -> None:
     assert done.exit_code == 2
     assert "unknown mechanism telepathy; choose from" in done.output
     assert "Traceback" not in done.output
+
+
+def test_retention_by_the_tools_kind_reads_the_kind_never_the_pause() -> None:
+    spec = WORKLOADS["long-agent"]
+    medians = {tool.name: tool.pause_median_s for tool in spec.tools}
+    run = run_policy(
+        "round-robin", spec=spec, fleet=bench_fleet("long-agent", 2), task_rate=0.1, seed=0,
+        tasks=2, retention_oracle=True, kind_oracle=True, record_decisions=True,
+    )  # fmt: skip
+    tasks = {state.task.index: state.task for state in run.runner.states}
+    decisions = run.runner.decisions
+    assert decisions
+    seen_kinds = set()
+    for decision in decisions:
+        task_part, step_part, _ = decision.request_id.split("#")[0].split("/")
+        task = tasks[int(task_part.removeprefix("task-"))]
+        step = task.steps[int(step_part)]
+        if step is task.steps[-1]:
+            assert decision.retention == (0, None)
+            continue
+        assert step.tool is not None
+        seen_kinds.add(step.tool)
+        # Two calls before the same kind ask alike, however long each pause really was.
+        assert decision.retention == oracle_retention(medians[step.tool], last=False)
+    assert len(seen_kinds) > 1, "one kind of tool only: the test proves nothing"

@@ -11,7 +11,11 @@ constraint lifted at a time, on the seeds, tasks and load of `kvflow bench polic
   at the floor's hit rate, interpolated between the scales, is the model time of a policy
   that reached the floor on the fleet as it is (`model_s_at_floor`);
 - **eviction by true return** (`retention_oracle`): engines that evict the conversation coming
-  back last, read from the task's future (`oracle_retention`), which no policy knows.
+  back last, read from the task's future (`oracle_retention`), which no policy knows;
+- **eviction by the tool's kind** (`kind_oracle`, where the workload has tools): the same, with
+  each pause replaced by the typical pause of the tool the call's answer will ask for. A
+  policy learns that tool only from the answer, after the call ended, so this too is more
+  than any policy has; it says what knowing the tool, not the pause, is worth.
 
 Beside them, the KV-capacity floor twice: as the bound (running calls hold their prompt for
 their idle-fleet model time) and with running calls held as long as the policy's measured
@@ -59,7 +63,7 @@ class RelaxedRun:
 
     seed: int
     variant: str
-    """`cache ×<scale>` or `oracle retention`."""
+    """`cache ×<scale>`, `oracle retention` or `retention by the tool's kind`."""
     prefix_hit_rate: float
     cost_per_successful_task_usd: str
     mean_model_s: float
@@ -76,6 +80,7 @@ class _Job:
     scale: float
     oracle: bool
     mechanisms: frozenset[str] = DEFAULT_MECHANISMS
+    kind: bool = False
 
 
 def _quick_plan(spec: WorkloadSpec, fleet: Fleet, task_rate: float) -> RunPlan:
@@ -93,11 +98,18 @@ def _run(job: _Job) -> RelaxedRun:
     run = run_policy(
         job.policy, spec=spec, fleet=fleet, task_rate=job.task_rate, seed=job.seed, plan=plan,
         kv_cache_scale=job.scale, retention_oracle=job.oracle, mechanisms=job.mechanisms,
+        kind_oracle=job.kind,
     )  # fmt: skip
     fig = figures(run.outcome, 0.0)
     return RelaxedRun(
         seed=job.seed,
-        variant="oracle retention" if job.oracle else f"cache ×{job.scale:g}",
+        variant=(
+            "retention by the tool's kind"
+            if job.kind
+            else "oracle retention"
+            if job.oracle
+            else f"cache ×{job.scale:g}"
+        ),
         prefix_hit_rate=fig.prefix_hit_rate,
         cost_per_successful_task_usd=str(fig.cost_per_successful_task_usd),
         mean_model_s=fig.mean_model_s,
@@ -192,6 +204,11 @@ def relax(
         jobs += [
             _Job(workload, count, seed, task_rate, policy, 1.0, True, mechanisms) for seed in seeds
         ]
+        if WORKLOADS[workload].tools:
+            jobs += [
+                _Job(workload, count, seed, task_rate, policy, 1.0, True, mechanisms, kind=True)
+                for seed in seeds
+            ]
     context = multiprocessing.get_context("fork")
     with concurrent.futures.ProcessPoolExecutor(max(1, workers), mp_context=context) as pool:
         runs = list(pool.map(_run, jobs))
@@ -317,7 +334,9 @@ def main(
     scales: Annotated[
         str, typer.Option(help="KV-cache multiples, comma-separated (1 is the fleet as it is)")
     ] = "1,1.15,1.3,1.5,1.75",
-    oracle: Annotated[bool, typer.Option(help="also run eviction by true return")] = True,
+    oracle: Annotated[
+        bool, typer.Option(help="also run eviction by true return and by the tool's kind")
+    ] = True,
     mechanisms: Annotated[
         str, typer.Option(help="mechanisms around every run, comma-separated (as the benchmark)")
     ] = ",".join(sorted(DEFAULT_MECHANISMS)),

@@ -138,6 +138,7 @@ def run_policy(
     record_decisions: bool = False,
     kv_cache_scale: float = 1.0,
     retention_oracle: bool = False,
+    kind_oracle: bool = False,
 ) -> PolicyRun:
     """Run one policy on one workload (faults included for `faults`).
 
@@ -148,7 +149,8 @@ def run_policy(
     Two relaxations, for bounds and never for a comparison (`kvflow.bench.policies.
     relaxations`): `kv_cache_scale` gives every engine that multiple of its KV cache (a fleet
     of one pool); `retention_oracle` evicts by each conversation's true return
-    (`oracle_retention`), on engines that evict by retention.
+    (`oracle_retention`), on engines that evict by retention; with `kind_oracle` too, by the
+    typical pause (median) of the tool its answer asks for instead of its own.
     """
     factories = policy_factories()
     extra = dict(extra or {})
@@ -210,6 +212,7 @@ def run_policy(
         typical_output_tokens=spec.output_median,
         record_decisions=record_decisions,
         retention_oracle=retention_oracle,
+        kind_pauses={t.name: t.pause_median_s for t in spec.tools} if kind_oracle else None,
     )
     runner_box.append(runner)
     crash_at = (

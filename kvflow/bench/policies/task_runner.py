@@ -202,12 +202,17 @@ class TaskRunner:
         typical_output_tokens: int = 120,
         record_decisions: bool = False,
         retention_oracle: bool = False,
+        kind_pauses: dict[str, float] | None = None,
     ) -> None:
         self.policy = policy
         self.retention_oracle = retention_oracle
         """Replace every call's KV retention by one read from its task's future
         (`oracle_retention`): a relaxation that bounds what eviction order can buy, never a
         policy (needs engines that evict by retention, the kv-retention mechanism)."""
+        self.kind_pauses = kind_pauses
+        """With `retention_oracle`: read only the kind of the tool the call's answer will
+        ask for, and retain as if its pause were that kind's typical one (the tool kind →
+        seconds given here), never the pause itself. What knowing the tool is worth."""
         self.mechanisms = mechanisms
         self.window = window
         self.model = model
@@ -509,6 +514,8 @@ class TaskRunner:
             steps = state.task.steps
             last = state.step >= len(steps) - 1
             pause = 0.0 if last else steps[state.step].pause_after_s
+            if self.kind_pauses is not None and not last:
+                pause = self.kind_pauses.get(steps[state.step].tool or "", pause)
             request.retention_priority, request.retention_s = oracle_retention(pause, last=last)
         if self.decisions is not None:
             self.decisions.append(
