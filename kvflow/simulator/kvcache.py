@@ -211,10 +211,10 @@ class BlockPool:
         """Put the free blocks holding `block_hashes` at the head of the eviction order.
 
         For a conversation that will not come back (its task ended): the engine evicts its
-        blocks before any other cached block, the last block of the chain first, as vLLM
-        frees a request's blocks. Blocks a running request holds are left alone (they come
-        back to the tail when it frees them), and the blocks stay findable until evicted.
-        Returns how many blocks moved.
+        blocks before any other cached block, each block moved here before the ones moved
+        earlier. Blocks a running request holds are left alone (they come back to the tail
+        when it frees them), and the blocks stay findable until evicted. Returns how many
+        blocks moved.
         """
         ref_cnt = self._ref_cnt
         free = self._free

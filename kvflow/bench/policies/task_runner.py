@@ -442,14 +442,12 @@ class TaskRunner:
             if sim is not None:
                 self._bill_partial(state, replica, request, sim, replica_fault=False)
         state.inflight.clear()
-        if self._block_owner is not None:
-            self._end_conversation(state)  # now that the aborted calls freed their blocks
+        self._conversation_over(state)  # now that the aborted calls freed their blocks
 
     def _finish_task(self, state: _TaskState, *, ok: bool) -> None:
         self._open_context -= state.context_tokens
         state.done = True
-        if self._block_owner is not None and not state.inflight:
-            self._end_conversation(state)
+        self._conversation_over(state)
         state.ok = ok
         state.end = self.sim.now
         if not state.counted:
@@ -477,10 +475,14 @@ class TaskRunner:
                     owner[value] = _SHARED
             state.blocks |= fresh
 
-    def _end_conversation(self, state: _TaskState) -> None:
-        """The task ended: its own blocks go first in every engine's eviction (`TASK_END`)."""
+    def _conversation_over(self, state: _TaskState) -> None:
+        """The task ended and none of its calls runs: its own blocks go first (`TASK_END`).
+
+        Every engine evicts them before any other cached block; once per task.
+        """
         owner = self._block_owner
-        assert owner is not None
+        if owner is None or not state.done or state.inflight or not state.blocks:
+            return
         index = state.task.index
         own = [value for value in state.blocks if owner.get(value) == index]
         state.blocks = set()
@@ -608,6 +610,7 @@ class TaskRunner:
             )
         )
         if state.done:
+            self._conversation_over(state)  # the last sibling of an ended task
             return
         state.previous = replica
         state.calls_done += 1
@@ -669,6 +672,7 @@ class TaskRunner:
         if replica < 0:
             wait = self.policy.retry_after(request)
             if state.done:
+                self._conversation_over(state)
                 return
             if state.counted:
                 self.refusals += 1
@@ -687,6 +691,7 @@ class TaskRunner:
             return
         self._bill_partial(state, replica, request, sim, replica_fault=True)
         if state.done:
+            self._conversation_over(state)
             return
         if state.retries >= self.retry_budget:
             self._finish_task(state, ok=False)
