@@ -20,14 +20,22 @@ from kvflow.bench.policies import (
     run_workload,
 )
 from kvflow.bench.policies.bounds import (
+    batching_bound,
     idle_call_s,
     kv_cache_tokens,
     kv_capacity_floor,
     lifetime_estimate_s,
+    success_ceiling,
     zero_miss_floor,
 )
 from kvflow.bench.policies.figures import cost_per_success, figures, percentile
-from kvflow.bench.policies.fleet import bench_fleet, engine_config, fastest_perf, simulated_replicas
+from kvflow.bench.policies.fleet import (
+    bench_fleet,
+    engine_config,
+    fastest_perf,
+    fleet_tenants,
+    simulated_replicas,
+)
 from kvflow.bench.policies.task_runner import Outcome, TaskRunner
 from kvflow.scheduler.blocks import ROOT_HASH, hash_block
 from kvflow.scheduler.config import DEFAULT_AXES, REQUIRED_AXIS
@@ -345,6 +353,52 @@ def test_the_floor_is_below_every_policy_on_every_workload_on_two_seeds(workload
         assert kv.cost_per_task_usd is not None and zero.cost_per_task_usd is not None
         assert kv.cost_per_task_usd >= zero.cost_per_task_usd
         assert kv.one_keep_time_hit_rate <= kv.prefix_hit_rate <= kv.clairvoyant_hit_rate
+    # The batching bound, where the fleet is of one GPU: below every policy's model time.
+    if workload != "heterogeneous":
+        assert len(result.batching) == 2
+        for summary in result.summaries.values():
+            for run, batching in zip(summary.runs, result.batching, strict=True):
+                assert run.mean_model_s >= batching.mean_model_s, run.policy
+
+
+@pytest.mark.timeout(240)
+def test_near_capacity_the_batching_bound_is_below_every_policy_and_above_the_idle_fleet() -> None:
+    # The agent workload on 2 H100s at about 0.95 of their capacity (4.21 tasks/s on 4).
+    spec = WORKLOADS["agent"]
+    fleet = bench_fleet("agent", 2)
+    rate = 2.0
+    plan = run_plan(lifetime_estimate_s(spec, fleet), task_rate=rate, window_lifetimes=0.5)
+    drawn = Workload(
+        spec, fleet_tenants(fleet), tasks=1, task_rate=1.0, seed=0, block_size=spec.block_size
+    )
+    arrivals = drawn.at_rate(rate, until_s=plan.arrivals_until_s)
+    window = plan.window
+
+    def counted(task: Task) -> bool:
+        return window.start <= task.arrival < window.end
+
+    bound = batching_bound(arrivals, fleet, spec, task_rate=rate, counted=counted)
+    assert bound is not None
+    idle = success_ceiling(arrivals, fleet, spec, counted=counted).mean_model_s
+    # The load forces batching: the bound is well above a call alone on its replica.
+    assert bound.tpot_s > 1.3 * bound.idle_tpot_s and bound.mean_model_s > 1.2 * idle
+    for policy in ("kvflow", "round-robin"):
+        run = run_policy(
+            policy, spec=spec, fleet=fleet, task_rate=rate, seed=0, plan=plan, workload=drawn
+        )
+        tasks = {state.task.index: state.task for state in run.runner.states}
+        records = [
+            r
+            for r in run.runner.sim.records
+            if counted(tasks[int(r.request.request_id.split("/")[0].removeprefix("task-"))])
+            and r.output_tokens > 1
+        ]
+        decode_s = sum(r.e2e_latency - r.ttft for r in records)
+        tokens = sum(r.output_tokens - 1 for r in records)
+        assert decode_s / tokens >= bound.tpot_s, policy
+        assert figures(run.outcome, 0.0).mean_model_s >= bound.mean_model_s, policy
+    # Beyond what the replicas' whole time can serve there is no bound to give.
+    assert batching_bound(arrivals, fleet, spec, task_rate=rate * 10, counted=counted) is None
 
 
 def test_ablation_runs_kvflow_once_without_each_axis_but_the_required_one_and_each_lever() -> None:
@@ -464,6 +518,9 @@ def test_bench_policies_prints_the_table_and_writes_the_json_keys_scripts_read(
     kv_cost = Decimal(kv["cost_per_successful_task_usd"])
     assert kv_cost >= Decimal(floor["cost_per_successful_task_usd"])
     assert kv["one_keep_time_hit_rate"] <= kv["prefix_hit_rate"] <= kv["clairvoyant_hit_rate"]
+    batching = workload["batching_bound"]
+    assert batching["tpot_ms"] >= batching["idle_tpot_ms"] > 0
+    assert batching["p99_model_s"] >= batching["mean_model_s"] > 0
     policies = data["workloads"]["agent"]["policies"]
     assert set(policies) == {*POLICIES, GREEDY_REFERENCE}
     assert any(name.endswith("-tuned") for name in policies)

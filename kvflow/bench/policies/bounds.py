@@ -6,6 +6,8 @@
   for every policy that cannot see how long a tool call will run;
 - the success ceiling (`success_ceiling`): the share of tasks an idle fleet finishes within
   their declared budgets;
+- the batching bound (`batching_bound`): the least mean time per output token with which a
+  fleet serves the load, whatever the order and placement, and the model time it implies;
 - idle-fleet lifetimes (`lifetime_estimate_s`), behind the runs' warm-up, and the compute
   bound (`compute_bound_tasks_per_s`), where the capacity probes start.
 """
@@ -457,6 +459,111 @@ def success_ceiling(
         sum(feasible.values()) / count if count else 1.0,
         {str(t): feasible[t] / n for t, n in sorted(totals.items())},
         mean_model_s=sum(model_s) / len(model_s) if model_s else 0.0,
+        p99_model_s=percentile(model_s, 0.99),
+    )
+
+
+@dataclass(frozen=True)
+class BatchingBound:
+    """How fast tokens can come out at a load: the floor under batching (`batching_bound`)."""
+
+    tpot_s: float
+    """The least mean time per output token of any schedule serving the load."""
+    idle_tpot_s: float
+    """The mean time per output token of each call alone on a replica."""
+    prefill_share: float
+    """Share of each replica's time its prefills take (every earlier block cached)."""
+    kv_read_share: float
+    """Share of the rest its decode steps spend reading the sequences' KV."""
+    mean_model_s: float
+    """Mean model time of the counted tasks with every output token at `tpot_s`."""
+    p99_model_s: float = 0.0
+    """The 99th percentile of the same."""
+
+
+def batching_bound(
+    tasks: Iterable[Task],
+    fleet: Fleet,
+    spec: WorkloadSpec,
+    *,
+    task_rate: float,
+    counted: Callable[[Task], bool] = lambda task: True,
+    model: str = MODEL,
+) -> BatchingBound | None:
+    """The least mean time per output token with which the fleet serves `task_rate`.
+
+    On the simulated engine a decode step of sequences with K tokens of context in all lasts
+    at least a + β·K: the weights read once (a, with the step's overhead) and every
+    sequence's KV (β a token), the memory-bound part of `PerfModel.step_seconds`. Each output
+    token waits for its whole step. Serving the load, a replica must produce N tokens a
+    second whose contexts sum to C, in the time its prefills leave (1 − p, prefills at full
+    speed with every earlier block cached). Its n steps a second then satisfy n·a + β·C ≤
+    1 − p, and for sequences of equal context the mean time per token is at least
+    a + β·C/n ≥ a / (1 − X), X = β·C / (1 − p): the fewer steps there is time for,
+    the more sequences each holds. No order, placement or admission changes N, C or p; the
+    equal-context step is the one assumption (a schedule could batch short contexts more).
+
+    The load is spread evenly over the replicas serving `model`, which must be of one GPU
+    (None otherwise, and when the load needs more than the replicas' whole time).
+    `mean_model_s` prices every output token at the bound and each prefill at full speed
+    with every block an earlier call computed cached, a fan-out step taking its slowest call.
+    """
+    serving = [pool for pool in fleet.pools if model in pool.warm_models]
+    if not serving or len({(p.gpu, p.gpus_per_replica) for p in serving}) != 1:
+        return None
+    replicas = sum(pool.replicas for pool in serving)
+    engine = engine_config(spec)
+    perf = perf_model(fleet, serving[0], engine)
+    block_size = engine.block_size
+    weights_s = perf.weight_bytes / perf.bytes_per_second + perf.step_overhead_s
+    kv_s = perf.kv_bytes_per_token / perf.bytes_per_second
+    seen: set[int] = set()
+    tokens = context = prefill = idle_decode = 0.0
+    per_task: list[list[list[tuple[float, int]]]] = []
+    for task in tasks:
+        counts = counted(task)
+        steps: list[list[tuple[float, int]]] = []
+        for step in task.steps:
+            calls: list[tuple[float, int]] = []
+            for call in step.calls:
+                chain = call.block_hashes
+                matched = _cached_blocks(chain, seen)
+                seen.update(chain[matched:])
+                if not counts:
+                    continue
+                hit = min(matched * block_size, call.prompt_tokens - 1)
+                # The prefill step gives the first token; each later one takes a decode step.
+                decoded = max(0, call.output_tokens - 1)
+                tokens += decoded
+                context += decoded * (call.prompt_tokens + call.output_tokens / 2 + 1)
+                prefill_s = perf.prefill_seconds(call.prompt_tokens - hit, hit)
+                prefill += prefill_s
+                idle_decode += decoded * perf.decode_step_seconds(1, call.prompt_tokens)
+                calls.append((prefill_s, decoded))
+            steps.append(calls)
+        if counts:
+            per_task.append(steps)
+    if not per_task or not tokens:
+        return None
+    # Per replica and second, in steady state: the counted tasks' work at `task_rate`.
+    scale = task_rate / len(per_task) / replicas
+    prefill_share = prefill * scale
+    left = 1.0 - prefill_share
+    kv_share = kv_s * context * scale / left if left > 0 else math.inf
+    if kv_share >= 1:
+        return None
+    idle_tpot = idle_decode / tokens
+    tpot = max(weights_s / (1 - kv_share), idle_tpot)
+    model_s = [
+        sum(max((pre + out * tpot for pre, out in calls), default=0.0) for calls in steps)
+        for steps in per_task
+    ]
+    return BatchingBound(
+        tpot_s=tpot,
+        idle_tpot_s=idle_tpot,
+        prefill_share=prefill_share,
+        kv_read_share=kv_share,
+        mean_model_s=sum(model_s) / len(model_s),
         p99_model_s=percentile(model_s, 0.99),
     )
 

@@ -16,9 +16,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvflow.bench.policies.bounds import (
+    BatchingBound,
     KvCapacityFloor,
     SuccessCeiling,
     ZeroMissFloor,
+    batching_bound,
     kv_capacity_floor,
     success_ceiling,
     zero_miss_floor,
@@ -268,6 +270,7 @@ class SeedResult:
     floor: ZeroMissFloor | None
     ceiling: SuccessCeiling | None
     capacity_floor: KvCapacityFloor | None = None
+    batching: BatchingBound | None = None
 
 
 def _plan(job: SeedJob, rate: float) -> RunPlan:
@@ -304,6 +307,7 @@ def run_seed(job: SeedJob, progress: Callable[[str], None] | None = None) -> See
             result.capacity_floor = kv_capacity_floor(
                 arrivals, fleet, spec, task_rate=rate, counted=counted
             )
+            result.batching = batching_bound(arrivals, fleet, spec, task_rate=rate, counted=counted)
         outcomes: dict[str, Outcome] = {}
         for policy in sorted(job.policies, key=lambda n: n != GREEDY_REFERENCE):
             if progress is not None:
