@@ -118,3 +118,9 @@ def test_retention_by_the_tools_kind_reads_the_kind_never_the_pause() -> None:
         # Two calls before the same kind ask alike, however long each pause really was.
         assert decision.retention == oracle_retention(medians[step.tool], last=False)
     assert len(seen_kinds) > 1, "one kind of tool only: the test proves nothing"
+    # Without the oracle it would silently change nothing: refused instead.
+    with pytest.raises(ValueError, match="kind_oracle needs retention_oracle"):
+        run_policy(
+            "round-robin", spec=spec, fleet=bench_fleet("long-agent", 2), task_rate=0.1,
+            seed=0, tasks=1, kind_oracle=True,
+        )  # fmt: skip

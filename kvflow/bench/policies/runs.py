@@ -165,6 +165,8 @@ def run_policy(
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(factories)}")
     if plan is None and tasks is None:
         raise ValueError("give a plan or a number of tasks")
+    if kind_oracle and not (retention_oracle and spec.tools):
+        raise ValueError("kind_oracle needs retention_oracle and a workload with tools")
     engine = engine_config(
         spec,
         priority=ENGINE_PRIORITY in mechanisms,
