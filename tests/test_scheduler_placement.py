@@ -967,6 +967,31 @@ def test_a_prefix_holder_loaded_past_the_affinity_bound_is_passed_over(
     assert (second.expected_cached_tokens > 0) is stays
 
 
+@pytest.mark.parametrize(
+    ("waiting", "keeps_conversation", "stays"),
+    [(0, True, True), (3, True, False), (0, False, False)],
+)
+def test_a_conversation_keeps_its_replica_past_the_affinity_bound_until_calls_wait_there(
+    waiting: int, keeps_conversation: bool, stays: bool
+) -> None:
+    config = SchedulerConfig(prefix=PrefixConfig(affinity_keeps_conversation=keeps_conversation))
+    scheduler = make_scheduler(config=config)
+    tokens = prompt(1, 3400)
+    first = placed(scheduler.place(request(tokens)))
+    for name in scheduler.replica_names():
+        busy = name == first.replica
+        scheduler.update_metrics(
+            name, ReplicaMetrics(running=20 if busy else 0, waiting=waiting if busy else 0)
+        )
+    # The same workflow's next call: its whole conversation is cached on the busy replica,
+    # 20 calls past the bound of 8. Moving it would recompute all of it elsewhere.
+    second = placed(
+        scheduler.place(request(tokens + prompt(2, 300), previous_replica=first.replica))
+    )
+    assert (second.replica == first.replica) is stays
+    assert (second.expected_cached_tokens > 0) is stays
+
+
 def test_time_and_cost_assume_the_output_length_observed_while_memory_keeps_the_bound() -> None:
     scheduler = make_scheduler()
     tokens = prompt(3, 1000)

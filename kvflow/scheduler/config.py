@@ -325,6 +325,17 @@ class PrefixConfig(_Config):
         ge=1,
         description="calls a replica may hold before the affinity load bound applies",
     )
+    affinity_keeps_conversation: bool = Field(
+        # Moving a conversation recomputes all of it on the new replica and leaves a dead copy
+        # on the old one, on every call the bound moves; spreading a shared prefix copies it
+        # once. On the policy benchmark's agent workload at 0.8x the bound moved 3-5% of
+        # conversations' calls, which cost 3-4% per successful task (benchmarks/README.md).
+        default=True,
+        description=(
+            "the workflow's previous replica keeps its calls past the affinity load bound while "
+            "its engine has a free slot and no call waiting; the bound still spreads new tasks"
+        ),
+    )
     search_width: int | None = Field(
         default=None,
         ge=1,

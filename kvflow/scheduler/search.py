@@ -82,6 +82,7 @@ class Search:
         self._bounded_load_factor = config.prefix.bounded_load_factor
         self._affinity_load_factor = config.prefix.affinity_load_factor
         self._affinity_min_load = config.prefix.affinity_min_load
+        self._keeps_conversation = config.prefix.affinity_keeps_conversation
         self._search_width = config.prefix.search_width or max(16, len(replicas) // 16)
         self.rankings: dict[str, ModelRanking] = {
             m.name: ModelRanking(
@@ -180,8 +181,11 @@ class Search:
             return chosen, False
         if cache_hit:
             holder = self._replicas[chosen.rid]
-            if not chosen.cold_load_s and holder.load > self.affinity_capacity(
-                view, holder.pool.max_concurrency
+            slots = holder.pool.max_concurrency
+            if (
+                not chosen.cold_load_s
+                and holder.load > self.affinity_capacity(view, slots)
+                and not self.keeps_conversation(holder, decision.previous, slots)
             ):
                 chosen = self._within_bound(view, best, evaluated, consider)
             return chosen, False
@@ -197,6 +201,21 @@ class Search:
         """
         bound = math.ceil(self._affinity_load_factor * (view.load + 1) * slots / max(1, view.slots))
         return bound if bound > self._affinity_min_load else self._affinity_min_load
+
+    def keeps_conversation(self, holder: ReplicaState, previous: int, slots: int) -> bool:
+        """Whether the workflow's previous replica keeps the call past the affinity bound.
+
+        It does (`affinity_keeps_conversation`) while its engine would start the call at
+        once: a free slot and no call waiting. Passing it over would recompute the whole
+        conversation elsewhere, on every call, where the bound's purpose, spreading a shared
+        prefix, copies that prefix once; the bound still places new tasks.
+        """
+        return (
+            self._keeps_conversation
+            and holder.rid == previous
+            and holder.waiting == 0
+            and holder.load < slots
+        )
 
     def _within_bound(
         self,

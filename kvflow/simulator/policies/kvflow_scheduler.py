@@ -66,6 +66,7 @@ LEVERS = {
     "task_admission": False,
     "running_first": False,
     "late_headroom": False,
+    "keep_conversation": True,
 }
 """kvflow's task-aware levers beyond the scheduler's axes, each a `PolicySetup.extra` switch,
 with its default; `kvflow bench policies --ablate` runs kvflow with each flipped in turn:
@@ -110,7 +111,14 @@ with its default; `kvflow bench policies --ablate` runs kvflow with each flipped
   that have spent (sunk cost); where off, every call by its own tier. Off by default: with
   tier headroom on overload at 1.5× (seeds 0–2) it cut the mean model time from 34.0 s to
   22.8 s but let tier 1's steps slow again: tier-1 SLO 97.3% against 99.3%, wasted share
-  0.87% against 0.14% (most calls belong to running tasks, so few wait at all)."""
+  0.87% against 0.14% (most calls belong to running tasks, so few wait at all);
+- `keep_conversation`: a call stays on its workflow's previous replica past the affinity
+  load bound while that engine has a free slot and no call waiting
+  (`PrefixConfig.affinity_keeps_conversation`); where off, the bound passes over any prefix
+  holder above 1.25× the mean load, the conversation's own replica included, and the call
+  recomputes its whole conversation elsewhere. On by default: on the agent workload at 0.8×
+  (seeds 0–2) the bound moved 3–5% of conversations' calls, and keeping them cut kvflow's
+  cost per successful task by 3–4%."""
 TIER_HEADROOM = (4.0, 2.0, 0.05, 0.04, 0.03)
 """`admission.saturation_by_tier` for the benchmark's fleet (256 slots per replica): tier 3
 waits above about 13 calls per replica, tier 4 above 10, tier 5 above 8, where a burst's
@@ -139,6 +147,10 @@ class KvflowPolicy:
             base = config or SchedulerConfig()
             admission = base.admission.model_copy(update={"running_task_tiers": 1})
             config = base.model_copy(update={"admission": admission})
+        if not setup.extra.get("keep_conversation", LEVERS["keep_conversation"]):
+            base = config or SchedulerConfig()
+            prefix = base.prefix.model_copy(update={"affinity_keeps_conversation": False})
+            config = base.model_copy(update={"prefix": prefix})
         task_admission = bool(setup.extra.get("task_admission", LEVERS["task_admission"]))
         if task_admission != (config or SchedulerConfig()).latency.task_admission:
             base = config or SchedulerConfig()
