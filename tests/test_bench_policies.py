@@ -5,6 +5,7 @@ The goals' thresholds are the benchmark's to report; nothing here asserts them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -40,6 +41,7 @@ from kvflow.bench.policies.task_runner import Outcome, TaskRunner
 from kvflow.scheduler.blocks import ROOT_HASH, hash_block
 from kvflow.scheduler.config import DEFAULT_AXES, REQUIRED_AXIS
 from kvflow.simulator.policies import POLICIES, PolicySetup
+from kvflow.simulator.policies.base import TaskContext
 from kvflow.simulator.policies.kvflow_scheduler import LEVERS
 from kvflow.simulator.policies.oracle import GREEDY_REFERENCE
 from kvflow.simulator.workloads import WORKLOADS, Call, Step, Task, Workload
@@ -399,6 +401,33 @@ def test_near_capacity_the_batching_bound_is_below_every_policy_and_above_the_id
         assert figures(run.outcome, 0.0).mean_model_s >= bound.mean_model_s, policy
     # Beyond what the replicas' whole time can serve there is no bound to give.
     assert batching_bound(arrivals, fleet, spec, task_rate=rate * 10, counted=counted) is None
+
+
+def test_kvflow_keeps_a_conversation_on_its_replica_and_recomputes_less() -> None:
+    # The agent workload near the load where the affinity bound starts passing over busy
+    # prefix holders. With `keep_conversation` off, calls that continue a conversation move
+    # to another replica and recompute it there; with it, they stay.
+    spec, fleet = WORKLOADS["agent"], bench_fleet("agent", 4)
+    previous = [f.name for f in dataclasses.fields(TaskContext)].index("previous_replica")
+    moved: dict[bool, int] = {}
+    hit: dict[bool, float] = {}
+    for keep in (True, False):
+        run = run_policy(
+            "kvflow", spec=spec, fleet=fleet, task_rate=3.37, seed=0, tasks=300,
+            record_decisions=True, extra={"keep_conversation": keep},
+        )  # fmt: skip
+        assert run.runner.decisions is not None
+        continuing = [
+            d
+            for d in run.runner.decisions
+            if d.replica is not None and d.context[previous] is not None
+        ]
+        assert len(continuing) > 1000, "too few conversations continued: the test proves nothing"
+        moved[keep] = sum(d.context[previous] != d.replica for d in continuing)
+        hit[keep] = figures(run.outcome, 0.0).prefix_hit_rate
+    assert moved[False] > 50
+    assert moved[True] < moved[False] / 10
+    assert hit[True] > hit[False]
 
 
 def test_ablation_runs_kvflow_once_without_each_axis_but_the_required_one_and_each_lever() -> None:

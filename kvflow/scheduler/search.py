@@ -181,13 +181,11 @@ class Search:
             return chosen, False
         if cache_hit:
             holder = self._replicas[chosen.rid]
-            slots = holder.pool.max_concurrency
-            if (
-                not chosen.cold_load_s
-                and holder.load > self.affinity_capacity(view, slots)
-                and not self.keeps_conversation(holder, decision.previous, slots)
+            bound = self.affinity_capacity(view, holder.pool.max_concurrency)
+            if not chosen.cold_load_s and not self.may_win_on_cache(
+                holder, bound, decision.previous
             ):
-                chosen = self._within_bound(view, best, evaluated, consider)
+                chosen = self._within_bound(view, best, evaluated, consider, decision.previous)
             return chosen, False
         return self._rendezvous(decision, view, chosen, consider)
 
@@ -202,19 +200,22 @@ class Search:
         bound = math.ceil(self._affinity_load_factor * (view.load + 1) * slots / max(1, view.slots))
         return bound if bound > self._affinity_min_load else self._affinity_min_load
 
-    def keeps_conversation(self, holder: ReplicaState, previous: int, slots: int) -> bool:
-        """Whether the workflow's previous replica keeps the call past the affinity bound.
+    def may_win_on_cache(self, state: ReplicaState, bound: int, previous: int) -> bool:
+        """Whether the replica may win a call on its cache past the affinity load bound.
 
-        It does (`affinity_keeps_conversation`) while its engine would start the call at
-        once: a free slot and no call waiting. Passing it over would recompute the whole
-        conversation elsewhere, on every call, where the bound's purpose, spreading a shared
-        prefix, copies that prefix once; the bound still places new tasks.
+        It may with at most `bound` calls, or as the workflow's previous replica while its
+        engine would start the call at once: a free slot, no call waiting
+        (`affinity_keeps_conversation`). Passing the conversation's replica over would
+        recompute the whole conversation elsewhere, on every call, where the bound's purpose,
+        spreading a shared prefix, copies that prefix once; the bound still places new tasks.
         """
+        if state.load <= bound:
+            return True
         return (
             self._keeps_conversation
-            and holder.rid == previous
-            and holder.waiting == 0
-            and holder.load < slots
+            and state.rid == previous
+            and state.waiting == 0
+            and state.load < state.pool.max_concurrency
         )
 
     def _within_bound(
@@ -223,6 +224,7 @@ class Search:
         best: list[Estimate],
         evaluated: Verdicts,
         consider: Callable[[int], Estimate | Filter],
+        previous: int,
     ) -> Estimate:
         """The lowest objective among warm replicas within their bound; else the best found.
 
@@ -250,7 +252,7 @@ class Search:
             if (
                 isinstance(verdict, Estimate)
                 and not verdict.cold_load_s
-                and state.load <= capacity.get(state.pool_position, 0)
+                and self.may_win_on_cache(state, capacity.get(state.pool_position, 0), previous)
                 and (found is None or verdict.objective < found.objective)
             ):
                 found = verdict

@@ -40,6 +40,7 @@ sends every call first come, first served, as the routers' calls are.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from kvflow.scheduler.blocks import ROOT_HASH
 from kvflow.scheduler.config import SchedulerConfig
@@ -126,6 +127,36 @@ prefills start to stretch a tier-1 step past its 6 s. A deployment sets its own 
 batch at which its tier-1 steps slow; `--ablate` shows what the setting trades."""
 
 
+def lever_config(config: SchedulerConfig, extra: Mapping[str, object]) -> SchedulerConfig:
+    """`config` with the fields the levers of `LEVERS` set, each as `extra` switches it.
+
+    A lever not in `extra` takes its default; the levers decide those fields whatever
+    `config` held.
+    """
+
+    def on(lever: str) -> bool:
+        return bool(extra.get(lever, LEVERS[lever]))
+
+    admission: dict[str, object] = {}
+    if on("tier_headroom"):
+        admission["saturation_by_tier"] = TIER_HEADROOM
+    if on("late_headroom"):
+        admission["headroom_by_tier"] = TIER_HEADROOM
+    if on("running_first"):
+        admission["running_task_tiers"] = 1
+    sections: dict[str, dict[str, object]] = {
+        "admission": admission,
+        "latency": {"task_admission": on("task_admission")},
+        "prefix": {"affinity_keeps_conversation": on("keep_conversation")},
+    }
+    return config.model_copy(
+        update={
+            name: getattr(config, name).model_copy(update=fields)
+            for name, fields in sections.items()
+        }
+    )
+
+
 class KvflowPolicy:
     """kvflow's `Scheduler` behind the placement interface (module docstring)."""
 
@@ -135,27 +166,7 @@ class KvflowPolicy:
         config = setup.extra.get("scheduler_config")
         if config is not None and not isinstance(config, SchedulerConfig):
             raise TypeError("scheduler_config must be a SchedulerConfig")
-        if setup.extra.get("tier_headroom", LEVERS["tier_headroom"]):
-            base = config or SchedulerConfig()
-            admission = base.admission.model_copy(update={"saturation_by_tier": TIER_HEADROOM})
-            config = base.model_copy(update={"admission": admission})
-        if setup.extra.get("late_headroom", LEVERS["late_headroom"]):
-            base = config or SchedulerConfig()
-            admission = base.admission.model_copy(update={"headroom_by_tier": TIER_HEADROOM})
-            config = base.model_copy(update={"admission": admission})
-        if setup.extra.get("running_first", LEVERS["running_first"]):
-            base = config or SchedulerConfig()
-            admission = base.admission.model_copy(update={"running_task_tiers": 1})
-            config = base.model_copy(update={"admission": admission})
-        if not setup.extra.get("keep_conversation", LEVERS["keep_conversation"]):
-            base = config or SchedulerConfig()
-            prefix = base.prefix.model_copy(update={"affinity_keeps_conversation": False})
-            config = base.model_copy(update={"prefix": prefix})
-        task_admission = bool(setup.extra.get("task_admission", LEVERS["task_admission"]))
-        if task_admission != (config or SchedulerConfig()).latency.task_admission:
-            base = config or SchedulerConfig()
-            latency = base.latency.model_copy(update={"task_admission": task_admission})
-            config = base.model_copy(update={"latency": latency})
+        config = lever_config(config or SchedulerConfig(), setup.extra)
         self.scheduler = Scheduler(setup.fleet, config, clock=setup.clock)
         self.clock = setup.clock
         self.names = setup.replica_names
