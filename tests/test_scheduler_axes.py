@@ -224,6 +224,24 @@ def test_a_cold_load_reads_the_weights_and_starts_the_engine() -> None:
     assert blocks == int((141e9 * 0.9 - 16e9) / (EIGHT_B.kv_bytes_per_token() * 16))
 
 
+def test_the_kv_usage_weight_is_the_caches_bytes_over_the_weights_bytes() -> None:
+    warm = WarmWeights(SpeedConfig(), MemoryConfig())
+    h100, h200, l4 = (pool(g) for g in (GpuGeneration.H100, GpuGeneration.H200, GpuGeneration.L4))
+    # A full cache adds its bytes to every decode step's reads of the weights.
+    assert warm.kv_read_ratio(h100, [EIGHT_B]) == pytest.approx((80e9 * 0.9 - 16e9) / 16e9)
+    assert warm.kv_read_ratio(h200, [EIGHT_B]) == pytest.approx((141e9 * 0.9 - 16e9) / 16e9)
+    assert warm.kv_read_ratio(l4, [EIGHT_B]) == pytest.approx((24e9 * 0.9 - 16e9) / 16e9)
+    # A second model's weights take cache space; the step reads the larger one's weights.
+    small = EIGHT_B.model_copy(update={"name": "small", "parameters_b": 1.0})
+    assert warm.kv_read_ratio(h200, [EIGHT_B, small]) == pytest.approx((141e9 * 0.9 - 18e9) / 16e9)
+    assert warm.kv_read_ratio(l4, [SEVENTY_B]) == 0.0  # weights beyond the memory: no cache
+    derived = MemoryHeadroom(MemoryConfig(), WeightsConfig(), pool_weights=(3.5, 0.35))
+    assert derived.penalty(0.4, 0) == pytest.approx(1.4)
+    assert derived.penalty(0.4, 1) == pytest.approx(0.14)
+    fixed = MemoryHeadroom(MemoryConfig(), WeightsConfig(kv_usage=0.5), pool_weights=(3.5, 0.35))
+    assert fixed.penalty(0.4, 0) == fixed.penalty(0.4, 1) == pytest.approx(0.2)
+
+
 # ----------------------------------------------------------------------------- tenant priority
 
 

@@ -399,6 +399,32 @@ def test_a_replica_whose_kv_cache_is_full_is_passed_over() -> None:
     assert second.replica != first.replica
 
 
+@pytest.mark.parametrize(
+    ("weights", "expected"),
+    [(WeightsConfig(), "h200/0"), (WeightsConfig(kv_usage=0.5), "h200/1")],
+    ids=["derived", "fixed-0.5"],
+)
+def test_a_replica_whose_running_calls_hold_more_kv_is_the_slower_choice(
+    weights: WeightsConfig, expected: str
+) -> None:
+    # h200/0 runs 20 short calls (10 % of its cache), h200/1 four long ones (30 %). A decode
+    # step reads the weights once and every running call's KV: on an H200 serving the 8B
+    # (and the 1B) the cache holds 6.8× the weights' bytes, so h200/1's steps read
+    # 1 + 6.8 · 0.3 = 3.0× an idle replica's bytes against h200/0's 1.7×. The derived
+    # weight sends the call to h200/0; the fixed 0.5 counts calls and sends it to h200/1.
+    fleet = make_fleet()
+    fleet = fleet.model_copy(update={"pools": fleet.pools[:1]})
+    scheduler = make_scheduler(fleet, SchedulerConfig(weights=weights))
+    for name, running, usage in (("h200/0", 20, 0.1), ("h200/1", 4, 0.3)):
+        scheduler.update_metrics(
+            name,
+            ReplicaMetrics(
+                kv_cache_usage=usage, running=running, num_gpu_blocks=50_000, block_size=16
+            ),
+        )
+    assert placed(scheduler.place(request(prompt(13, 2000)))).replica == expected
+
+
 def test_every_replica_full_is_a_saturated_refusal_with_a_retry_after() -> None:
     scheduler = make_scheduler()
     for name in scheduler.replica_names():
@@ -761,13 +787,14 @@ def test_observed_slow_calls_raise_the_replicas_estimates() -> None:
 
 
 def same_telemetry(*schedulers: Scheduler) -> None:
+    # Calls of about 2k tokens each: 0.25 % of a 30,000-block cache apiece.
     loads = {"h200/0": 5, "h200/1": 9, "h100/0": 2, "h100/1": 7, "l4/0": 1, "l4/1": 3}
     for scheduler in schedulers:
         for name, running in loads.items():
             scheduler.update_metrics(
                 name,
                 ReplicaMetrics(
-                    kv_cache_usage=running / 20,
+                    kv_cache_usage=running / 400,
                     running=running,
                     waiting=0,
                     block_size=16,
@@ -916,7 +943,7 @@ def test_two_schedulers_fed_the_same_telemetry_agree_on_new_prefixes() -> None:
     assert on_a == on_b
     # Rendezvous spreads new prefixes over the replicas that are about as good (the H100s are
     # 10 % cheaper than the H200s, within the tolerance) instead of piling them on one; the
-    # busiest, h200/1 (9 running, 45 % of its cache used), is outside the tolerance.
+    # busiest, h200/1 (9 running, 2.25 % of its cache used), is outside the tolerance.
     assert set(on_a.values()) == {"h200/0", "h100/0", "h100/1"}
 
 

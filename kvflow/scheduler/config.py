@@ -77,11 +77,19 @@ class WeightsConfig(_Config):
 
     A replica's objective is multiplied by `(1 + queue · load fraction)`,
     `(1 + kv_usage · KV-cache usage)` and `(1 + cold_start)` when it must load the model; the
-    workflow's previous replica is multiplied by `(1 − sticky)`.
+    workflow's previous replica is multiplied by `(1 − sticky)`. Unset, `kv_usage` is derived
+    per pool (`MemoryHeadroom` in `kvflow.scheduler.axes`).
     """
 
     queue: float = Field(default=0.5, ge=0, description="weight of running+waiting / slots")
-    kv_usage: float = Field(default=0.5, ge=0, description="weight of KV-cache usage (0..1)")
+    kv_usage: float | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "weight of KV-cache usage (0..1); unset, each pool's KV-cache bytes over its "
+            "model's weight bytes (what a full cache adds to a decode step's reads)"
+        ),
+    )
     cold_start: float = Field(default=1.0, ge=0, description="penalty for loading weights")
     sticky: float = Field(
         default=0.1, ge=0, lt=1, description="discount for the workflow's previous replica"
