@@ -14,7 +14,13 @@ from pydantic import TypeAdapter, ValidationError
 
 from kvflow.scheduler.axes import WorkflowContext
 from kvflow.scheduler.blocks import block_hashes
-from kvflow.scheduler.config import AdmissionConfig, PrefixConfig, SchedulerConfig, WeightsConfig
+from kvflow.scheduler.config import (
+    AdmissionConfig,
+    MemoryConfig,
+    PrefixConfig,
+    SchedulerConfig,
+    WeightsConfig,
+)
 from kvflow.scheduler.core import Scheduler
 from kvflow.scheduler.decision import Estimate
 from kvflow.scheduler.fleet import Fleet, task_queue_for
@@ -399,6 +405,33 @@ def test_a_replica_whose_kv_cache_is_full_is_passed_over() -> None:
     assert second.replica != first.replica
 
 
+def test_a_call_for_full_caches_is_placed_once_it_has_waited_max_wait_s() -> None:
+    def scheduler_with_full_caches(max_wait_s: float | None) -> Scheduler:
+        config = SchedulerConfig(memory=MemoryConfig(max_wait_s=max_wait_s))
+        scheduler = make_scheduler(config=config)
+        for name in scheduler.replica_names():
+            scheduler.update_metrics(
+                name, ReplicaMetrics(kv_cache_usage=0.97, num_gpu_blocks=1000, block_size=16)
+            )
+        return scheduler
+
+    tokens = prompt(14, 2000)
+    # By default at once: the engine queues it until blocks free.
+    assert placed(scheduler_with_full_caches(MemoryConfig().max_wait_s).place(request(tokens)))
+    # Still within its wait: refused, to come back when blocks free.
+    refusal = refused(scheduler_with_full_caches(10.0).place(request(tokens, queued_s=9.5)))
+    assert refusal.reason is RefusalReason.SATURATED and refusal.retry_after_s == 2.0
+    # Past it: placed, and its engine queues it until blocks free, rather than the call
+    # retrying while smaller calls take each freed block first.
+    assert placed(scheduler_with_full_caches(10.0).place(request(tokens, queued_s=10.0)))
+    # Without a bound it waits for room however long it has waited.
+    late = request(tokens, queued_s=3600.0)
+    assert refused(scheduler_with_full_caches(None).place(late)).reason is RefusalReason.SATURATED
+    # A call no cache could hold even empty is never placed.
+    huge = request(prompt(15, 20_000), queued_s=3600.0)
+    refused(scheduler_with_full_caches(10.0).place(huge))
+
+
 @pytest.mark.parametrize(
     ("weights", "expected"),
     [(WeightsConfig(), "h200/0"), (WeightsConfig(kv_usage=0.5), "h200/1")],
@@ -426,7 +459,7 @@ def test_a_replica_whose_running_calls_hold_more_kv_is_the_slower_choice(
 
 
 def test_every_replica_full_is_a_saturated_refusal_with_a_retry_after() -> None:
-    scheduler = make_scheduler()
+    scheduler = make_scheduler(config=SchedulerConfig(memory=MemoryConfig(max_wait_s=None)))
     for name in scheduler.replica_names():
         scheduler.update_metrics(
             name, ReplicaMetrics(kv_cache_usage=0.97, num_gpu_blocks=1000, block_size=16)

@@ -451,7 +451,9 @@ class MemoryHeadroom(Axis):
 
     need blocks = ⌈(prompt + output) / block size⌉ − cached blocks
     free blocks = total blocks · (1 − usage) − reserve_fraction · total blocks
-    admits iff need ≤ free (always, before the cache size is known)
+    admits iff need ≤ free (always, before the cache size is known),
+               or the call has waited ≥ memory.max_wait_s (`queued_s`) and the cache would
+               hold it empty
     penalty = weight · usage, where weight = weights.kv_usage if set, else the pool's
               KV-cache bytes / weight bytes (`WarmWeights.kv_read_ratio`)
 
@@ -461,6 +463,16 @@ class MemoryHeadroom(Axis):
     6.9 on an H200, 0.35 on an L4. Usage is the cache held by running calls (vLLM counts
     cached blocks that no call holds as free), so a replica is penalised for the batch that
     slows each step, not for the prefixes it keeps.
+
+    Why a call is not held back because every cache is full (`memory.max_wait_s` 0): under
+    overload the caches stay full, and a call held at the router waits out its retry-after
+    while the engine frees and refills blocks; long-agent steps are due within 15–120 s.
+    Long-agent at 2× capacity (seeds 0–4): refusing until a call fits made 1,863 refusals a
+    run, a TTFT p99 of 503 s and 52% of tier-1 tasks in time at $0.2534 a successful task,
+    10 s of wait at most $0.2560, and placing at once 79% at $0.2247 (llm-d-precise 87%,
+    $0.2218); every other workload is unchanged within 0.4% (there caches have room). An
+    engine's own queue admits its waiting calls as blocks free, in its order (priority, then
+    arrival), and the KV-usage penalty still steers calls to the emptier caches.
     """
 
     def __init__(
@@ -471,6 +483,7 @@ class MemoryHeadroom(Axis):
         pool_weights: tuple[float, ...] = (),
     ) -> None:
         self._reserve = config.reserve_fraction
+        self._max_wait_s = math.inf if config.max_wait_s is None else config.max_wait_s
         self._weight = weights.kv_usage
         self._pool_weights = pool_weights
         """Per pool, in fleet order: the derived weight, used where `weights.kv_usage` is
@@ -542,7 +555,9 @@ class MemoryHeadroom(Axis):
         )
         if not self.fits(need, state.max_blocks):
             return Filter.TOO_SMALL
-        if not self.admits(need, state.free_blocks):
+        if not self.admits(need, state.free_blocks) and (
+            decision.request.queued_s < self._max_wait_s
+        ):
             return Filter.MEMORY
         return None
 

@@ -119,6 +119,16 @@ class MemoryConfig(_Config):
     saturated_retry_after_s: float = Field(
         default=2.0, gt=0, description="retry-after of a refusal because every cache is full"
     )
+    max_wait_s: float | None = Field(
+        default=0.0,
+        ge=0,
+        description=(
+            "how long a call waits for a replica with free KV blocks (`PlacementRequest."
+            "queued_s`, refused with `saturated_retry_after_s` meanwhile) before it is placed "
+            "on one whose cache would hold it empty, where its engine queues it until blocks "
+            "free, in the engine's own order. 0: at once; None: refused until it fits"
+        ),
+    )
 
 
 class LatencyConfig(_Config):
