@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from temporalio import activity, workflow
+from temporalio.api.workflowservice.v1 import GetSystemInfoRequest
 from temporalio.client import Client
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.worker import Worker
@@ -81,6 +82,17 @@ async def test_embedded_server_runs_a_workflow_and_stops_without_leftovers(tmp_p
     # The ports are free again: a second server could take them.
     server.start()
     server.stop()
+
+
+@pytest.mark.timeout(120)
+async def test_a_headless_server_is_started_once_its_frontend_serves(tmp_path: Path):
+    # Its gRPC port accepts connections a moment before the frontend serves them, and a
+    # client connecting then fails ("Frontend is not healthy yet"); headless there is no UI
+    # to probe, so the server's HTTP API is, and a client connects as soon as start returns.
+    with EmbeddedTemporal(port=free_port(), ui_port=None, state_dir=tmp_path) as server:
+        assert "--http-port" in server.command()
+        client = await asyncio.wait_for(Client.connect(server.address), timeout=10)
+        assert await client.workflow_service.get_system_info(GetSystemInfoRequest())
 
 
 def test_second_server_on_a_taken_port_names_the_flag(tmp_path: Path):

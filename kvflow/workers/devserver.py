@@ -203,6 +203,8 @@ class EmbeddedTemporal:
         self.log_path = state_dir / "temporal.log"
         self.startup_timeout_s = startup_timeout_s
         self._process: subprocess.Popen[bytes] | None = None
+        self._http_port: int | None = None
+        """Headless, the HTTP API's port, probed for readiness (the UI's proxy is not there)."""
 
     @property
     def address(self) -> str:
@@ -233,6 +235,8 @@ class EmbeddedTemporal:
             "warn",
         ]
         cmd += ["--ui-port", str(self.ui_port)] if self.ui_port else ["--headless"]
+        if self._http_port:
+            cmd += ["--http-port", str(self._http_port)]
         if self.ui_port and self.codec_endpoint:
             cmd += ["--ui-codec-endpoint", self.codec_endpoint]
         if self.db_path:
@@ -264,6 +268,7 @@ class EmbeddedTemporal:
             self._launch()
 
     def _launch(self) -> None:
+        self._http_port = None if self.ui_port else free_port()
         cmd = self.command()
         log.info("starting Temporal dev server: %s", " ".join(cmd))
         with self.log_path.open("ab") as log_file:
@@ -304,11 +309,17 @@ class EmbeddedTemporal:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
                 pass
+            # The UI, or headless the HTTP API, proxies this to the frontend, so a 200 means
+            # the frontend serves: its gRPC port accepts connections a moment before it does
+            # ("Frontend is not healthy yet" to a client that connects then).
             if self.ui_url:
-                # The UI proxies this to the frontend, so a 200 means both are serving.
-                response = httpx.get(f"{self.ui_url}/api/v1/namespaces", timeout=1.0)
-                return response.status_code == 200
-            return True
+                base = self.ui_url
+            elif self._http_port:
+                base = f"http://127.0.0.1:{self._http_port}"
+            else:
+                return True
+            response = httpx.get(f"{base}/api/v1/namespaces", timeout=1.0)
+            return response.status_code == 200
         except (OSError, httpx.HTTPError):
             return False
 
