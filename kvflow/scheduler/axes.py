@@ -438,16 +438,15 @@ class QueueLoad(Axis):
         return self.evaluate(state, decision, estimate)
 
 
-DEFAULT_KV_USAGE_WEIGHT = 0.5
-"""The KV-usage weight of a `MemoryHeadroom` built without its fleet's pools."""
-
-
 class MemoryHeadroom(Axis):
-    """KV-cache headroom: filter replicas where a request would preempt others.
+    """KV-cache headroom: a penalty for the KV running calls hold; calls that cannot fit.
 
     Inputs: `vllm:kv_cache_usage_perc`, the cache size and block size, the cached tokens.
-    Config: `memory.reserve_fraction`, `weights.kv_usage`, `prefix.block_size`.
-    Filters: `too_small`, `memory`; penalty: 1 + weight · usage.
+    Config: `memory.reserve_fraction`, `memory.max_wait_s`, `weights.kv_usage`,
+    `prefix.block_size`.
+    Filters: `too_small` (the call would not fit the whole cache); `memory` (not its free
+    part) only while the call has waited less than `memory.max_wait_s`, so never at the
+    default 0; penalty: 1 + weight · usage.
 
     need blocks = ⌈(prompt + output) / block size⌉ − cached blocks
     free blocks = total blocks · (1 − usage) − reserve_fraction · total blocks
@@ -487,7 +486,7 @@ class MemoryHeadroom(Axis):
         self._weight = weights.kv_usage
         self._pool_weights = pool_weights
         """Per pool, in fleet order: the derived weight, used where `weights.kv_usage` is
-        unset."""
+        unset (then one per pool is needed)."""
         self._block_size = block_size
         """Tokens per block when the replica has not said its own."""
 
@@ -527,9 +526,7 @@ class MemoryHeadroom(Axis):
         """The KV-usage weight on the pool at `pool_position` (class docstring)."""
         if self._weight is not None:
             return self._weight
-        if pool_position < len(self._pool_weights):
-            return self._pool_weights[pool_position]
-        return DEFAULT_KV_USAGE_WEIGHT
+        return self._pool_weights[pool_position]
 
     def penalty(self, usage: float, pool_position: int = 0) -> float:
         """The pool's weight · usage."""
@@ -544,7 +541,10 @@ class MemoryHeadroom(Axis):
     def evaluate(
         self, state: ReplicaState, decision: Decision, estimate: Estimate
     ) -> Filter | None:
-        """`too_small` if the call cannot fit the whole cache, `memory` if not its free part."""
+        """`too_small` if the call cannot fit the whole cache, `memory` if not its free part.
+
+        `memory` only while the call has waited less than `memory.max_wait_s`.
+        """
         if state.num_gpu_blocks is None:
             return None
         need = self.blocks_needed(
@@ -555,8 +555,8 @@ class MemoryHeadroom(Axis):
         )
         if not self.fits(need, state.max_blocks):
             return Filter.TOO_SMALL
-        if not self.admits(need, state.free_blocks) and (
-            decision.request.queued_s < self._max_wait_s
+        if decision.request.queued_s < self._max_wait_s and not self.admits(
+            need, state.free_blocks
         ):
             return Filter.MEMORY
         return None
@@ -954,9 +954,12 @@ def kv_capacity_blocks(
 
 
 def _served_models(fleet: Fleet, pool: Pool) -> list[ModelSpec]:
-    """The models whose weights a replica of `pool` holds: its warm models."""
+    """The models whose weights a replica of `pool` holds: its warm models.
+
+    At least one, each a fleet model: `Fleet` checks both.
+    """
     names = set(pool.warm_models)
-    return [m for m in fleet.models if m.name in names] or list(fleet.models[:1])
+    return [m for m in fleet.models if m.name in names]
 
 
 def configured_axes(fleet: Fleet, config: SchedulerConfig) -> list[Axis]:
