@@ -738,6 +738,12 @@ def _tier1_goal(result: WorkloadResult, target: float) -> Goal | None:
         return None
     ceiling = _ceiling_mean(result, lambda c: c.by_tier.get("1", 1.0))
     bound = "" if ceiling is None else f"; bound: an idle fleet finishes {ceiling:.1%} of them"
+    # What the anchors keep under the same load: where none reaches the goal either, the load
+    # (a burst's prefills beside tier 1's steps), not kvflow's placement, is what misses it.
+    kept = {a: i.mean for a in anchors(result.summaries) if (i := result.summaries[a].slo.get("1"))}
+    if kept:
+        best = max(kept, key=lambda a: kept[a])
+        bound += f"; the best anchor keeps {kept[best]:.1%} ({best})"
     return Goal(
         f"tier-1 SLO attainment ≥ {target:.0%} at {result.load:.0%} of capacity",
         kvflow.mean >= target,
@@ -770,11 +776,26 @@ def _floor_goal(result: WorkloadResult, target: float) -> Goal | None:
     if floor is None or not ours:
         return None
     ratio = ours / float(floor)
+    detail = (
+        f"{ratio:.3f}× the floor (the floor is the bound: every call finds cached all that an "
+        "earlier call computed)"
+    )
+    capacity = result.capacity_floor_cost()
+    if capacity is not None and capacity > floor:
+        detail += (
+            f"; with the fleet's KV cache no policy that cannot see how long a tool will run "
+            f"goes below {float(capacity / floor):.3f}× it (the KV-capacity floor)"
+        )
+    best = _best(result, "cost_per_successful_task_usd", low=True)
+    theirs = None if best is None else result.summaries[best].mean("cost_per_successful_task_usd")
+    if best is not None and theirs:
+        # Level with the best anchor, the rest of the gap is the engines' eviction order, which
+        # no placement changes (benchmarks/README.md: task-end, larger caches, the oracle).
+        detail += f"; the best anchor is at {theirs / float(floor):.3f}× ({best})"
     return Goal(
         f"cost per successful task within {target - 1:.0%} of the zero-miss floor",
         ratio <= target,
-        f"{ratio:.3f}× the floor (the floor is the bound: every call finds cached all that an "
-        "earlier call computed)",
+        detail,
     )
 
 
