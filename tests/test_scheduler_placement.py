@@ -458,6 +458,42 @@ def test_a_replica_whose_running_calls_hold_more_kv_is_the_slower_choice(
     assert placed(scheduler.place(request(prompt(13, 2000)))).replica == expected
 
 
+@pytest.mark.parametrize("count_shared_reads", [True, False], ids=["per-call", "usage-only"])
+def test_calls_that_share_a_cached_prompt_read_it_once_each(count_shared_reads: bool) -> None:
+    # vLLM counts a block that many running calls share once in its usage, but each call's
+    # decode steps read it. 24 calls on one 8k-token system prompt run on h200/0: its scraped
+    # usage stays at 5 %, as h200/1's, while its steps read 24 · 8.2k tokens (25 % of its
+    # cache), 2.0× h200/1's bytes a step (the weight 6.8, as above). New, unrelated calls
+    # then go to h200/1; counting usage alone, rendezvous hashing splits them between two
+    # replicas that look alike.
+    fleet = make_fleet()
+    fleet = fleet.model_copy(update={"pools": fleet.pools[:1]})
+    config = SchedulerConfig(memory=MemoryConfig(count_shared_reads=count_shared_reads))
+    scheduler = make_scheduler(fleet, config)
+    for name in ("h200/0", "h200/1"):
+        scheduler.update_metrics(
+            name, ReplicaMetrics(kv_cache_usage=0.05, running=0, num_gpu_blocks=50_000)
+        )
+    system = prompt(1, 8000)
+    for call in range(24):
+        tokens = system + prompt(100 + call, 200)
+        chosen = scheduler.place(request(tokens, workflow_id=f"hot-{call}", exclude=["h200/1"]))
+        assert placed(chosen).replica == "h200/0"
+
+    def new_calls(first: int) -> set[str]:
+        return {
+            placed(scheduler.place(request(prompt(n, 1000), workflow_id=f"new-{n}"))).replica
+            for n in range(first, first + 12)
+        }
+
+    assert new_calls(500) == ({"h200/1"} if count_shared_reads else {"h200/0", "h200/1"})
+    # Once the 24 have ended, h200/0 takes new calls again.
+    for replica, calls in (("h200/0", 24), ("h200/1", 12)):
+        for _ in range(calls):
+            scheduler.observe(Observation(replica=replica, model=BIG, tenant="acme", ok=True))
+    assert "h200/0" in new_calls(600)
+
+
 def test_every_replica_full_is_a_saturated_refusal_with_a_retry_after() -> None:
     scheduler = make_scheduler(config=SchedulerConfig(memory=MemoryConfig(max_wait_s=None)))
     for name in scheduler.replica_names():

@@ -129,6 +129,14 @@ class MemoryConfig(_Config):
             "free, in the engine's own order. 0: at once; None: refused until it fits"
         ),
     )
+    count_shared_reads: bool = Field(
+        default=True,
+        description=(
+            "weigh the KV that this scheduler's calls in flight read, each call its whole "
+            "context, where it exceeds the cache's usage (which counts a block many calls "
+            "share once): a decode step reads a shared block once per call"
+        ),
+    )
 
 
 class LatencyConfig(_Config):

@@ -103,6 +103,7 @@ class _Booking:
         "retry",
         "rid",
         "tenant",
+        "tokens",
         "workflow_id",
     )
 
@@ -117,6 +118,7 @@ class _Booking:
         retry: bool,
         probe: bool,
         now: float,
+        tokens: int,
     ) -> None:
         self.rid = rid
         self.model = model
@@ -127,6 +129,8 @@ class _Booking:
         self.retry = retry
         self.probe = probe
         self.now = now
+        self.tokens = tokens
+        """Prompt + expected output: the KV the call's decode steps will read."""
 
 
 class Scheduler:
@@ -300,7 +304,12 @@ class Scheduler:
             self._settle()
             now = self._clock()
             state = self._state(observation.replica)
-            state.inflight = max(0, state.inflight - 1)
+            if state.inflight:
+                # An observation does not say which placement it ends, and the engine counts
+                # tokens its own way: the call takes the mean of the calls in flight with it,
+                # so that the sum cannot drift on a replica that is never idle.
+                state.inflight_tokens -= state.inflight_tokens // state.inflight
+                state.inflight -= 1
             if observation.ok or (
                 observation.replica_fault and not observation.control_plane_fault
             ):
@@ -576,6 +585,7 @@ class Scheduler:
                 state.breaker.start_probe(booking.now)
             state.placed_since_scrape += 1
             state.inflight += 1
+            state.inflight_tokens += booking.tokens
             self.indexes[booking.model].record_placement(
                 booking.rid, booking.block_hashes, booking.now, held_depth=booking.held_depth
             )
@@ -706,6 +716,7 @@ class Scheduler:
                 ctx.request.attempt > 1 and not ctx.request.after_control_plane_fault,
                 probe,
                 ctx.now,
+                ctx.prompt + ctx.output,
             )
         )
         self.policy.finish(state, ctx, chosen)

@@ -104,9 +104,9 @@ class Decision:
         """The replica id of the workflow's previous call, or -1."""
         self.prompt = prompt
         self.output = output
+        """The output estimate for time and cost; `request.max_output_tokens` is the bound."""
         self.max_output = output
         """The request's `max_output_tokens`: the bound memory and context checks hold to."""
-        """The output estimate for time and cost; `request.max_output_tokens` is the bound."""
         self.output_model = ""
         """The model `output` was estimated for (`GpuGenerationAxis.expected_output`)."""
         self.spent = spent

@@ -52,6 +52,8 @@ class ReplicaState:
     metrics_at: float | None = None
     placed_since_scrape: int = 0
     inflight: int = 0
+    inflight_tokens: int = 0
+    """Prompt + expected output tokens of the `inflight` calls: the KV their steps read."""
     service_s: float | None = None
     """EWMA of whole-call durations on this replica."""
     # Request-independent terms the axes derive from telemetry (`Axis.refresh`), computed once
@@ -70,6 +72,9 @@ class ReplicaState:
     """penalty / p_static: the objective of a call costing 1 µ$ with no deadline."""
     max_blocks: float | None = None
     """The most KV blocks one request may take; None before the cache size is known."""
+    read_factor: float = 1.0
+    """(1 + w · KV read) / (1 + w · KV usage): what the KV-usage penalty misses of the KV
+    that running calls read, counting a block many calls share once per call."""
     decode_slowdown: float = 1.0
     """Factor on time per output token at the replica's current load."""
     loadable: frozenset[str] = frozenset()
