@@ -6,6 +6,7 @@ import threading
 from collections import Counter
 from datetime import UTC, datetime, timedelta, timezone
 from decimal import Decimal
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -204,15 +205,23 @@ def test_migrate_is_idempotent_and_reports_what_it_applied(ledger_url: str) -> N
 def test_concurrent_migrations_apply_each_version_once(ledger_url: str) -> None:
     results: list[list[int]] = []
     errors: list[BaseException] = []
-    start = threading.Barrier(4)
+    # Four workers open a new ledger at the same instant, then migrate it together. A worker
+    # that fails breaks the barrier, so the others stop waiting and the failure is reported.
+    opened = threading.Barrier(4, timeout=60)
+    start = threading.Barrier(4, timeout=60)
 
     def migrate() -> None:
         try:
+            opened.wait()
             with connect_ledger(ledger_url, create=True) as ledger:
                 start.wait()
                 results.append(ledger.migrate())
+        except threading.BrokenBarrierError:
+            pass
         except BaseException as exc:
             errors.append(exc)
+            opened.abort()
+            start.abort()
 
     threads = [threading.Thread(target=migrate) for _ in range(4)]
     for thread in threads:
@@ -239,6 +248,31 @@ def test_empty_database_is_refused_with_the_migrate_command(ledger_url: str) -> 
 
     with pytest.raises(LedgerSchemaError, match=r"no kvflow ledger schema.*kvflow ledger migrate"):
         open_ledger(ledger_url)
+
+
+def test_workers_opening_a_new_sqlite_ledger_at_once_all_open_it(tmp_path: Path) -> None:
+    # Switching a new file to WAL takes its exclusive lock, and SQLite refuses a connection
+    # that would wait for it while holding a lock another waiter needs, at once, past the
+    # busy timeout: one worker in a few hundred failed with "database is locked". A race, so
+    # many rounds of eight workers each (failures in about two runs of three before the fix).
+    errors: list[BaseException] = []
+    for attempt in range(200):
+        url = f"sqlite:///{tmp_path}/ledger-{attempt}.db"
+        together = threading.Barrier(8, timeout=60)
+
+        def open_it(url: str = url, together: threading.Barrier = together) -> None:
+            try:
+                together.wait()
+                connect_ledger(url, create=True).close()
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=open_it) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert errors == []
 
 
 def test_missing_sqlite_file_is_not_created_by_opening_it(tmp_path) -> None:

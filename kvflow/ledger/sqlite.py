@@ -8,6 +8,7 @@ UTC text with microseconds (so text order is time order) and prices as exact dec
 from __future__ import annotations
 
 import sqlite3
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -62,11 +63,32 @@ class SqliteLedger(Ledger):
                 check_same_thread=False,  # calls are serialized by the ledger's lock
             )
         try:
-            with self._driver_errors():
-                self._conn.execute("PRAGMA journal_mode=WAL")
+            self._use_wal()
         except LedgerError:
             self._conn.close()
             raise
+
+    def _use_wal(self) -> None:
+        """Switch the file to WAL, waiting out other connections that switch it at once.
+
+        The switch needs the file's exclusive lock, and SQLite answers "database is locked"
+        at once, without the busy timeout, to a connection that would wait for it while
+        holding a read lock another waiter needs: so several workers opening a new ledger
+        together failed one of them. Retried until the busy timeout; once one connection has
+        switched, the others find WAL already set.
+        """
+        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        pause = 0.005
+        while True:
+            try:
+                with self._driver_errors():
+                    self._conn.execute("PRAGMA journal_mode=WAL")
+                return
+            except LedgerUnavailable as exc:
+                if "locked" not in str(exc) or time.monotonic() + pause > deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)
 
     @contextmanager
     def _driver_errors(self) -> Iterator[None]:
