@@ -222,3 +222,27 @@ def test_only_tier_1_lateness_turns_the_headroom_on_and_only_where_configured() 
     assert isinstance(
         default.place(request(prompt(10, 300), tenant="globex", steps_done=1)), Placement
     )
+
+
+def test_tier_1_work_with_step_objectives_keeps_headroom_before_any_step_is_late() -> None:
+    clock = Clock()
+    config = HEADROOM.model_copy(update={"headroom_for_step_objectives": True})
+    scheduler = busy(Scheduler(make_fleet(), SchedulerConfig(admission=config), clock=clock))
+    tier_3 = request(prompt(8, 300), tenant="globex", steps_done=1)
+    # Tier-1 calls without a step objective change nothing.
+    assert isinstance(scheduler.place(request(prompt(9, 300), tenant="acme")), Placement)
+    assert isinstance(scheduler.place(tier_3), Placement)
+    # One with a step objective keeps lower tiers out of the busy replicas from then on.
+    urgent = request(prompt(11, 300), tenant="acme", step_deadline_s_remaining=6.0)
+    assert isinstance(scheduler.place(urgent), Placement)
+    waiting = scheduler.place(tier_3)
+    assert isinstance(waiting, Refusal) and waiting.reason is RefusalReason.SATURATED
+    assert "tier 1, whose steps have objectives to meet" in waiting.message
+    # For the hold, then lower tiers go on again.
+    clock.advance(61)
+    assert isinstance(scheduler.place(tier_3), Placement)
+    # Without headroom thresholds the option does nothing.
+    plain = AdmissionConfig(headroom_for_step_objectives=True)
+    unset = busy(Scheduler(make_fleet(), SchedulerConfig(admission=plain), clock=Clock()))
+    assert isinstance(unset.place(urgent), Placement)
+    assert isinstance(unset.place(tier_3), Placement)

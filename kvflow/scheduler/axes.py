@@ -786,8 +786,9 @@ class TenantPriority(Axis):
     priority_key = tier (1 first), fairness_key = tenant name, fairness_weight = tenant weight
     admission tier = max(1, tier − running_task_tiers) once the task has completed a step,
                      else tier
-    thresholds = headroom_by_tier for headroom_hold_s after a late tier-1 call, where set,
-                 else saturation_by_tier
+    thresholds = headroom_by_tier for headroom_hold_s after a late tier-1 call (and, with
+                 headroom_for_step_objectives, after a tier-1 call with a step objective is
+                 placed), where set, else saturation_by_tier
     admits iff load fraction < thresholds[admission tier − 1]
                or the call has waited ≥ max_wait_s_by_tier[tier − 1] (`queued_s`)
     over quota iff the tenant's spend today ≥ its daily budget
@@ -803,6 +804,9 @@ class TenantPriority(Axis):
         self._hold_s = config.headroom_hold_s
         self._headroom_until = -math.inf
         """Until when `headroom_by_tier` applies: `hold_s` after the last late tier-1 call."""
+        self._for_step_objectives = self._headroom is not None and (
+            config.headroom_for_step_objectives
+        )
         self._max_wait_s = tuple(config.max_wait_s_by_tier)
         self._running_bonus = config.running_task_tiers
         self._budget_micros: dict[str, int | None] = {}
@@ -816,6 +820,14 @@ class TenantPriority(Axis):
         """Whether the tier is admitted at this load (`admits`) or the call waited long enough."""
         tier = self._tiers[decision.tenant]
         request = decision.request
+        if (
+            tier == 1
+            and self._for_step_objectives
+            and request.step_deadline_s_remaining is not None
+        ):
+            # Latency-sensitive tier-1 work is running: keep the headroom for it from now on,
+            # not from when a burst has made one of its steps late (`headroom_by_tier`).
+            self._headroom_until = decision.now + self._hold_s
         thresholds = self._saturation
         if self._headroom is not None and decision.now < self._headroom_until:
             thresholds = self._headroom

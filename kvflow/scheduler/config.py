@@ -410,7 +410,19 @@ class AdmissionConfig(_Config):
     headroom_hold_s: float = Field(
         default=60.0,
         gt=0,
-        description="how long `headroom_by_tier` holds after the last late tier-1 call",
+        description=(
+            "how long `headroom_by_tier` holds after the last late tier-1 call (or the last "
+            "tier-1 call with a step objective, with `headroom_for_step_objectives`)"
+        ),
+    )
+    headroom_for_step_objectives: bool = Field(
+        default=False,
+        description=(
+            "also hold `headroom_by_tier` for `headroom_hold_s` after a tier-1 call with a "
+            "step objective (`PlacementRequest.step_deadline_s_remaining`) is placed: while "
+            "latency-sensitive tier-1 work runs, lower tiers keep out of its batches before a "
+            "burst makes it late, rather than after"
+        ),
     )
     running_task_tiers: int = Field(
         default=0,

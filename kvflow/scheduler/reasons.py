@@ -140,7 +140,11 @@ def saturated(
     if admitted_as != tier:
         notes.append(f"as tier {admitted_as}: its task has run")
     if threshold != admission.saturation_by_tier[admitted_as - 1]:
-        notes.append("headroom for tier 1, whose steps ran late")
+        notes.append(
+            "headroom for tier 1, whose steps have objectives to meet"
+            if admission.headroom_for_step_objectives
+            else "headroom for tier 1, whose steps ran late"
+        )
     return refusal(
         decision,
         RefusalReason.SATURATED,

@@ -67,6 +67,7 @@ LEVERS = {
     "task_admission": False,
     "running_first": False,
     "late_headroom": False,
+    "step_headroom": True,
     "keep_conversation": True,
 }
 """kvflow's task-aware levers beyond the scheduler's axes, each a `PolicySetup.extra` switch,
@@ -107,6 +108,12 @@ with its default; `kvflow bench policies --ablate` runs kvflow with each flipped
   same within the seeds' spread, and headroom held all the time 99.3% and 0.14%. Lateness
   is seen when the burst that caused it has already been admitted: reacting to it cannot
   do what keeping the headroom does;
+- `step_headroom`: tier headroom (`TIER_HEADROOM`) for a minute after a tier-1 call with a
+  step objective is placed (`admission.headroom_for_step_objectives`): while
+  latency-sensitive tier-1 work runs, lower tiers keep out of its batches before a burst
+  makes it late. On by default: it acts only where tier-1 tasks declare step objectives
+  (the overload workload), so it makes there the trade `tier_headroom` makes and leaves the
+  agent workload, where tier 1 declares none and headroom cost 5.8× the model time, alone;
 - `running_first`: under saturation a call of a task that has completed a step is admitted
   as one tier better (`admission.running_task_tiers` = 1), so new tasks wait before tasks
   that have spent (sunk cost); where off, every call by its own tier. Off by default: with
@@ -140,8 +147,9 @@ def lever_config(config: SchedulerConfig, extra: Mapping[str, object]) -> Schedu
     admission: dict[str, object] = {}
     if on("tier_headroom"):
         admission["saturation_by_tier"] = TIER_HEADROOM
-    if on("late_headroom"):
+    if on("late_headroom") or on("step_headroom"):
         admission["headroom_by_tier"] = TIER_HEADROOM
+    admission["headroom_for_step_objectives"] = on("step_headroom")
     if on("running_first"):
         admission["running_task_tiers"] = 1
     sections: dict[str, dict[str, object]] = {
@@ -186,13 +194,13 @@ class KvflowPolicy:
         are not the index's (their hashes are then not its keys)."""
         self.priority_dispatch = bool(setup.extra.get("priority_dispatch", True))
         self.task_order = bool(setup.extra.get("task_order", LEVERS["task_order"]))
+        """Order a tier's calls in the engine by their task's start (task-level FCFS);
+        False orders them by the call's own arrival, as the routers' calls are."""
         self.kv_retention = (
             bool(setup.extra.get("kv_retention", LEVERS["kv_retention"]))
             and KV_RETENTION in setup.mechanisms
         )
         """Ask the engine to keep the call's KV by expected return (`kv_retention`)."""
-        """Order a tier's calls in the engine by their task's start (task-level FCFS);
-        False orders them by the call's own arrival, as the routers' calls are."""
         self.allow_fallback = bool(setup.extra.get("allow_fallback", True))
         self._scraped_at = -math.inf
         self._retry_after: dict[str, float] = {}
