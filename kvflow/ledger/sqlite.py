@@ -85,7 +85,8 @@ class SqliteLedger(Ledger):
                     self._conn.execute("PRAGMA journal_mode=WAL")
                 return
             except LedgerUnavailable as exc:
-                if "locked" not in str(exc) or time.monotonic() + pause > deadline:
+                locked = "database is locked" in str(exc.__cause__)
+                if not locked or time.monotonic() + pause > deadline:
                     raise
             time.sleep(pause)
             pause = min(pause * 2, 0.2)
