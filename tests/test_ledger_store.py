@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta, timezone
 from decimal import Decimal
 from pathlib import Path
@@ -202,6 +203,15 @@ def test_migrate_is_idempotent_and_reports_what_it_applied(ledger_url: str) -> N
         assert ledger.schema_version() == LATEST_VERSION
 
 
+def run_at_once(target: Callable[[], None], workers: int) -> None:
+    """`target` in `workers` threads started together; returns when all have ended."""
+    threads = [threading.Thread(target=target) for _ in range(workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
 def test_concurrent_migrations_apply_each_version_once(ledger_url: str) -> None:
     results: list[list[int]] = []
     errors: list[BaseException] = []
@@ -223,11 +233,7 @@ def test_concurrent_migrations_apply_each_version_once(ledger_url: str) -> None:
             opened.abort()
             start.abort()
 
-    threads = [threading.Thread(target=migrate) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_at_once(migrate, 4)
 
     assert errors == []
     assert sorted(v for applied in results for v in applied) == list(range(1, LATEST_VERSION + 1))
@@ -267,11 +273,7 @@ def test_workers_opening_a_new_sqlite_ledger_at_once_all_open_it(tmp_path: Path)
             except BaseException as exc:
                 errors.append(exc)
 
-        threads = [threading.Thread(target=open_it) for _ in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        run_at_once(open_it, 8)
     assert errors == []
 
 

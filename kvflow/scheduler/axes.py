@@ -817,7 +817,13 @@ class TenantPriority(Axis):
         return self._tiers[tenant]
 
     def accepts(self, decision: Decision, load_fraction: float) -> bool:
-        """Whether the tier is admitted at this load (`admits`) or the call waited long enough."""
+        """Whether the tier is admitted at this load (`admits`) or the call waited long enough.
+
+        Runs for every call about to be placed, so it is also where a tier-1 call with a step
+        objective holds the headroom on (`headroom_for_step_objectives`): the call's arrival,
+        not its placement, is the signal, and a refused tier-1 call is latency-sensitive work
+        waiting all the same.
+        """
         tier = self._tiers[decision.tenant]
         request = decision.request
         if (

@@ -107,7 +107,10 @@ with its default; `kvflow bench policies --ablate` runs kvflow with each flipped
   0.62%, for a mean model time of 23.4 s against 14.0 s; a hold of 120 s or 300 s gave the
   same within the seeds' spread, and headroom held all the time 99.3% and 0.14%. Lateness
   is seen when the burst that caused it has already been admitted: reacting to it cannot
-  do what keeping the headroom does;
+  do what keeping the headroom does. With `step_headroom` on (the default) it adds
+  nothing: a late tier-1 call had a step objective, whose arrival already held the
+  headroom on, so `--ablate`'s "late_headroom on" row equals the defaults; the figures
+  above were measured before `step_headroom`;
 - `step_headroom`: tier headroom (`TIER_HEADROOM`) for a minute after a tier-1 call with a
   step objective is placed (`admission.headroom_for_step_objectives`): while
   latency-sensitive tier-1 work runs, lower tiers keep out of its batches before a burst
