@@ -392,6 +392,44 @@ def test_a_replica_that_went_down_is_not_chosen_and_forgets_its_cache() -> None:
     assert status[first.replica].blocks_indexed == 0
 
 
+def test_a_replica_back_from_down_is_not_loaded_by_the_calls_it_lost() -> None:
+    # 24 calls run on h200/0 when it goes down; they died with its engine, and their
+    # failures may never be reported (their worker died too). Back up, it is empty: new
+    # calls spread over both replicas, as onto two idle ones, instead of avoiding it until
+    # 24 failures that may never come are observed.
+    fleet = make_fleet()
+    fleet = fleet.model_copy(update={"pools": fleet.pools[:1]})
+    scheduler = make_scheduler(fleet)
+    for name in ("h200/0", "h200/1"):
+        scheduler.update_metrics(
+            name, ReplicaMetrics(kv_cache_usage=0.05, running=0, num_gpu_blocks=50_000)
+        )
+    system = prompt(1, 8000)
+    for call in range(24):
+        tokens = system + prompt(100 + call, 200)
+        placed(scheduler.place(request(tokens, workflow_id=f"lost-{call}", exclude=["h200/1"])))
+
+    def inflight() -> dict[str, int]:
+        return {s.replica: s.inflight for s in scheduler.status()}
+
+    def new_calls(first: int) -> set[str]:
+        return {
+            placed(scheduler.place(request(prompt(n, 1000), workflow_id=f"new-{n}"))).replica
+            for n in range(first, first + 12)
+        }
+
+    assert inflight() == {"h200/0": 24, "h200/1": 0}
+    assert new_calls(500) == {"h200/1"}
+    scheduler.set_replica_up("h200/0", False)
+    # It answers its scrape again, as empty as h200/1 is once the 12 calls have ended.
+    for name in ("h200/0", "h200/1"):
+        scheduler.update_metrics(name, ReplicaMetrics(kv_cache_usage=0.05, running=0))
+    assert inflight() == {"h200/0": 0, "h200/1": 12}
+    for _ in range(12):
+        scheduler.observe(Observation(replica="h200/1", model=BIG, tenant="acme", ok=True))
+    assert new_calls(600) == {"h200/0", "h200/1"}
+
+
 def test_a_replica_whose_kv_cache_is_full_is_passed_over() -> None:
     scheduler = make_scheduler()
     tokens = prompt(10, 3000)

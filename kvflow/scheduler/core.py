@@ -255,7 +255,7 @@ class Scheduler:
             self._refresh(state)
 
     def set_replica_up(self, replica: str, up: bool) -> None:
-        """Mark a replica up or down; a replica that goes down is assumed to lose its cache."""
+        """Mark a replica up or down; a replica that goes down loses its cache and its calls."""
         with self._lock:
             self._settle()
             state = self._state(replica)
@@ -263,6 +263,12 @@ class Scheduler:
                 logger.warning("replica %s is down; its prefix entries are dropped", replica)
                 for index in self.indexes.values():
                     index.clear(state.rid)
+                # Its engine's calls died with it: left counted, they would keep the replica
+                # looking busy once it is back, until each lost call's failure is reported,
+                # and for good where the worker that ran it died without reporting.
+                state.running = state.waiting = state.placed_since_scrape = 0
+                state.inflight = state.inflight_tokens = 0
+                state.kv_usage = 0.0
             state.up = up
             self._refresh(state)
 
