@@ -403,6 +403,35 @@ def test_near_capacity_the_batching_bound_is_below_every_policy_and_above_the_id
     assert batching_bound(arrivals, fleet, spec, task_rate=rate * 10, counted=counted) is None
 
 
+@pytest.mark.timeout(120)
+def test_the_batching_bound_says_which_tiers_steps_fit_at_the_loads_pace() -> None:
+    # Overload's tier-1 steps are due in 6 s, tier 3's in 20 s, tier 5's in 90 s. At a light
+    # load every step fits at the least mean time per token; at 1.5 tasks/s on 2 H100s the
+    # pace (about 12 ms a token) stretches tier 1's longest answers past 6 s, and only there.
+    spec = WORKLOADS["overload"]
+    fleet = bench_fleet("overload", 2)
+    drawn = Workload(
+        spec, fleet_tenants(fleet), tasks=1, task_rate=1.0, seed=0, block_size=spec.block_size
+    )
+
+    def in_time(rate: float) -> dict[str, float]:
+        plan = run_plan(lifetime_estimate_s(spec, fleet), task_rate=rate, window_lifetimes=0.5)
+        window = plan.window
+        bound = batching_bound(
+            drawn.at_rate(rate, until_s=plan.arrivals_until_s),
+            fleet,
+            spec,
+            task_rate=rate,
+            counted=lambda task: window.start <= task.arrival < window.end,
+        )
+        assert bound is not None
+        return bound.in_time_by_tier
+
+    assert in_time(0.6) == {"1": 1.0, "3": 1.0, "5": 1.0}
+    heavy = in_time(1.5)
+    assert heavy["1"] < 0.95 and heavy["3"] == heavy["5"] == 1.0
+
+
 def test_kvflow_keeps_a_conversation_on_its_replica_and_recomputes_less() -> None:
     # The agent workload near the load where the affinity bound starts passing over busy
     # prefix holders. With `keep_conversation` off, calls that continue a conversation move
@@ -627,6 +656,12 @@ def test_each_goal_of_a_workload_is_judged_on_kvflows_ratio_and_states_its_bound
     theirs = result.summaries["sglang-tuned"].slo["1"]
     assert theirs is not None
     assert f"the best anchor keeps {theirs.mean:.1%} (sglang-tuned)" in (
+        goals["tier-1 SLO attainment ≥ 99% at 150% of capacity"].detail
+    )
+    # And against the pace the load allows: the share of tier 1 in time at the batching bound.
+    (batching,) = result.batching
+    paced = batching.in_time_by_tier["1"]
+    assert f"at the batching bound's {batching.tpot_s * 1000:.1f} ms, {paced:.1%} fit" in (
         goals["tier-1 SLO attainment ≥ 99% at 150% of capacity"].detail
     )
 

@@ -479,6 +479,10 @@ class BatchingBound:
     """Mean model time of the counted tasks with every output token at `tpot_s`."""
     p99_model_s: float = 0.0
     """The 99th percentile of the same."""
+    in_time_by_tier: dict[str, float] = field(default_factory=dict)
+    """Per tier, the share of the counted tasks whose every step fits its allowance (where
+    the workload declares one) and whose task fits its deadline at `tpot_s`: where it reaches
+    a tier's goal, the load's pace does not rule the goal out; batches above the mean do."""
 
 
 def batching_bound(
@@ -520,6 +524,7 @@ def batching_bound(
     seen: set[int] = set()
     tokens = context = prefill = idle_decode = 0.0
     per_task: list[list[list[tuple[float, int]]]] = []
+    counted_tasks: list[Task] = []
     for task in tasks:
         counts = counted(task)
         steps: list[list[tuple[float, int]]] = []
@@ -543,6 +548,7 @@ def batching_bound(
             steps.append(calls)
         if counts:
             per_task.append(steps)
+            counted_tasks.append(task)
     if not per_task or not tokens:
         return None
     # Per replica and second, in steady state: the counted tasks' work at `task_rate`.
@@ -554,10 +560,19 @@ def batching_bound(
         return None
     idle_tpot = idle_decode / tokens
     tpot = max(weights_s / (1 - kv_share), idle_tpot)
-    model_s = [
-        sum(max((pre + out * tpot for pre, out in calls), default=0.0) for calls in steps)
+    step_s = [
+        [max((pre + out * tpot for pre, out in calls), default=0.0) for calls in steps]
         for steps in per_task
     ]
+    model_s = [sum(steps) for steps in step_s]
+    tiers: dict[int, list[bool]] = {}
+    for task, times, total in zip(counted_tasks, step_s, model_s, strict=True):
+        allowance = task.step_allowance_s
+        pauses = sum(step.pause_after_s for step in task.steps)
+        fits = task.arrival + total + pauses <= task.deadline_at and (
+            allowance is None or all(seconds <= allowance for seconds in times)
+        )
+        tiers.setdefault(task.tier, []).append(fits)
     return BatchingBound(
         tpot_s=tpot,
         idle_tpot_s=idle_tpot,
@@ -565,6 +580,7 @@ def batching_bound(
         kv_read_share=kv_share,
         mean_model_s=sum(model_s) / len(model_s),
         p99_model_s=percentile(model_s, 0.99),
+        in_time_by_tier={str(t): sum(f) / len(f) for t, f in sorted(tiers.items())},
     )
 
 
