@@ -84,6 +84,17 @@ async def test_embedded_server_runs_a_workflow_and_stops_without_leftovers(tmp_p
     server.stop()
 
 
+@pytest.mark.timeout(30)
+def test_the_command_line_asked_before_start_is_the_one_that_would_run(tmp_path: Path):
+    # Headless, the server needs an HTTP port to be probed on; the command shown before
+    # start (to log it, or run it by hand) names one, as the UI's command names the UI port.
+    headless = EmbeddedTemporal(port=free_port(), ui_port=None, state_dir=tmp_path).command()
+    port = headless[headless.index("--http-port") + 1]
+    assert port.isdigit() and "--headless" in headless
+    with_ui = EmbeddedTemporal(port=free_port(), ui_port=free_port(), state_dir=tmp_path)
+    assert "--http-port" not in with_ui.command() and "--ui-port" in with_ui.command()
+
+
 @pytest.mark.timeout(120)
 async def test_a_headless_server_is_started_once_its_frontend_serves(tmp_path: Path):
     # Its gRPC port accepts connections a moment before the frontend serves them, and a

@@ -222,7 +222,13 @@ class EmbeddedTemporal:
         return self._process.pid if self._process else None
 
     def command(self) -> list[str]:
-        """The full command line that starts the server."""
+        """The full command line that starts the server.
+
+        Headless, it names the HTTP API's port that `start()` probes for readiness; asked
+        before `start()`, a free one, which `start()` picks afresh.
+        """
+        if not self.ui_port and self._http_port is None:
+            self._http_port = free_port()
         cmd = [
             str(find_temporal_binary()),
             "server",
