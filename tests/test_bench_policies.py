@@ -39,7 +39,7 @@ from kvflow.bench.policies.fleet import (
 )
 from kvflow.bench.policies.task_runner import Outcome, TaskRunner
 from kvflow.scheduler.blocks import ROOT_HASH, hash_block
-from kvflow.scheduler.config import DEFAULT_AXES, REQUIRED_AXIS
+from kvflow.scheduler.config import DEFAULT_AXES, REQUIRED_AXIS, PrefixConfig, SchedulerConfig
 from kvflow.simulator.policies import POLICIES, PolicySetup
 from kvflow.simulator.policies.base import TaskContext
 from kvflow.simulator.policies.kvflow_scheduler import LEVERS
@@ -457,6 +457,25 @@ def test_kvflow_keeps_a_conversation_on_its_replica_and_recomputes_less() -> Non
     assert moved[False] > 50
     assert moved[True] < moved[False] / 10
     assert hit[True] > hit[False]
+
+
+def test_objective_bound_moves_new_tasks_with_step_objectives_and_off_is_the_plain_bound() -> None:
+    # Overload declares step objectives: with `objective_bound` on, new tasks' calls leave
+    # prefix holders above the mean load; off, kvflow places as with the plain factor.
+    spec, fleet = WORKLOADS["overload"], bench_fleet("overload", 4)
+
+    def placements(**extra: object) -> list[int | None]:
+        run = run_policy(
+            "kvflow", spec=spec, fleet=fleet, task_rate=3.0, seed=0, tasks=200,
+            record_decisions=True, extra=extra,
+        )  # fmt: skip
+        assert run.runner.decisions is not None
+        return [d.replica for d in run.runner.decisions]
+
+    plain = SchedulerConfig(prefix=PrefixConfig(affinity_load_factor_with_objective=1.25))
+    on, off = placements(), placements(objective_bound=False)
+    assert off == placements(scheduler_config=plain)
+    assert sum(a != b for a, b in zip(on, off, strict=False)) > 10
 
 
 def test_ablation_runs_kvflow_once_without_each_axis_but_the_required_one_and_each_lever() -> None:

@@ -1126,6 +1126,31 @@ def test_a_conversation_keeps_its_replica_past_the_affinity_bound_until_calls_wa
     assert (second.expected_cached_tokens > 0) is stays
 
 
+@pytest.mark.parametrize(
+    ("step_objective_s", "continues", "stays"),
+    [(None, False, True), (60.0, False, False), (60.0, True, True)],
+)
+def test_a_call_with_a_step_objective_leaves_a_prefix_holder_above_the_mean_load(
+    step_objective_s: float | None, continues: bool, stays: bool
+) -> None:
+    scheduler = make_scheduler()
+    tokens = prompt(1, 3400)
+    first = placed(scheduler.place(request(tokens)))
+    for name in scheduler.replica_names():
+        scheduler.update_metrics(name, ReplicaMetrics(running=12 if name == first.replica else 8))
+    # 36 calls on four replicas: the holder's 12 are within the bound of ⌈1.25 · 37 / 4⌉ = 12
+    # but past ⌈1.0 · 37 / 4⌉ = 10, the bound for a call that must end by its step objective.
+    # A continuing conversation stays (`affinity_keeps_conversation`).
+    fields: dict[str, Any] = {"step_deadline_s_remaining": step_objective_s}
+    if continues:
+        fields["previous_replica"] = first.replica
+    else:
+        fields["workflow_id"] = "wf-2"
+    second = placed(scheduler.place(request(tokens + prompt(2, 300), **fields)))
+    assert (second.replica == first.replica) is stays
+    assert (second.expected_cached_tokens > 0) is stays
+
+
 def test_time_and_cost_assume_the_output_length_observed_while_memory_keeps_the_bound() -> None:
     scheduler = make_scheduler()
     tokens = prompt(3, 1000)

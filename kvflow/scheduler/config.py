@@ -346,6 +346,24 @@ class PrefixConfig(_Config):
             "affinity_min_load calls) is passed over for the best replica within the bound"
         ),
     )
+    affinity_load_factor_with_objective: float = Field(
+        # A call whose step must end by an objective waits on every decode step of its
+        # batch, and a batch above the mean decodes each token slower. On the policy
+        # benchmark's overload (every step due within its tier's allowance, 1.5x capacity),
+        # 1.0 here against 1.25 kept tier 1 in time on 98.3% of tasks against 97.4% over seeds
+        # 0-19 (paired: +0.9 points [-0.0, +1.8]), at 0.999x the cost; the tier-1 tasks lost
+        # were each one long answer decoding beside 10-16 sequences on a replica above the
+        # mean, which was still taking new tasks (benchmarks/README.md).
+        # Continuing conversations stay put under `affinity_keeps_conversation`: moving
+        # them instead cost 1.06-1.18x and lost more tier-1 tasks than it saved.
+        default=1.0,
+        ge=1,
+        description=(
+            "affinity_load_factor for calls whose step has an objective "
+            "(`PlacementRequest.step_deadline_s_remaining`): such a call leaves a prefix "
+            "holder above this multiple of the mean load for the best replica within it"
+        ),
+    )
     affinity_min_load: int = Field(
         default=8,
         ge=1,

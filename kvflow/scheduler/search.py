@@ -81,6 +81,7 @@ class Search:
         self._rendezvous_prefix_blocks = config.prefix.rendezvous_prefix_blocks
         self._bounded_load_factor = config.prefix.bounded_load_factor
         self._affinity_load_factor = config.prefix.affinity_load_factor
+        self._objective_load_factor = config.prefix.affinity_load_factor_with_objective
         self._affinity_min_load = config.prefix.affinity_min_load
         self._keeps_conversation = config.prefix.affinity_keeps_conversation
         self._search_width = config.prefix.search_width or max(16, len(replicas) // 16)
@@ -181,23 +182,31 @@ class Search:
             return chosen, False
         if cache_hit:
             holder = self._replicas[chosen.rid]
-            bound = self.affinity_capacity(view, holder.pool.max_concurrency)
+            factor = (
+                self._affinity_load_factor
+                if decision.request.step_deadline_s_remaining is None
+                else self._objective_load_factor
+            )
+            bound = self.affinity_capacity(view, holder.pool.max_concurrency, factor)
             if not chosen.cold_load_s and not self.may_win_on_cache(
                 holder, bound, decision.previous
             ):
-                chosen = self._within_bound(view, best, evaluated, consider, decision.previous)
+                chosen = self._within_bound(
+                    view, best, evaluated, consider, decision.previous, factor
+                )
             return chosen, False
         return self._rendezvous(decision, view, chosen, consider)
 
-    def affinity_capacity(self, view: ModelRanking, slots: int) -> int:
+    def affinity_capacity(self, view: ModelRanking, slots: int, factor: float) -> int:
         """The most calls a prefix holder with `slots` slots may hold and still win on its cache.
 
-        max(affinity_min_load, ⌈affinity_load_factor · (L + 1) · slots / S⌉), where the
-        model's warm replicas hold L calls in S slots: its share of the load by its size, with
-        head room (SGLang and AIBrix likewise leave the cache for the least loaded worker once
-        load is imbalanced).
+        max(affinity_min_load, ⌈factor · (L + 1) · slots / S⌉), where the model's warm
+        replicas hold L calls in S slots: its share of the load by its size, with head room
+        (SGLang and AIBrix likewise leave the cache for the least loaded worker once load is
+        imbalanced). `factor` is `affinity_load_factor`, or for a call whose step has an
+        objective `affinity_load_factor_with_objective`.
         """
-        bound = math.ceil(self._affinity_load_factor * (view.load + 1) * slots / max(1, view.slots))
+        bound = math.ceil(factor * (view.load + 1) * slots / max(1, view.slots))
         return bound if bound > self._affinity_min_load else self._affinity_min_load
 
     def may_win_on_cache(self, state: ReplicaState, bound: int, previous: int) -> bool:
@@ -225,11 +234,13 @@ class Search:
         evaluated: Verdicts,
         consider: Callable[[int], Estimate | Filter],
         previous: int,
+        factor: float,
     ) -> Estimate:
         """The lowest objective among warm replicas within their bound; else the best found.
 
         Scores the replicas already examined and, per pool, the first `search_width` of its
-        ranking within the bound (the ranking is by static factor, so least loaded first).
+        ranking within the bound (`affinity_capacity` at `factor`; the ranking is by static
+        factor, so least loaded first).
         """
         replicas = self._replicas
         capacity: dict[int, int] = {}  # per pool
@@ -237,7 +248,7 @@ class Search:
             if not ranked:
                 continue
             capacity[position] = bound = self.affinity_capacity(
-                view, replicas[ranked[0][1]].pool.max_concurrency
+                view, replicas[ranked[0][1]].pool.max_concurrency, factor
             )
             taken = 0
             for _, rid in ranked:
