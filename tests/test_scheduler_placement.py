@@ -392,14 +392,11 @@ def test_a_replica_that_went_down_is_not_chosen_and_forgets_its_cache() -> None:
     assert status[first.replica].blocks_indexed == 0
 
 
-def test_a_replica_back_from_down_is_not_loaded_by_the_calls_it_lost() -> None:
-    # 24 calls run on h200/0 when it goes down; they died with its engine, and their
-    # failures may never be reported (their worker died too). Back up, it is empty: new
-    # calls spread over both replicas, as onto two idle ones, instead of avoiding it until
-    # 24 failures that may never come are observed.
+def two_h200s_with_24_calls_on_the_first(config: SchedulerConfig | None = None) -> Scheduler:
+    """Two idle H200s (5% KV usage), then 24 calls sharing an 8k-token prompt on h200/0."""
     fleet = make_fleet()
     fleet = fleet.model_copy(update={"pools": fleet.pools[:1]})
-    scheduler = make_scheduler(fleet)
+    scheduler = make_scheduler(fleet, config)
     for name in ("h200/0", "h200/1"):
         scheduler.update_metrics(
             name, ReplicaMetrics(kv_cache_usage=0.05, running=0, num_gpu_blocks=50_000)
@@ -407,19 +404,31 @@ def test_a_replica_back_from_down_is_not_loaded_by_the_calls_it_lost() -> None:
     system = prompt(1, 8000)
     for call in range(24):
         tokens = system + prompt(100 + call, 200)
-        placed(scheduler.place(request(tokens, workflow_id=f"lost-{call}", exclude=["h200/1"])))
+        chosen = scheduler.place(request(tokens, workflow_id=f"hot-{call}", exclude=["h200/1"]))
+        assert placed(chosen).replica == "h200/0"
+    return scheduler
+
+
+def new_calls(scheduler: Scheduler, first: int) -> set[str]:
+    """The replicas 12 new, unrelated calls go to."""
+    return {
+        placed(scheduler.place(request(prompt(n, 1000), workflow_id=f"new-{n}"))).replica
+        for n in range(first, first + 12)
+    }
+
+
+def test_a_replica_back_from_down_is_not_loaded_by_the_calls_it_lost() -> None:
+    # 24 calls run on h200/0 when it goes down; they died with its engine, and their
+    # failures may never be reported (their worker died too). Back up, it is empty: new
+    # calls spread over both replicas, as onto two idle ones, instead of avoiding it until
+    # 24 failures that may never come are observed.
+    scheduler = two_h200s_with_24_calls_on_the_first()
 
     def inflight() -> dict[str, int]:
         return {s.replica: s.inflight for s in scheduler.status()}
 
-    def new_calls(first: int) -> set[str]:
-        return {
-            placed(scheduler.place(request(prompt(n, 1000), workflow_id=f"new-{n}"))).replica
-            for n in range(first, first + 12)
-        }
-
     assert inflight() == {"h200/0": 24, "h200/1": 0}
-    assert new_calls(500) == {"h200/1"}
+    assert new_calls(scheduler, 500) == {"h200/1"}
     scheduler.set_replica_up("h200/0", False)
     # It answers its scrape again, as empty as h200/1 is once the 12 calls have ended.
     for name in ("h200/0", "h200/1"):
@@ -427,7 +436,7 @@ def test_a_replica_back_from_down_is_not_loaded_by_the_calls_it_lost() -> None:
     assert inflight() == {"h200/0": 0, "h200/1": 12}
     for _ in range(12):
         scheduler.observe(Observation(replica="h200/1", model=BIG, tenant="acme", ok=True))
-    assert new_calls(600) == {"h200/0", "h200/1"}
+    assert new_calls(scheduler, 600) == {"h200/0", "h200/1"}
 
 
 def test_a_replica_whose_kv_cache_is_full_is_passed_over() -> None:
@@ -504,32 +513,14 @@ def test_calls_that_share_a_cached_prompt_read_it_once_each(count_shared_reads: 
     # cache), 2.0× h200/1's bytes a step (the weight 6.8, as above). New, unrelated calls
     # then go to h200/1; counting usage alone, rendezvous hashing splits them between two
     # replicas that look alike.
-    fleet = make_fleet()
-    fleet = fleet.model_copy(update={"pools": fleet.pools[:1]})
     config = SchedulerConfig(memory=MemoryConfig(count_shared_reads=count_shared_reads))
-    scheduler = make_scheduler(fleet, config)
-    for name in ("h200/0", "h200/1"):
-        scheduler.update_metrics(
-            name, ReplicaMetrics(kv_cache_usage=0.05, running=0, num_gpu_blocks=50_000)
-        )
-    system = prompt(1, 8000)
-    for call in range(24):
-        tokens = system + prompt(100 + call, 200)
-        chosen = scheduler.place(request(tokens, workflow_id=f"hot-{call}", exclude=["h200/1"]))
-        assert placed(chosen).replica == "h200/0"
-
-    def new_calls(first: int) -> set[str]:
-        return {
-            placed(scheduler.place(request(prompt(n, 1000), workflow_id=f"new-{n}"))).replica
-            for n in range(first, first + 12)
-        }
-
-    assert new_calls(500) == ({"h200/1"} if count_shared_reads else {"h200/0", "h200/1"})
+    scheduler = two_h200s_with_24_calls_on_the_first(config)
+    assert new_calls(scheduler, 500) == ({"h200/1"} if count_shared_reads else {"h200/0", "h200/1"})
     # Once the 24 have ended, h200/0 takes new calls again.
     for replica, calls in (("h200/0", 24), ("h200/1", 12)):
         for _ in range(calls):
             scheduler.observe(Observation(replica=replica, model=BIG, tenant="acme", ok=True))
-    assert "h200/0" in new_calls(600)
+    assert "h200/0" in new_calls(scheduler, 600)
 
 
 def test_every_replica_full_is_a_saturated_refusal_with_a_retry_after() -> None:
