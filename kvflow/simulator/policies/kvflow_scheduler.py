@@ -132,9 +132,9 @@ with its default; `kvflow bench policies --ablate` runs kvflow with each flipped
   (seeds 0–2) the bound moved 3–5% of conversations' calls, and keeping them cut kvflow's
   cost per successful task by 3–4%;
 - `objective_bound`: a call whose step has an objective leaves a prefix holder above the
-  mean load (`PrefixConfig.affinity_load_factor_with_objective` = 1.0) rather than above
-  1.25× it, where off, the same bound as every call: its batch decodes each of its tokens,
-  and a batch above the mean decodes each slower. Continuing conversations stay with
+  mean load (`PrefixConfig.affinity_load_factor_with_objective` = 1.0); where off, above
+  1.25× it, as every other call. Such a call waits on each decode step of its batch, and a
+  batch above the mean decodes each step slower. Continuing conversations stay with
   `keep_conversation`, so it moves new tasks. On by default: it acts only where steps
   declare objectives (the overload workload), and there over seeds 0–19 it kept 98.3% of
   tier-1 tasks in time against 97.4% (paired: +0.9 points [−0.0, +1.8]), at 0.999× the
