@@ -46,6 +46,9 @@ def test_bench_scheduler_prints_a_table_and_writes_latency_json(tmp_path: Path) 
         assert 0 < size["decisions"] <= 30
         assert 0 <= size["not_best"] <= size["decisions"]
         assert 0 <= size["mean_regret"] <= size["p99_regret"]
+        # The search's own misses, counted with the affinity load bound lifted.
+        assert 0 <= size["search_misses"] <= size["decisions"]
+        assert size["search_misses_mean_regret"] >= 0
 
 
 def test_bench_scheduler_rejects_a_bad_size_with_exit_code_2(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 
 from kvflow.scheduler.blocks import hash_block
-from kvflow.scheduler.config import SchedulerConfig
+from kvflow.scheduler.config import PrefixConfig, SchedulerConfig
 from kvflow.scheduler.core import Scheduler
 from kvflow.scheduler.fleet import Fleet, ModelSpec, Pool, Tenant, TokenPrices
 from kvflow.scheduler.gpus import GpuGeneration
@@ -266,11 +266,11 @@ def _request(
 
 
 def _setup(
-    replicas: int, seed: int
+    replicas: int, seed: int, config: SchedulerConfig | None = None
 ) -> tuple[Scheduler, _Clock, random.Random, list[list[int]], list[_Workflow], _Scrapes]:
     rng = random.Random(seed)
     clock = _Clock()
-    scheduler = Scheduler(bench_fleet(replicas), SchedulerConfig(), clock=clock)
+    scheduler = Scheduler(bench_fleet(replicas), config or SchedulerConfig(), clock=clock)
     names = scheduler.replica_names()
     scrapes = _Scrapes(scheduler, rng)
     for name in names:
@@ -353,13 +353,25 @@ class QualityResult:
     p99_regret: float
 
 
-def measure_quality(replicas: int, decisions: int = 500, seed: int = 11) -> QualityResult:
+UNBOUNDED_AFFINITY = SchedulerConfig(
+    prefix=PrefixConfig(affinity_load_factor=1e9, affinity_load_factor_with_objective=1e9)
+)
+"""The default configuration with the affinity load bound lifted: every pick off the best
+objective is then the search's own miss, not the bound passing a busy prefix holder over."""
+
+
+def measure_quality(
+    replicas: int, decisions: int = 500, seed: int = 11, config: SchedulerConfig | None = None
+) -> QualityResult:
     """Score the whole fleet before each decision and compare the pick with the best score.
 
     The same workload as `measure`, untimed: the search prunes replicas by bounds and stops
-    after `search_width`, and this says what that costs in placement quality.
+    after `search_width`, and this says what that costs in placement quality. The objective
+    does not see the affinity load bound, so under the default `config` a pick the bound moved
+    off a busy prefix holder counts as not the best, on purpose; under `UNBOUNDED_AFFINITY`
+    only the search's misses do.
     """
-    scheduler, clock, rng, systems, workflows, scrapes = _setup(replicas, seed)
+    scheduler, clock, rng, systems, workflows, scrapes = _setup(replicas, seed, config)
     regrets: list[float] = []
     off_best = 0
     for workflow, request in _stream(rng, systems, workflows, scheduler.block_size, decisions):
