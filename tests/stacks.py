@@ -9,6 +9,8 @@ hands a `Fleet` of its own, then starts tasks with `Stack.start` and reads the b
 
 from __future__ import annotations
 
+import asyncio
+import sys
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -17,6 +19,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, Plugin, WorkflowHandle
 from temporalio.worker import Replayer
 
@@ -212,17 +215,53 @@ async def fleet_stack(
                 task_queue=task_queue,
             )
             async with worker:
-                yield Stack(
-                    client=client,
-                    fleet=fleet,
-                    ledger=ledger,
-                    task_queue=task_queue,
-                    embedded=embedded,
-                    context_dir=context_dir,
-                    ledger_url=ledger_url,
-                )
+                try:
+                    yield Stack(
+                        client=client,
+                        fleet=fleet,
+                        ledger=ledger,
+                        task_queue=task_queue,
+                        embedded=embedded,
+                        context_dir=context_dir,
+                        ledger_url=ledger_url,
+                    )
+                except BaseException:
+                    # A failed or cut test: say what its open tasks were waiting on.
+                    await report_open_tasks(client, task_queue)
+                    raise
     finally:
         await ledger.close()
+
+
+async def report_open_tasks(client: Client, task_queue: str) -> None:
+    """Print each task still running on `task_queue` and the activities it waits on (stderr).
+
+    A test that hangs shows, in its captured output, whether a model call was never picked
+    up, is running on a replica, or is being retried, and after which failure.
+    """
+    try:
+        async with asyncio.timeout(5):
+            query = f'TaskQueue="{task_queue}" AND ExecutionStatus="Running"'
+            async for execution in client.list_workflows(query):
+                handle = client.get_workflow_handle(execution.id, run_id=execution.run_id)
+                pending = (await handle.describe()).raw_description.pending_activities
+                events = (await handle.fetch_history()).events[-3:]
+                last = ", ".join(
+                    EventType.Name(e.event_type).removeprefix("EVENT_TYPE_") for e in events
+                )
+                print(
+                    f"open task {execution.id} ({execution.workflow_type}), last events: {last}",
+                    file=sys.stderr,
+                )
+                for a in pending:
+                    print(
+                        f"  waits on {a.activity_type.name} #{a.activity_id}: state "
+                        f"{a.state}, attempt {a.attempt}, worker {a.last_worker_identity!r}, "
+                        f"last failure {a.last_failure.message!r}",
+                        file=sys.stderr,
+                    )
+    except Exception as err:  # a report must not hide the test's own failure
+        print(f"could not list the open tasks on {task_queue}: {err!r}", file=sys.stderr)
 
 
 async def assert_replays(
