@@ -225,6 +225,8 @@ async def fleet_stack(
                         context_dir=context_dir,
                         ledger_url=ledger_url,
                     )
+                except GeneratorExit:
+                    raise  # closed without a loop to report in
                 except BaseException:
                     # A failed or cut test: say what its open tasks were waiting on.
                     await report_open_tasks(client, task_queue)
