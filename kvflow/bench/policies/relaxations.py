@@ -83,7 +83,7 @@ class _Job:
     kind: bool = False
 
 
-def _quick_plan(spec: WorkloadSpec, fleet: Fleet, task_rate: float) -> RunPlan:
+def quick_plan(spec: WorkloadSpec, fleet: Fleet, task_rate: float) -> RunPlan:
     """The run plan of a quick `kvflow bench policies` run at `task_rate`."""
     return run_plan(
         lifetime_estimate_s(spec, fleet), task_rate=task_rate, window_lifetimes=1.0,
@@ -94,7 +94,7 @@ def _quick_plan(spec: WorkloadSpec, fleet: Fleet, task_rate: float) -> RunPlan:
 def _run(job: _Job) -> RelaxedRun:
     spec = WORKLOADS[job.workload]
     fleet = bench_fleet(job.workload, job.replicas)
-    plan = _quick_plan(spec, fleet, job.task_rate)
+    plan = quick_plan(spec, fleet, job.task_rate)
     run = run_policy(
         job.policy, spec=spec, fleet=fleet, task_rate=job.task_rate, seed=job.seed, plan=plan,
         kv_cache_scale=job.scale, retention_oracle=job.oracle, mechanisms=job.mechanisms,
@@ -131,7 +131,7 @@ def seed_floors(
     """
     spec = WORKLOADS[workload]
     fleet = bench_fleet(workload, replicas)
-    plan = _quick_plan(spec, fleet, task_rate)
+    plan = quick_plan(spec, fleet, task_rate)
     window = plan.window
     drawn = Workload(
         spec, fleet_tenants(fleet), tasks=1, task_rate=1.0, seed=seed,

@@ -100,6 +100,33 @@ class Decision:
     """The KV retention the policy asked the engine for: (priority, seconds)."""
 
 
+@dataclass(frozen=True, slots=True)
+class LateStep:
+    """A call still running when its step's deadline passed, and the fleet around it.
+
+    Loads are running plus waiting calls on a replica serving the model, as a router reads
+    them: at the placement (before the call joined) and at the deadline (the call counted).
+    """
+
+    task: int
+    """The task's index in its workload."""
+    tier: int
+    output_tokens: int
+    """The whole answer the call was to decode."""
+    replica: int
+    placed_load: int
+    """The chosen replica's load when the call was placed."""
+    placed_least_load: int
+    """The least load of any replica serving the model then."""
+    placed_mean_load: float
+    load: int
+    """The replica's load when the deadline passed."""
+    lower_tier_calls: int
+    """Of those, calls of tasks of lower tiers (a larger tier number)."""
+    least_load: int
+    mean_load: float
+
+
 @dataclass(slots=True)
 class _TaskState:
     task: Task
@@ -121,6 +148,8 @@ class _TaskState:
     blocks: set[int] = field(default_factory=set)
     """Hashes of every block its calls asked for (`TASK_END` only)."""
     inflight: dict[str, tuple[int, FleetRequest]] = field(default_factory=dict)
+    placed: dict[str, tuple[int, int, float]] = field(default_factory=dict)
+    """Call with a step deadline → (its replica's load, the least, the mean) when placed."""
     refused_at: dict[str, float] = field(default_factory=dict)
     """Call (request id before its `#attempt`) → when admission first refused it."""
     counted: bool = True
@@ -238,6 +267,8 @@ class TaskRunner:
         self._block_owner: dict[int, int] | None = {} if TASK_END in mechanisms else None
         """Block hash → the one task that used it, or `_SHARED` (`TASK_END` only)."""
         self.decisions: list[Decision] | None = [] if record_decisions else None
+        self.late_steps: list[LateStep] = []
+        """Every counted call cut by its step's deadline, and the loads around it."""
         """Every placement in order, when `record_decisions` (tests)."""
         self.attempt_log: list[tuple[float, int, bool]] = []
         """(time, replica, finished) of every attempt that reached a replica."""
@@ -433,6 +464,8 @@ class TaskRunner:
         """The task's deadline (`step_serial` None) or a step's deadline passed."""
         if state.done or (step_serial is not None and step_serial != state.step_serial):
             return
+        if step_serial is not None and state.counted:
+            self._note_late(state)
         self._finish_task(state, ok=False)
         for request_id, (replica, request) in list(state.inflight.items()):
             self._owner.pop(request_id, None)
@@ -443,6 +476,43 @@ class TaskRunner:
                 self._bill_partial(state, replica, request, sim, replica_fault=False)
         state.inflight.clear()
         self._conversation_over(state)  # now that the aborted calls freed their blocks
+
+    @staticmethod
+    def _loads(fleet: FleetView, model: str) -> list[int]:
+        """The load of every replica that is up and serves `model`."""
+        return [
+            fleet.load(i) for i in range(len(fleet)) if fleet.up[i] and fleet.serves(i, model)
+        ] or [0]
+
+    def _note_late(self, state: _TaskState) -> None:
+        """Record where each call of a step that just passed its deadline stood."""
+        fleet = self.sim.view
+        tier = state.task.tier
+        for request_id, (replica, request) in state.inflight.items():
+            placed = state.placed.get(request_id)
+            if replica < 0 or placed is None:
+                continue
+            lower = sum(
+                1
+                for other_id, other in self._owner.items()
+                if other.task.tier > tier and other.inflight.get(other_id, (-1,))[0] == replica
+            )
+            loads = self._loads(fleet, request.model)
+            self.late_steps.append(
+                LateStep(
+                    task=state.task.index,
+                    tier=tier,
+                    output_tokens=request.output_tokens,
+                    replica=replica,
+                    placed_load=placed[0],
+                    placed_least_load=placed[1],
+                    placed_mean_load=placed[2],
+                    load=fleet.load(replica),
+                    lower_tier_calls=lower,
+                    least_load=min(loads),
+                    mean_load=sum(loads) / len(loads),
+                )
+            )
 
     def _finish_task(self, state: _TaskState, *, ok: bool) -> None:
         self._open_context -= state.context_tokens
@@ -532,6 +602,13 @@ class TaskRunner:
                     else (),
                     retention=(request.retention_priority, request.retention_s),
                 )
+            )
+        if index is not None and state.step_deadline_at is not None and state.counted:
+            loads = self._loads(fleet, request.model)
+            state.placed[request.request_id] = (
+                fleet.load(index),
+                min(loads),
+                sum(loads) / len(loads),
             )
         if index is not None:
             state.refused_at.pop(_call_id(request.request_id), None)
