@@ -569,3 +569,32 @@ def test_a_blocked_head_is_not_looked_up_again_until_something_could_let_it_in(
     assert skipping[1:] == every_step[1:]
     assert skipping[2] > 0  # preemptions: the caches were under pressure
     assert skipping[0] < every_step[0] / 2
+
+
+def test_deadline_pause_steps_only_the_urgent_request_while_its_deadline_is_at_risk() -> None:
+    # A relaxation for the benchmark's bounds: a priority-1 request whose answer cannot end by
+    # its deadline at the batch's pace has the batch to itself until the deadline passes.
+    def run(pause: bool) -> tuple[list[int], int]:
+        engine = EngineCore("H100", SMALL, EngineConfig(deadline_pause=pause))
+        urgent = SimRequest(
+            "urgent", max_tokens=400, prompt_token_ids=prompt(1, 64), priority=1, deadline_at=0.3
+        )
+        others = [
+            SimRequest(f"o{i}", max_tokens=400, prompt_token_ids=prompt(i + 2, 2048), priority=5)
+            for i in range(16)
+        ]
+        for request in (urgent, *others):
+            engine.add_request(request, 0.0)
+        now = 0.0
+        outputs: list[int] = []
+        while now < 0.3:
+            now += engine.step(now).duration
+            outputs.append(sum(o.num_output_tokens for o in others))
+        return outputs, urgent.num_output_tokens
+
+    paused, urgent_paused = run(pause=True)
+    stepped, urgent_stepped = run(pause=False)
+    # Once the urgent request decodes and would miss, the others stop gaining tokens...
+    assert paused[-1] == paused[len(paused) // 2] < stepped[-1]
+    # ...and it decodes faster for it.
+    assert urgent_paused > urgent_stepped

@@ -63,6 +63,8 @@ class FleetRequest:
     the default), where the engine keeps blocks by retention (`EngineConfig.kv_retention`)."""
     retention_s: float | None = None
     """How long after the call ends `retention_priority` holds (None: until evicted)."""
+    deadline_at: float | None = None
+    """When the call's step must end, for engines that pause by it (`deadline_pause`)."""
     context: Any = None
     """What the driver of the workload attaches (e.g. the task the call belongs to)."""
 
@@ -491,6 +493,7 @@ class DiscreteEventFleet:
             priority=request.priority,
             retention_priority=request.retention_priority,
             retention_s=request.retention_s,
+            deadline_at=request.deadline_at,
         )
         replica.add_request(request.model, sim, self.now)
         if not self._busy[index]:

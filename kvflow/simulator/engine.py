@@ -112,6 +112,15 @@ class EngineConfig(BaseModel):
             "same results as without the option"
         ),
     )
+    deadline_pause: bool = Field(
+        default=False,
+        description=(
+            "a relaxation no engine offers, to bound what pausing buys: while a decoding "
+            "request with a `deadline_at` would miss it at the last step's pace (its max_tokens "
+            "left to decode), running requests of a lower priority (a larger number) are not "
+            "stepped and none is admitted; they keep their KV cache"
+        ),
+    )
     enable_kv_events: bool = Field(default=False, description="collect KV-cache events")
     tensor_parallel: int = Field(default=1, ge=1, le=64, description="GPUs per replica")
     mfu: float = Field(default=0.4, gt=0, le=1, description="prefill share of peak FLOP/s")
@@ -159,6 +168,7 @@ class SimRequest:
         "arrival_time",
         "block_hashes",
         "block_ids",
+        "deadline_at",
         "eos_after",
         "finish_reason",
         "finish_time",
@@ -198,6 +208,7 @@ class SimRequest:
         priority: int = 0,
         retention_priority: int | None = None,
         retention_s: float | None = None,
+        deadline_at: float | None = None,
     ) -> None:
         if prompt_token_ids is not None:
             self.token_ids: list[int] | None = list(prompt_token_ids)
@@ -234,6 +245,8 @@ class SimRequest:
         self.retention_s = retention_s
         """With `EngineConfig.kv_retention`: seconds after it finishes that the request's
         blocks keep `retention_priority`, then the default; None: until evicted."""
+        self.deadline_at = deadline_at
+        """When the request's step must end (`EngineConfig.deadline_pause` only)."""
         self.status = RequestStatus.WAITING
         self.arrival_time = 0.0
         self.arrival_order = 0
@@ -592,7 +605,7 @@ class EngineCore:
             if now < self.ready_at:
                 return None
             self.loaded = True
-        if horizon is not None and not self.waiting:
+        if horizon is not None and not self.waiting and not self.config.deadline_pause:
             duration = self._begin_decode_run(now, horizon)
             if duration is not None:
                 return duration
@@ -845,6 +858,28 @@ class EngineCore:
 
     # -- scheduling ---------------------------------------------------------------------
 
+    def _paused_above(self, now: float) -> int | None:
+        """The priority above which requests pause this step (`deadline_pause`); None: none.
+
+        That of the most urgent decoding request whose deadline its `max_tokens` left, at the
+        last step's duration, would pass.
+        """
+        step_s = self._step_duration
+        urgent: int | None = None
+        for request in self.running:
+            due = request.deadline_at
+            if due is None or now >= due or request.num_computed_tokens < request.num_prompt_tokens:
+                continue
+            # Where the answer ends on its own: more than an engine knows (a relaxation).
+            left = request.max_tokens
+            if request.eos_after is not None and request.eos_after < left:
+                left = request.eos_after
+            if now + (left - request.num_output_tokens) * step_s > due and (
+                urgent is None or request.priority < urgent
+            ):
+                urgent = request.priority
+        return urgent
+
     def _schedule(self, now: float) -> tuple[list[tuple[SimRequest, int]], int]:
         """Pick this step's requests (module docstring); totals go to `self._totals`."""
         budget = self.config.max_num_batched_tokens
@@ -859,9 +894,13 @@ class EngineCore:
         prefill = 0
         running = self.running
         by_priority = self._by_priority
+        paused_above = self._paused_above(now) if self.config.deadline_pause else None
         index = 0
         while index < len(running) and budget > 0:
             request = running[index]
+            if paused_above is not None and request.priority > paused_above:
+                index += 1
+                continue
             computed = request.num_computed_tokens
             num_new = request.num_prompt_tokens + request.num_output_tokens - computed
             if num_new > budget:
@@ -915,6 +954,8 @@ class EngineCore:
             stats = self.stats
             while waiting and budget > 0 and len(running) < max_seqs:
                 request = waiting[0]
+                if paused_above is not None and request.priority > paused_above:
+                    break
                 blocked = self._blocked
                 if (
                     blocked is not None

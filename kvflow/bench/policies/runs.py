@@ -141,6 +141,7 @@ def run_policy(
     kv_cache_scale: float = 1.0,
     retention_oracle: bool = False,
     kind_oracle: bool = False,
+    deadline_pause: bool = False,
 ) -> PolicyRun:
     """Run one policy on one workload (faults included for `faults`).
 
@@ -152,7 +153,8 @@ def run_policy(
     relaxations`): `kv_cache_scale` gives every engine that multiple of its KV cache (a fleet
     of one pool); `retention_oracle` evicts by each conversation's true return
     (`oracle_retention`), on engines that evict by retention; with `kind_oracle` too, by the
-    typical pause (median) of the tool its answer asks for instead of its own.
+    typical pause (median) of the tool its answer asks for instead of its own. A third,
+    `deadline_pause`, gives the engines `EngineConfig.deadline_pause`.
     """
     factories = policy_factories()
     extra = dict(extra or {})
@@ -172,6 +174,8 @@ def run_policy(
         priority=ENGINE_PRIORITY in mechanisms,
         retention=KV_RETENTION in mechanisms or retention_oracle,
     )
+    if deadline_pause:
+        engine = engine.model_copy(update={"deadline_pause": True})
     slow = {1: 4.0} if spec.name == "faults" and sum(p.replicas for p in fleet.pools) > 2 else {}
     replicas = simulated_replicas(fleet, slow=slow, engine=engine)
     if kv_cache_scale != 1.0:

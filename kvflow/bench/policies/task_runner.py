@@ -393,6 +393,7 @@ class TaskRunner:
                     tenant=task.tenant,
                     session=f"task-{task.index}" if hints else "",
                     request_id=f"task-{task.index}/{state.step}/{number}",
+                    deadline_at=state.step_deadline_at,
                 ),
             )
 
