@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from decimal import Decimal
 
 import pytest
@@ -9,6 +10,7 @@ import typer
 from typer.testing import CliRunner
 
 from kvflow.bench.policies.fleet import bench_fleet
+from kvflow.bench.policies.late_steps import main as late_steps_main
 from kvflow.bench.policies.relaxations import at_hit_rate, main, seed_floors
 from kvflow.bench.policies.runs import run_policy
 from kvflow.bench.policies.task_runner import ORACLE_RETENTION_S, oracle_retention
@@ -56,13 +58,21 @@ def test_a_larger_kv_cache_gives_every_engine_that_many_blocks() -> None:
         )  # fmt: skip
 
 
-def test_an_unknown_workload_is_a_clear_error_without_a_traceback() -> None:
+@pytest.mark.parametrize("study", [main, late_steps_main], ids=["relaxations", "late_steps"])
+def test_an_unknown_workload_is_a_clear_error_without_a_traceback(
+    study: Callable[..., None],
+) -> None:
     app = typer.Typer()
-    app.command()(main)
+    app.command()(study)
     done = CliRunner().invoke(app, ["--workload", "nope", "--capacity", "0.1"])
     assert done.exit_code == 2
     assert "unknown workload 'nope'" in done.output
     assert "Traceback" not in done.output
+
+
+def test_scales_that_are_not_numbers_are_a_clear_error() -> None:
+    app = typer.Typer()
+    app.command()(main)
     done = CliRunner().invoke(app, ["--workload", "agent", "--capacity", "1", "--scales", "1,x"])
     assert done.exit_code == 2
     assert "--scales takes positive numbers separated by commas, got '1,x'" in done.output

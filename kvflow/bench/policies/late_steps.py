@@ -20,9 +20,10 @@ reads (running plus waiting calls per replica):
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import multiprocessing
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -31,7 +32,14 @@ from rich.console import Console
 from rich.table import Table
 
 from kvflow.bench.policies.fleet import bench_fleet
-from kvflow.bench.policies.relaxations import quick_plan
+from kvflow.bench.policies.relaxations import (
+    CapacityOption,
+    JobsOption,
+    LoadOption,
+    SeedsOption,
+    WorkloadOption,
+    quick_plan,
+)
 from kvflow.bench.policies.runs import run_policy
 from kvflow.bench.policies.task_runner import LateStep
 from kvflow.simulator.workloads import WORKLOADS
@@ -40,24 +48,15 @@ NO_EMPTIER = 1
 """A placement within this many calls of the least loaded replica had no emptier one."""
 
 
-@dataclass(frozen=True)
-class _Job:
-    workload: str
-    replicas: int
-    seed: int
-    task_rate: float
-    policy: str
-
-
-def _run(job: _Job) -> tuple[int, int, list[LateStep]]:
+def _run(
+    workload: str, replicas: int, task_rate: float, policy: str, seed: int
+) -> tuple[int, int, list[LateStep]]:
     """(seed, counted tasks, late calls) of one run."""
-    spec = WORKLOADS[job.workload]
-    fleet = bench_fleet(job.workload, job.replicas)
-    plan = quick_plan(spec, fleet, job.task_rate)
-    run = run_policy(
-        job.policy, spec=spec, fleet=fleet, task_rate=job.task_rate, seed=job.seed, plan=plan
-    )
-    return job.seed, run.outcome.tasks, list(run.runner.late_steps)
+    spec = WORKLOADS[workload]
+    fleet = bench_fleet(workload, replicas)
+    plan = quick_plan(spec, fleet, task_rate)
+    run = run_policy(policy, spec=spec, fleet=fleet, task_rate=task_rate, seed=seed, plan=plan)
+    return seed, run.outcome.tasks, list(run.runner.late_steps)
 
 
 def late_steps(
@@ -69,10 +68,10 @@ def late_steps(
     if task_rate <= 0:
         raise ValueError(f"the task rate must be positive, got {task_rate}")
     replicas = WORKLOADS[workload].quick_replicas
-    jobs = [_Job(workload, replicas, seed, task_rate, policy) for seed in seeds]
+    run = functools.partial(_run, workload, replicas, task_rate, policy)
     context = multiprocessing.get_context("fork")
     with concurrent.futures.ProcessPoolExecutor(max(1, workers), mp_context=context) as pool:
-        runs = list(pool.map(_run, jobs))
+        runs = list(pool.map(run, seeds))
     rows = [{"seed": seed, **asdict(late)} for seed, _, lates in runs for late in lates]
     return {
         "workload": workload,
@@ -138,14 +137,12 @@ def _table(result: dict[str, Any]) -> Table:
 
 
 def main(
-    workload: Annotated[str, typer.Option(help="a workload of `kvflow bench policies`")],
-    capacity: Annotated[
-        float, typer.Option(help="tasks per second at 1× load (the benchmark's capacity)")
-    ],
-    load: Annotated[float, typer.Option(help="multiple of the capacity")] = 1.0,
-    seeds: Annotated[int, typer.Option(min=1, help="seeds 0 … N−1")] = 5,
+    workload: WorkloadOption,
+    capacity: CapacityOption,
+    load: LoadOption = 1.0,
+    seeds: SeedsOption = 5,
     policy: Annotated[str, typer.Option(help="the policy to run")] = "kvflow",
-    jobs: Annotated[int, typer.Option(min=1, help="processes")] = 2,
+    jobs: JobsOption = 2,
     json_file: Annotated[Path | None, typer.Option("--json", help="write the calls here")] = None,
 ) -> None:
     """List the calls cut by their step's deadline and the loads around them (module doc)."""

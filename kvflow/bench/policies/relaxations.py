@@ -323,13 +323,21 @@ def _scales(text: str) -> tuple[float, ...]:
     return multiples
 
 
+WorkloadOption = Annotated[str, typer.Option(help="a workload of `kvflow bench policies`")]
+CapacityOption = Annotated[
+    float, typer.Option(help="tasks per second at 1× load (the benchmark's capacity)")
+]
+LoadOption = Annotated[float, typer.Option(help="multiple of the capacity")]
+SeedsOption = Annotated[int, typer.Option(min=1, help="seeds 0 … N−1")]
+JobsOption = Annotated[int, typer.Option(min=1, help="processes")]
+"""The options a study of a benchmark run shares (this module's, `late_steps`)."""
+
+
 def main(
-    workload: Annotated[str, typer.Option(help="a workload of `kvflow bench policies`")],
-    capacity: Annotated[
-        float, typer.Option(help="tasks per second at 1× load (the benchmark's capacity)")
-    ],
-    load: Annotated[float, typer.Option(help="multiple of the capacity")] = 1.0,
-    seeds: Annotated[int, typer.Option(min=1, help="seeds 0 … N−1")] = 5,
+    workload: WorkloadOption,
+    capacity: CapacityOption,
+    load: LoadOption = 1.0,
+    seeds: SeedsOption = 5,
     policy: Annotated[str, typer.Option(help="the policy to relax")] = "kvflow",
     scales: Annotated[
         str, typer.Option(help="KV-cache multiples, comma-separated (1 is the fleet as it is)")
@@ -340,7 +348,7 @@ def main(
     mechanisms: Annotated[
         str, typer.Option(help="mechanisms around every run, comma-separated (as the benchmark)")
     ] = ",".join(sorted(DEFAULT_MECHANISMS)),
-    jobs: Annotated[int, typer.Option(min=1, help="processes")] = 2,
+    jobs: JobsOption = 2,
     json_file: Annotated[Path | None, typer.Option("--json", help="write the runs here")] = None,
 ) -> None:
     """Run `policy` with a larger KV cache and with eviction by true return (module doc)."""
