@@ -35,6 +35,7 @@ from kvflow.scheduler.fleet import Fleet
 from kvflow.scheduler.placement import MIN_RETENTION_S, TIER_PRIORITY_SPAN, engine_priority
 from kvflow.simulator.des import FleetRequest, FleetView
 from kvflow.simulator.policies.base import (
+    DEADLINE_PAUSE,
     DEFAULT_MECHANISMS,
     ENGINE_PRIORITY,
     HINTS,
@@ -206,13 +207,16 @@ def test_engine_priority_and_hints_are_the_same_for_every_policy(
     hinted = HINTS in mechanisms
     for decision in decisions:
         workflow = decision.request_id.split("/")[0]
-        expected = tiers[workflow] if ENGINE_PRIORITY in mechanisms else 0
-        if name == "kvflow" and ENGINE_PRIORITY in mechanisms:
+        if ENGINE_PRIORITY not in mechanisms:
+            assert decision.priority == 0
+        elif name == "kvflow":
             # kvflow refines the order within a tier: its oldest task first.
             assert decision.priority == engine_priority(tiers[workflow], arrivals[workflow])
-            assert decision.priority // TIER_PRIORITY_SPAN == expected
         else:
-            assert decision.priority == expected
+            # The tier's band, every call of a tier alike (first come, first served in it).
+            assert decision.priority == engine_priority(tiers[workflow], None)
+        if ENGINE_PRIORITY in mechanisms:
+            assert decision.priority // TIER_PRIORITY_SPAN == tiers[workflow]
         fields = [f.name for f in dataclasses.fields(TaskContext)]
         session = decision.context[fields.index("session_id")]
         output = decision.context[fields.index("expected_output_tokens")]
@@ -221,6 +225,30 @@ def test_engine_priority_and_hints_are_the_same_for_every_policy(
     assert (run.runner.queue is not None) is (ROUTER_QUEUE in mechanisms)
     policies = {r.config.scheduling_policy for r in run.runner.sim.replicas}
     assert policies == {"priority" if ENGINE_PRIORITY in mechanisms else "fcfs"}
+
+
+@pytest.mark.parametrize("name", ["kvflow", "llm-d-tuned"])
+def test_deadline_pause_gives_every_policys_engines_its_calls_step_deadlines(name: str) -> None:
+    # The mechanism is the engines' and the workload's (its step allowances), not a
+    # policy's: every policy's calls carry their step's deadline to engines that pause by it.
+    spec = WORKLOADS["overload"]
+    fleet = bench_fleet("overload", 2)
+    run = run_policy(
+        name, spec=spec, fleet=fleet, task_rate=2.0, tasks=8, seed=5,
+        mechanisms=DEFAULT_MECHANISMS | {DEADLINE_PAUSE}, record_decisions=True,
+    )  # fmt: skip
+    configs = [engine.config for r in run.runner.sim.replicas for engine in r.engines.values()]
+    assert configs
+    assert all(c.deadline_pause for c in configs)
+    assert {c.deadline_priority_span for c in configs} == {TIER_PRIORITY_SPAN}
+    plain = run_policy(
+        name, spec=spec, fleet=fleet, task_rate=2.0, tasks=8, seed=5, mechanisms=DEFAULT_MECHANISMS
+    )
+    assert not any(
+        engine.config.deadline_pause
+        for r in plain.runner.sim.replicas
+        for engine in r.engines.values()
+    )
 
 
 @pytest.mark.parametrize("retention", [True, False])

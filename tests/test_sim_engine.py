@@ -598,3 +598,65 @@ def test_deadline_pause_steps_only_the_urgent_request_while_its_deadline_is_at_r
     assert paused[-1] == paused[len(paused) // 2] < stepped[-1]
     # ...and it decodes faster for it.
     assert urgent_paused > urgent_stepped
+
+
+def test_deadline_pause_leaves_the_urgent_requests_own_band_running() -> None:
+    # kvflow's priorities are tier bands (tier · span + the task's start): a later task of
+    # the urgent request's own tier keeps decoding; only lower tiers pause.
+    span = 100
+    config = EngineConfig(deadline_pause=True, deadline_priority_span=span)
+    engine = EngineCore("H100", SMALL, config)
+    urgent = SimRequest(
+        "urgent", max_tokens=400, prompt_token_ids=prompt(1, 64), priority=span + 1,
+        deadline_at=0.3,
+    )  # fmt: skip
+    same_tier = SimRequest(
+        "same", max_tokens=400, prompt_token_ids=prompt(2, 64), priority=span + 7
+    )
+    lower = [
+        SimRequest(f"o{i}", max_tokens=400, prompt_token_ids=prompt(i + 3, 2048), priority=2 * span)
+        for i in range(16)
+    ]
+    for request in (urgent, same_tier, *lower):
+        engine.add_request(request, 0.0)
+    now = 0.0
+    at_half: tuple[int, int] | None = None
+    while now < 0.3:
+        now += engine.step(now).duration
+        if at_half is None and now >= 0.15:
+            at_half = (same_tier.num_output_tokens, sum(o.num_output_tokens for o in lower))
+    assert at_half is not None
+    # The lower tier stopped gaining tokens in the second half; the same tier did not.
+    assert sum(o.num_output_tokens for o in lower) == at_half[1]
+    assert same_tier.num_output_tokens > at_half[0]
+
+
+def test_deadline_hold_admits_no_lower_band_but_keeps_running_ones_stepping() -> None:
+    # The admission half only: what a router holding lower tiers off the replica could do.
+    def run(hold: bool) -> tuple[int, int]:
+        config = EngineConfig(deadline_hold=hold, deadline_priority_span=10)
+        engine = EngineCore("H100", SMALL, config)
+        urgent = SimRequest(
+            "urgent", max_tokens=400, prompt_token_ids=prompt(1, 64), priority=10,
+            deadline_at=0.3,
+        )  # fmt: skip
+        running = [
+            SimRequest(f"r{i}", max_tokens=400, prompt_token_ids=prompt(i + 2, 2048), priority=50)
+            for i in range(16)
+        ]
+        for request in (urgent, *running):
+            engine.add_request(request, 0.0)
+        now = 0.0
+        while now < 0.1:
+            now += engine.step(now).duration
+        late = SimRequest("late", max_tokens=400, prompt_token_ids=prompt(40, 64), priority=50)
+        engine.add_request(late, now)
+        before = sum(r.num_output_tokens for r in running)
+        while now < 0.3:
+            now += engine.step(now).duration
+        return late.num_output_tokens, sum(r.num_output_tokens for r in running) - before
+
+    late_held, stepped_held = run(hold=True)
+    late_free, _ = run(hold=False)
+    assert late_held == 0 < late_free
+    assert stepped_held > 0

@@ -121,6 +121,27 @@ class EngineConfig(BaseModel):
             "stepped and none is admitted; they keep their KV cache"
         ),
     )
+    deadline_hold: bool = Field(
+        default=False,
+        description=(
+            "the admission half of `deadline_pause`, a relaxation no engine offers, to bound "
+            "what a router holding lower tiers off a replica whose urgent calls would miss can "
+            "buy: while a decoding request with a `deadline_at` would miss it at the last "
+            "step's pace, no waiting request of a lower priority is admitted; running ones "
+            "keep stepping"
+        ),
+    )
+    deadline_priority_span: int = Field(
+        default=1,
+        ge=1,
+        description=(
+            "`deadline_pause` and `deadline_hold` pause only requests of a lower band of "
+            "priority than the urgent one's, a band being `priority // span`: kvflow's "
+            "priorities are tier · 10¹³ + the task's start in ms, so a span of 10¹³ pauses "
+            "lower tiers and leaves the urgent request's own tier running. 1: every larger "
+            "priority pauses, later tasks of the same tier included"
+        ),
+    )
     enable_kv_events: bool = Field(default=False, description="collect KV-cache events")
     tensor_parallel: int = Field(default=1, ge=1, le=64, description="GPUs per replica")
     mfu: float = Field(default=0.4, gt=0, le=1, description="prefill share of peak FLOP/s")
@@ -605,7 +626,12 @@ class EngineCore:
             if now < self.ready_at:
                 return None
             self.loaded = True
-        if horizon is not None and not self.waiting and not self.config.deadline_pause:
+        if (
+            horizon is not None
+            and not self.waiting
+            and not self.config.deadline_pause
+            and not self.config.deadline_hold
+        ):
             duration = self._begin_decode_run(now, horizon)
             if duration is not None:
                 return duration
@@ -859,10 +885,13 @@ class EngineCore:
     # -- scheduling ---------------------------------------------------------------------
 
     def _paused_above(self, now: float) -> int | None:
-        """The priority above which requests pause this step (`deadline_pause`); None: none.
+        """The priority above which requests pause or wait this step; None: none.
 
-        That of the most urgent decoding request whose deadline its `max_tokens` left, at the
-        last step's duration, would pass.
+        For `deadline_pause` and `deadline_hold`.
+        The last priority of the band (`deadline_priority_span`) of the most urgent decoding
+        request whose deadline its `max_tokens` left, at the last step's duration, would pass.
+        What an engine knows: the request's cap, not where its answer ends, as vLLM's
+        scheduler (`kvflow_vllm.scheduler`) sees it.
         """
         step_s = self._step_duration
         urgent: int | None = None
@@ -870,15 +899,14 @@ class EngineCore:
             due = request.deadline_at
             if due is None or now >= due or request.num_computed_tokens < request.num_prompt_tokens:
                 continue
-            # Where the answer ends on its own: more than an engine knows (a relaxation).
-            left = request.max_tokens
-            if request.eos_after is not None and request.eos_after < left:
-                left = request.eos_after
-            if now + (left - request.num_output_tokens) * step_s > due and (
-                urgent is None or request.priority < urgent
-            ):
+            left = request.max_tokens - request.num_output_tokens
+            if now + left * step_s > due and (urgent is None or request.priority < urgent):
                 urgent = request.priority
-        return urgent
+        if urgent is None:
+            return None
+        # The last priority of the urgent request's band: its own tier is never paused.
+        span = self.config.deadline_priority_span
+        return (urgent // span + 1) * span - 1
 
     def _schedule(self, now: float) -> tuple[list[tuple[SimRequest, int]], int]:
         """Pick this step's requests (module docstring); totals go to `self._totals`."""
@@ -894,7 +922,9 @@ class EngineCore:
         prefill = 0
         running = self.running
         by_priority = self._by_priority
-        paused_above = self._paused_above(now) if self.config.deadline_pause else None
+        config = self.config
+        at_risk = self._paused_above(now) if config.deadline_pause or config.deadline_hold else None
+        paused_above = at_risk if config.deadline_pause else None
         index = 0
         while index < len(running) and budget > 0:
             request = running[index]
@@ -954,7 +984,7 @@ class EngineCore:
             stats = self.stats
             while waiting and budget > 0 and len(running) < max_seqs:
                 request = waiting[0]
-                if paused_above is not None and request.priority > paused_above:
+                if at_risk is not None and request.priority > at_risk:
                     break
                 blocked = self._blocked
                 if (

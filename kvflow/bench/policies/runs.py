@@ -35,9 +35,11 @@ from kvflow.bench.policies.fleet import (
 from kvflow.bench.policies.task_runner import CountWindow, Outcome, TaskRunner
 from kvflow.scheduler.config import REQUIRED_AXIS, SchedulerConfig
 from kvflow.scheduler.fleet import Fleet
+from kvflow.scheduler.placement import TIER_PRIORITY_SPAN
 from kvflow.simulator.des import DiscreteEventFleet
 from kvflow.simulator.policies import ALL_POLICIES, PlacementPolicy, PolicySetup
 from kvflow.simulator.policies.base import (
+    DEADLINE_PAUSE,
     DEFAULT_MECHANISMS,
     ENGINE_PRIORITY,
     FALLBACK,
@@ -142,6 +144,7 @@ def run_policy(
     retention_oracle: bool = False,
     kind_oracle: bool = False,
     deadline_pause: bool = False,
+    deadline_hold: bool = False,
 ) -> PolicyRun:
     """Run one policy on one workload (faults included for `faults`).
 
@@ -153,8 +156,8 @@ def run_policy(
     relaxations`): `kv_cache_scale` gives every engine that multiple of its KV cache (a fleet
     of one pool); `retention_oracle` evicts by each conversation's true return
     (`oracle_retention`), on engines that evict by retention; with `kind_oracle` too, by the
-    typical pause (median) of the tool its answer asks for instead of its own. A third,
-    `deadline_pause`, gives the engines `EngineConfig.deadline_pause`.
+    typical pause (median) of the tool its answer asks for instead of its own. Two more,
+    `deadline_pause` and `deadline_hold`, give the engines those `EngineConfig` options.
     """
     factories = policy_factories()
     extra = dict(extra or {})
@@ -174,8 +177,16 @@ def run_policy(
         priority=ENGINE_PRIORITY in mechanisms,
         retention=KV_RETENTION in mechanisms or retention_oracle,
     )
-    if deadline_pause:
-        engine = engine.model_copy(update={"deadline_pause": True})
+    deadline_pause = deadline_pause or DEADLINE_PAUSE in mechanisms
+    if deadline_pause or deadline_hold:
+        engine = engine.model_copy(
+            update={
+                "deadline_pause": deadline_pause,
+                "deadline_hold": deadline_hold,
+                # Lower tiers pause; the urgent call's own tier runs on (task-level order).
+                "deadline_priority_span": TIER_PRIORITY_SPAN,
+            }
+        )
     slow = {1: 4.0} if spec.name == "faults" and sum(p.replicas for p in fleet.pools) > 2 else {}
     replicas = simulated_replicas(fleet, slow=slow, engine=engine)
     if kv_cache_scale != 1.0:

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 from kvflow.bench.policies.router_queue import DISPATCH_INTERVAL_S, RouterQueue
 from kvflow.scheduler.fleet import ExactPrices, Fleet
+from kvflow.scheduler.placement import engine_priority
 from kvflow.simulator.des import DiscreteEventFleet, FleetRequest, FleetView, RequestRecord
 from kvflow.simulator.engine import SimReplica, SimRequest, StepResult
 from kvflow.simulator.policies.base import (
@@ -394,6 +395,7 @@ class TaskRunner:
                     session=f"task-{task.index}" if hints else "",
                     request_id=f"task-{task.index}/{state.step}/{number}",
                     deadline_at=state.step_deadline_at,
+                    max_tokens=self.max_tokens,
                 ),
             )
 
@@ -578,7 +580,12 @@ class TaskRunner:
             # What the workflow knows when the call is placed, not when it was issued.
             context.spent_micros = state.spent_micros
             context.previous_replica = state.previous
-        request.priority = state.task.tier if ENGINE_PRIORITY in self.mechanisms else 0
+        # The tier's band of kvflow's engine priorities (`engine_priority`), in the order of
+        # tiers alone: an engine pausing by priority band (`EngineConfig.
+        # deadline_priority_span`) reads every policy's calls alike.
+        request.priority = (
+            engine_priority(state.task.tier, None) if ENGINE_PRIORITY in self.mechanisms else 0
+        )
         view = self._policy_view(request, fleet)
         index = self.policy.route(view, fleet, now)
         request.model, request.priority = view.model, view.priority

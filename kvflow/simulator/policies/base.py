@@ -32,6 +32,11 @@ context, as its workflow sends it; the anchors' tuned variants read the hints in
   `nvext.session_control` close, which frees an SGLang session's KV; vLLM takes no such
   request). Blocks another task shares (a system prompt) are not named. Every client knows
   when its own task ends, so every policy gets it or none does;
+- `DEADLINE_PAUSE`: each call carries its step's deadline to the engine, and the engines pause
+  the calls of lower tiers (another band of priority, `TIER_PRIORITY_SPAN`) while a call
+  would miss its deadline at the batch's pace (`EngineConfig.deadline_pause`;
+  `kvflow_vllm.scheduler.DeadlinePauseScheduler` for vLLM). The deadline is the workload's
+  step allowance, which every client knows, so every policy gets it or none does;
 - `FALLBACK`: a policy may degrade a call to the model's cheaper fallback
   (`extra["allow_fallback"]`); a task with a degraded call is counted apart, never as a
   success. Off in the comparison.
@@ -54,7 +59,16 @@ HINTS = "hints"
 KV_RETENTION = "kv-retention"
 TASK_END = "task-end"
 FALLBACK = "fallback"
-MECHANISMS = (ENGINE_PRIORITY, ROUTER_QUEUE, HINTS, KV_RETENTION, TASK_END, FALLBACK)
+DEADLINE_PAUSE = "deadline-pause"
+MECHANISMS = (
+    ENGINE_PRIORITY,
+    ROUTER_QUEUE,
+    HINTS,
+    KV_RETENTION,
+    TASK_END,
+    DEADLINE_PAUSE,
+    FALLBACK,
+)
 """Every mechanism the harness can apply around placement (module docstring)."""
 DEFAULT_MECHANISMS = frozenset({ENGINE_PRIORITY, ROUTER_QUEUE, HINTS})
 """What the comparison gives every policy: all but fallback and KV retention. Retention is
