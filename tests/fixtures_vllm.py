@@ -138,6 +138,7 @@ def tiny_server(
     chat_template: str | None = None,
     extra_args: Sequence[str] = (),
     extra_env: Mapping[str, str] | None = None,
+    deadline_pause: bool = False,
 ) -> _VllmServerWithArgs:
     """A server of the tests' tiny model, logging to `log_dir/vllm-server.log` (not started)."""
     model_dir = install.model_dir
@@ -155,6 +156,7 @@ def tiny_server(
         kv_topic=KV_TOPIC,
         ready_timeout_s=READY_TIMEOUT_S,
         stop_timeout_s=STOP_TIMEOUT_S,
+        deadline_pause=deadline_pause,
     )
 
 

@@ -10,6 +10,7 @@ real-vLLM fixtures both start their servers with it.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -37,6 +38,8 @@ READY_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 15.0
 STARTING_STOP_TIMEOUT_S = 3.0
 """Grace for a server that is still loading (it does not act on SIGTERM yet)."""
+DEADLINE_PAUSE_SCHEDULER = "kvflow_vllm.scheduler.DeadlinePauseScheduler"
+"""kvflow's engine-side scheduler for vLLM (`VllmServer(deadline_pause=True)`)."""
 
 
 class Engine(StrEnum):
@@ -152,6 +155,7 @@ class VllmServer:
         ready_timeout_s: float = READY_TIMEOUT_S,
         stop_timeout_s: float = STOP_TIMEOUT_S,
         tool_call_parser: str | None = "hermes",
+        deadline_pause: bool = False,
     ) -> None:
         if not served_model_names:
             raise ValueError("served_model_names needs at least one name")
@@ -170,6 +174,10 @@ class VllmServer:
         self.tool_call_parser = tool_call_parser
         """vLLM's `--tool-call-parser` for `tool_choice: "auto"`; None leaves "auto" off (vLLM
         then refuses it with 400, while "required" and a named tool work without one)."""
+        self.deadline_pause = deadline_pause
+        """Schedule with `kvflow_vllm.scheduler.DeadlinePauseScheduler` (priority policy): a
+        call at risk of the deadline it sends in `vllm_xargs` pauses lower tiers' calls."""
+        self._python_dir: Path | None = None
         self.kv_events_endpoint: str | None = None
         """ZMQ PUB socket (`ipc://...`) of `[topic, sequence, msgpack batch]` messages."""
         self.kv_replay_endpoint: str | None = None
@@ -239,6 +247,13 @@ class VllmServer:
                 "topic": self.kv_topic,
             }
             command += ["--kv-events-config", json.dumps(kv_events_config)]
+        if self.deadline_pause:
+            command += [
+                "--scheduling-policy",
+                "priority",
+                "--scheduler-cls",
+                DEADLINE_PAUSE_SCHEDULER,
+            ]
         return command
 
     def environment(self) -> dict[str, str]:
@@ -251,6 +266,8 @@ class VllmServer:
             VLLM_NO_USAGE_STATS="1",
             DO_NOT_TRACK="1",
         )
+        if self._python_dir is not None:
+            env["PYTHONPATH"] = str(self._python_dir)
         return env
 
     def start(self) -> VllmServer:
@@ -262,6 +279,8 @@ class VllmServer:
             self._socket_dir = Path(tempfile.mkdtemp(prefix="kvflow-vllm-"))
             self.kv_events_endpoint = f"ipc://{self._socket_dir}/kv-events.sock"
             self.kv_replay_endpoint = f"ipc://{self._socket_dir}/kv-replay.sock"
+        if self.deadline_pause:
+            self._python_dir = kvflow_vllm_path(Path(tempfile.mkdtemp(prefix="kvflow-vllm-py-")))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info(
             "starting vLLM on %s serving %s (log %s)",
@@ -345,8 +364,9 @@ class VllmServer:
         proc.wait()
 
     def _remove_sockets(self) -> None:
-        if self._socket_dir is not None:
-            shutil.rmtree(self._socket_dir, ignore_errors=True)
+        for directory in (self._socket_dir, self._python_dir):
+            if directory is not None:
+                shutil.rmtree(directory, ignore_errors=True)
 
     def __enter__(self) -> VllmServer:
         self.start()
@@ -364,6 +384,25 @@ class VllmServer:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def kvflow_vllm_path(into: Path) -> Path:
+    """`into`, holding a link to the `kvflow_vllm` package: a `PYTHONPATH` for vLLM.
+
+    vLLM runs in its own environment, without kvflow's dependencies; its engine process
+    imports the scheduler by name. A directory with only this package keeps the rest of
+    kvflow's environment (its own pydantic, say) from shadowing vLLM's.
+    """
+    spec = importlib.util.find_spec("kvflow_vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise VllmServerError(
+            "the kvflow_vllm package is not importable here: install kvflow (it ships "
+            "kvflow_vllm) in this environment"
+        )
+    package = Path(next(iter(spec.submodule_search_locations)))
+    into.mkdir(parents=True, exist_ok=True)
+    (into / "kvflow_vllm").symlink_to(package, target_is_directory=True)
+    return into
 
 
 def stop_servers(servers: Sequence[VllmServer]) -> None:

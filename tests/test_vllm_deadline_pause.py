@@ -1,0 +1,261 @@
+"""Real vLLM with kvflow's engine scheduler: a tier-1 call at risk of its deadline pauses tier 3.
+
+One real vLLM CPU server runs `kvflow_vllm.scheduler.DeadlinePauseScheduler`
+(`VllmServer(deadline_pause=True)`: `--scheduler-cls`, priority scheduling, and a
+`PYTHONPATH` that holds only the `kvflow_vllm` package, vLLM's environment having none of
+kvflow's dependencies).
+
+Each round runs the same scene twice. Tier-3 calls with long answers (EOS ignored) are
+streaming; once all of them decode, one tier-1 call arrives. The first time it carries no
+deadline: the engine decodes it in the same batch as the tier-3 calls, which get a token on
+every step it gets one. The second time it carries a deadline (`vllm_xargs`) well before the
+time it took at that pace: the engine then leaves the tier-3 calls out of its steps while the
+tier-1 call would miss it, so the tier-3 streams stall while it decodes, and it finishes
+sooner.
+
+What happened is read from the engine's own accounts in the server's Prometheus metrics, taken
+just before the tier-1 call is sent and once it has finished: how many steps decoded it alone
+(`vllm:iteration_tokens_total`, the bucket of one-token steps), how many tokens the tier-3
+calls got meanwhile (`vllm:generation_tokens_total`), and its decode time as the engine timed
+it (`vllm:request_decode_time_seconds`). On two shared cores the arrival of stream chunks in
+this process lags the engine by up to seconds, in bursts, so their arrival times cannot tell
+which tokens were generated while the tier-1 call decoded.
+
+Both scenes of a round are judged against each other, so neither the machine's pace nor its
+changes between rounds can make a round pass. Without the pause no step decodes the tier-1
+call alone while tier-3 calls run (vLLM's own scheduler decodes every running call on every
+step), so a round can only pass where the pause works; a busy machine can still spoil a round
+(the deadline passes before the call gets going, or a tier-3 call ends within the scene), so up
+to `ROUNDS` rounds run and one must show the effects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from kvflow.scheduler.placement import TIER_PRIORITY_SPAN, engine_priority
+from tests.fixtures_vllm import (
+    SERVED_MODEL_NAME,
+    VllmServedModel,
+    early_vllm,
+    served_model,
+    tiny_server,
+    vllm_servers,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+TASK_START = 1_765_000_000.0
+"""When the calls' tasks began (POSIX seconds)."""
+LOW_CALLS = 4
+LOW_TOKENS = 900
+"""Long enough to keep decoding through the tier-1 call (the context is 1024 tokens)."""
+LOW_STREAM_INTERVAL = 16
+"""Tokens per chunk of a tier-3 stream: fewer chunks keep the API server (and this process)
+from slowing the engine on two cores."""
+URGENT_TOKENS = 200
+DEADLINE_SHARE = 0.6
+"""The deadline, as a share of the time the same call took without one in the same round."""
+PAUSED_SHARE = 0.5
+"""With the deadline, at least this share of the tier-1 call's decode steps decode it alone,
+and the tier-3 calls get at most this share of the tokens they got without it."""
+ROUNDS = 3
+
+
+SERVERS = early_vllm(
+    __name__,
+    "vllm-deadline-pause",
+    lambda install, log_dir: {"server": tiny_server(install, log_dir, deadline_pause=True)},
+)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServedModel]:
+    """A real vLLM server scheduling with `DeadlinePauseScheduler` (priority policy)."""
+    with vllm_servers(tmp_path_factory, SERVERS) as started:
+        yield served_model(started["server"])
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples of `name` in Prometheus text whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        sample, _, value = line.rpartition(" ")
+        metric_name, _, label_text = sample.partition("{")
+        if metric_name != name:
+            continue
+        if all(f'{key}="{wanted}"' in label_text for key, wanted in labels.items()):
+            total += float(value)
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineCounts:
+    """What the engine had counted at one moment (its Prometheus metrics)."""
+
+    finished_by_length: float
+    steps: float
+    steps_of_one_token: float
+    generated_tokens: float
+    decode_time_s: float
+
+    @staticmethod
+    async def read(http: httpx.AsyncClient, server: VllmServedModel) -> EngineCounts:
+        answer = await http.get(f"{server.base_url}/metrics")
+        answer.raise_for_status()
+        text = answer.text
+        return EngineCounts(
+            finished_by_length=metric(text, "vllm:request_success_total", finished_reason="length"),
+            steps=metric(text, "vllm:iteration_tokens_total_count"),
+            steps_of_one_token=metric(text, "vllm:iteration_tokens_total_bucket", le="1.0"),
+            generated_tokens=metric(text, "vllm:generation_tokens_total"),
+            decode_time_s=metric(text, "vllm:request_decode_time_seconds_sum"),
+        )
+
+
+async def counts_with_call(
+    http: httpx.AsyncClient, server: VllmServedModel, before: EngineCounts
+) -> EngineCounts:
+    """The engine's counts once they include the tier-1 call that just finished.
+
+    The server takes a step's counts in after it has handed out the step's outputs, so they
+    may lag the answer a little.
+    """
+    async with asyncio.timeout(10):
+        while True:
+            after = await EngineCounts.read(http, server)
+            if after.finished_by_length > before.finished_by_length:
+                return after
+            await asyncio.sleep(0.05)
+
+
+async def low_call(
+    http: httpx.AsyncClient, server: VllmServedModel, i: int, started: asyncio.Event
+) -> None:
+    """A streamed tier-3 call of `LOW_TOKENS` (EOS ignored); sets `started` at its first chunk."""
+    body = {
+        "model": SERVED_MODEL_NAME,
+        "prompt": f"Write the long tier-3 report number {i}.",
+        "max_tokens": LOW_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_interval": LOW_STREAM_INTERVAL,
+        "priority": engine_priority(3, TASK_START + i),
+    }
+    async with http.stream("POST", f"{server.base_url}/v1/completions", json=body) as answer:
+        assert answer.status_code == 200, await answer.aread()
+        async for _ in answer.aiter_lines():
+            started.set()
+
+
+@contextlib.asynccontextmanager
+async def tier3_calls(http: httpx.AsyncClient, server: VllmServedModel) -> AsyncIterator[None]:
+    """`LOW_CALLS` tier-3 calls, all decoding; cancelled (aborted in vLLM) on exit."""
+    started = [asyncio.Event() for _ in range(LOW_CALLS)]
+    tasks = [asyncio.create_task(low_call(http, server, i, started[i])) for i in range(LOW_CALLS)]
+    try:
+        async with asyncio.timeout(60):
+            for task, event in zip(tasks, started, strict=True):
+                waiting = asyncio.create_task(event.wait())
+                await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)
+                waiting.cancel()
+                if task.done():
+                    task.result()  # a failed call fails the test with its error
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scene:
+    """What the engine did from just before the tier-1 call was sent until it finished."""
+
+    latency_s: float
+    """From sending the tier-1 call to its answer, as this process saw it."""
+    decode_time_s: float
+    """The tier-1 call's decode time, as the engine timed it."""
+    steps: int
+    steps_alone: int
+    """Steps that decoded one token: the tier-1 call's, the tier-3 calls left out."""
+    low_tokens: int
+    """Tokens the tier-3 calls got meanwhile (all of them together)."""
+    spoiled: bool
+    """A tier-3 call ended within the scene: its counts are not the scene's alone."""
+
+
+async def scene(
+    http: httpx.AsyncClient, server: VllmServedModel, deadline_in_s: float | None
+) -> Scene:
+    """The tier-1 call amid decoding tier-3 calls, with a deadline `deadline_in_s` from now."""
+    async with tier3_calls(http, server):
+        before = await EngineCounts.read(http, server)
+        xargs: dict[str, Any] = {"kvflow_priority_span": TIER_PRIORITY_SPAN}
+        if deadline_in_s is not None:
+            xargs["kvflow_deadline"] = time.time() + deadline_in_s
+        body = {
+            "model": SERVED_MODEL_NAME,
+            "prompt": "Write the tier-1 summary.",
+            "max_tokens": URGENT_TOKENS,
+            "ignore_eos": True,
+            "priority": engine_priority(1, TASK_START + 10),
+            "vllm_xargs": xargs,
+        }
+        sent = time.monotonic()
+        answer = await http.post(f"{server.base_url}/v1/completions", json=body)
+        latency_s = time.monotonic() - sent
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] == URGENT_TOKENS
+        after = await counts_with_call(http, server, before)
+    return Scene(
+        latency_s=latency_s,
+        decode_time_s=after.decode_time_s - before.decode_time_s,
+        steps=round(after.steps - before.steps),
+        steps_alone=round(after.steps_of_one_token - before.steps_of_one_token),
+        low_tokens=round(after.generated_tokens - before.generated_tokens) - URGENT_TOKENS,
+        spoiled=after.finished_by_length != before.finished_by_length + 1,
+    )
+
+
+def paused_enough(unhurried: Scene, hurried: Scene) -> bool:
+    """Whether the round with the deadline shows the pause (see the test's assertions)."""
+    return (
+        not unhurried.spoiled
+        and not hurried.spoiled
+        and unhurried.steps_alone == 0
+        and hurried.steps_alone >= PAUSED_SHARE * URGENT_TOKENS
+        and hurried.low_tokens <= PAUSED_SHARE * unhurried.low_tokens
+        and hurried.decode_time_s < unhurried.decode_time_s
+    )
+
+
+async def test_a_call_at_risk_of_its_deadline_pauses_the_lower_tier(
+    server: VllmServedModel,
+) -> None:
+    rounds: list[tuple[Scene, Scene]] = []
+    async with httpx.AsyncClient(timeout=120) as http:
+        for _ in range(ROUNDS):
+            unhurried = await scene(http, server, None)
+            hurried = await scene(http, server, DEADLINE_SHARE * unhurried.latency_s)
+            rounds.append((unhurried, hurried))
+            print(f"without deadline: {unhurried}\nwith deadline:    {hurried}")
+            if paused_enough(unhurried, hurried):
+                break
+    unhurried, hurried = rounds[-1]
+    assert not unhurried.spoiled and not hurried.spoiled, rounds
+    # Without a deadline no step decoded the tier-1 call alone: the tier-3 calls kept pace.
+    assert unhurried.steps_alone == 0, rounds
+    # With one, most of its steps left the tier-3 calls out: their streams stalled...
+    assert hurried.steps_alone >= PAUSED_SHARE * URGENT_TOKENS, rounds
+    assert hurried.low_tokens <= PAUSED_SHARE * unhurried.low_tokens, rounds
+    # ...and it decoded sooner.
+    assert hurried.decode_time_s < unhurried.decode_time_s, rounds
