@@ -15,6 +15,7 @@ import json
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from kvflow.activities.wire import (
     InferenceResult,
 )
 from kvflow.scheduler.fleet import Pool, TokenPrices
-from kvflow.scheduler.placement import engine_priority
+from kvflow.scheduler.placement import TIER_PRIORITY_SPAN, engine_priority
 from kvflow.workers.config import FleetConfigError, load_fleet
 from kvflow.workers.devserver import free_port
 
@@ -221,6 +222,29 @@ async def test_vllm_with_priority_scheduling_leaves_out_a_missing_priority(
     assert received.body == BASE_BODY
 
 
+@pytest.mark.parametrize("kind", ["vllm", "llm-d"])
+async def test_deadline_pause_sends_the_steps_deadline_for_kvflows_vllm_scheduler(
+    kind: str, engine: RecordingEngine, tmp_path: Path
+) -> None:
+    # What kvflow_vllm.scheduler.DeadlinePauseScheduler reads from SamplingParams.extra_args.
+    step_deadline = datetime(2026, 1, 2, 3, 4, 5, 250_000, tzinfo=UTC)
+    endpoint = pool(endpoint_kind=kind, priority_scheduling=True, deadline_pause=True)
+    received = await sent(engine, endpoint, request(step_deadline=step_deadline), tmp_path)
+    assert received.body["priority"] == PRIORITY
+    assert received.body["vllm_xargs"] == {
+        "kvflow_deadline": step_deadline.timestamp(),
+        "kvflow_priority_span": TIER_PRIORITY_SPAN,
+    }
+    # A call without a step objective, or a pool whose engines do not pause, sends none.
+    plain = await sent(engine, endpoint, request(), tmp_path)
+    assert "vllm_xargs" not in plain.body
+    unpaused = pool(endpoint_kind=kind, priority_scheduling=True)
+    assert (
+        "vllm_xargs"
+        not in (await sent(engine, unpaused, request(step_deadline=step_deadline), tmp_path)).body
+    )
+
+
 async def test_dynamo_gets_agent_hints_and_the_session_header(
     engine: RecordingEngine, tmp_path: Path
 ) -> None:
@@ -344,6 +368,11 @@ def test_the_fleet_file_names_the_endpoint_kind_and_what_it_takes(tmp_path: Path
     [
         ('endpoint_kind = "sglang"\n', "'vllm', 'dynamo' or 'llm-d'"),
         ('endpoint_kind = "dynamo"\npriority_scheduling = true\n', "Dynamo takes the priority"),
+        ("deadline_pause = true\n", "deadline_pause needs vLLM engines scheduling by priority"),
+        (
+            'endpoint_kind = "dynamo"\ndeadline_pause = true\n',
+            "set priority_scheduling = true",
+        ),
         ('inference_objectives = ["a", "b", "c", "d", "e"]\n', "only to an llm-d gateway"),
         (
             'endpoint_kind = "llm-d"\ninference_objectives = ["a", "b"]\n',

@@ -117,6 +117,7 @@ FLEET_KEYS: dict[type[Any], set[str]] = {
         "kv_events_topic",
         "endpoint_kind",
         "priority_scheduling",
+        "deadline_pause",
         "inference_objectives",
     },
     TokenPrices: {"input_per_mtok_usd", "cached_input_per_mtok_usd", "output_per_mtok_usd"},

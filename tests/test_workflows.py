@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from datetime import UTC, timedelta
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,32 @@ async def test_five_step_task_runs_where_the_scheduler_placed_each_step(
         assert len(set(out.replicas[1:])) == 1
         assert sum(a.cached_tokens for a in attempts) > 0
         await assert_replays(handle)
+
+
+async def test_each_call_carries_its_steps_deadline_to_the_gpu_worker(
+    temporal_client: Client, tmp_path: Path
+):
+    # What an engine that pauses lower tiers by it (Pool.deadline_pause) is sent: the step's
+    # objective from when the call was asked, in the activity's input an operator can read.
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
+        task = wf.StepsInput(spec=task_spec(step_slo_s=30.0), model=MODEL, steps=2)
+        handle = await s.start(wf.MultiStepAgent.run, task)
+        await asyncio.wait_for(handle.result(), 60)
+        history = await handle.fetch_history()
+    started = history.events[0].event_time.ToDatetime(tzinfo=UTC)
+    scheduled = [
+        e
+        for e in history.events
+        if e.activity_task_scheduled_event_attributes.activity_type.name == INFER_ACTIVITY
+    ]
+    assert len(scheduled) == 2
+    for event in scheduled:
+        [call] = await temporal_client.data_converter.decode(
+            event.activity_task_scheduled_event_attributes.input.payloads, [InferenceRequest]
+        )
+        assert isinstance(call, InferenceRequest) and call.step_deadline is not None
+        asked_at = call.step_deadline - timedelta(seconds=30)
+        assert started <= asked_at <= event.event_time.ToDatetime(tzinfo=UTC)
 
 
 async def test_replica_that_crashes_mid_stream_is_resumed_elsewhere_and_both_attempts_billed(

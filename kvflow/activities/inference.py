@@ -705,6 +705,12 @@ def engine_hints(
       scorer issues (the serving pod's name, base64), not an id a client chooses
       (pkg/epp/framework/plugins/scheduling/scorer/sessionaffinity/session_affinity.go).
 
+    With `deadline_pause` (vllm and llm-d endpoints), a call with a step objective
+    (`request.step_deadline`) also sends `vllm_xargs` {"kvflow_deadline": POSIX seconds,
+    "kvflow_priority_span": 10¹³}, which vLLM hands its scheduler as `extra_args`:
+    `kvflow_vllm.scheduler.DeadlinePauseScheduler` pauses lower tiers while the call would miss
+    it. The engine compares the deadline with its own clock.
+
     A call placed without a priority (`request.priority` None) carries no priority, tier or
     objective; the endpoint then applies its default.
     """
@@ -713,6 +719,11 @@ def engine_hints(
     kind = pool.endpoint_kind
     if kind in ("vllm", "llm-d") and pool.priority_scheduling and priority is not None:
         hints.body["priority"] = priority
+        if pool.deadline_pause and request.step_deadline is not None:
+            hints.body["vllm_xargs"] = {
+                "kvflow_deadline": request.step_deadline.timestamp(),
+                "kvflow_priority_span": TIER_PRIORITY_SPAN,
+            }
     if kind == "dynamo":
         agent_hints: dict[str, int] = {}
         if priority is not None:

@@ -231,6 +231,9 @@ class InferenceRequest(BaseModel):
     priority: int | None = None
     """The engine priority the scheduler chose (`Placement.engine_priority`, lower first);
     sent to engines that schedule by priority, None for calls placed without one."""
+    step_deadline: datetime | None = None
+    """When the call's step should end (its objective, `TaskSpec.step_slo_s` from when the
+    call was asked); sent to engines that pause lower tiers by it (`Pool.deadline_pause`)."""
 
     @model_validator(mode="after")
     def _messages_or_prompt(self) -> Self:

@@ -256,6 +256,16 @@ class Pool(_Strict):
             "gateway passes the body on to vLLM); vLLM's default fcfs policy has no use for it"
         ),
     )
+    deadline_pause: bool = Field(
+        default=False,
+        description=(
+            "the vLLM engines run kvflow's engine scheduler (`--scheduler-cls "
+            "kvflow_vllm.scheduler.DeadlinePauseScheduler`, with priority_scheduling): each "
+            "call of a task with a step objective (`TaskSpec.step_slo_s`) carries its step's "
+            "deadline in the body's `vllm_xargs`, and while a call would miss it the engine "
+            "pauses the calls of lower tiers"
+        ),
+    )
     inference_objectives: list[ObjectiveName] = Field(
         default_factory=default_objectives,
         min_length=TIERS,
@@ -273,6 +283,15 @@ class Pool(_Strict):
             raise ValueError(
                 "priority_scheduling is for vLLM endpoints: Dynamo takes the priority in "
                 "nvext.agent_hints and passes it to its engines itself; remove it"
+            )
+        if self.deadline_pause and not (
+            self.priority_scheduling and self.endpoint_kind in ("vllm", "llm-d")
+        ):
+            raise ValueError(
+                "deadline_pause needs vLLM engines scheduling by priority behind a vllm or "
+                "llm-d endpoint: set priority_scheduling = true (and run the engines with "
+                "--scheduling-policy priority --scheduler-cls "
+                "kvflow_vllm.scheduler.DeadlinePauseScheduler), or remove it"
             )
         # Compared with the default rather than asked whether it was given, so that a dumped
         # pool (which writes the default out) validates again.

@@ -484,6 +484,7 @@ class Agent:
                     record,
                     f"the task's {self.spec.latency_budget_s:g} s latency budget is spent",
                 )
+            asked_at = workflow.now()
             placement = await self._place(call)
             remaining = self._remaining_s()
             record.reason = placement.reason
@@ -509,6 +510,10 @@ class Agent:
                 deadline=self._deadline,
                 checkpoint=call.checkpoint,
                 priority=placement.engine_priority,
+                # The step's objective from when the call was asked, as its placement saw it.
+                step_deadline=None
+                if self.spec.step_slo_s is None
+                else asked_at + timedelta(seconds=self.spec.step_slo_s),
             )
             dispatched_at = workflow.now()
             try:
