@@ -629,8 +629,11 @@ class EngineCore:
         if (
             horizon is not None
             and not self.waiting
-            and not self.config.deadline_pause
-            and not self.config.deadline_hold
+            and not (
+                # A planned decode run would step past the moment a deadline comes at risk.
+                (self.config.deadline_pause or self.config.deadline_hold)
+                and any(request.deadline_at is not None for request in self.running)
+            )
         ):
             duration = self._begin_decode_run(now, horizon)
             if duration is not None:

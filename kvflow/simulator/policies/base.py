@@ -70,8 +70,9 @@ MECHANISMS = (
     FALLBACK,
 )
 """Every mechanism the harness can apply around placement (module docstring)."""
-DEFAULT_MECHANISMS = frozenset({ENGINE_PRIORITY, ROUTER_QUEUE, HINTS})
-"""What the comparison gives every policy: all but fallback and KV retention. Retention is
+DEFAULT_MECHANISMS = frozenset({ENGINE_PRIORITY, ROUTER_QUEUE, HINTS, DEADLINE_PAUSE})
+"""What the comparison gives every policy: all but fallback, task end and KV retention. The
+deadline pause acts only where a workload declares step deadlines (overload). Retention is
 off because every hint that drives it cost its policy: Dynamo's priority by tier, which keeps
 finished tier-1 conversations above everything else, took dynamo-tuned on overload at 1.5×
 from a 92.5% hit rate to 76.9% and 1.57× the cost; kvflow's expected return cost 1.4% on
