@@ -6,11 +6,11 @@ One real vLLM CPU server runs `kvflow_vllm.scheduler.DeadlinePauseScheduler`
 kvflow's dependencies).
 
 Each round runs the same scene twice. Tier-3 calls with long answers (EOS ignored) are
-streaming; once all of them decode, one tier-1 call arrives. The first time it carries no
+decoding; once all of them run, one tier-1 call arrives. The first time it carries no
 deadline: the engine decodes it in the same batch as the tier-3 calls, which get a token on
 every step it gets one. The second time it carries a deadline (`vllm_xargs`) well before the
 time it took at that pace: the engine then leaves the tier-3 calls out of its steps while the
-tier-1 call would miss it, so the tier-3 streams stall while it decodes, and it finishes
+tier-1 call would miss it, so the tier-3 calls stall while it decodes, and it finishes
 sooner.
 
 What happened is read from the engine's own accounts in the server's Prometheus metrics, taken
@@ -40,6 +40,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvflow.scheduler.placement import TIER_PRIORITY_SPAN, engine_priority
 from tests.fixtures_vllm import (
@@ -50,6 +51,7 @@ from tests.fixtures_vllm import (
     tiny_server,
     vllm_servers,
 )
+from tests.waiting import eventually
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -58,9 +60,6 @@ TASK_START = 1_765_000_000.0
 LOW_CALLS = 4
 LOW_TOKENS = 900
 """Long enough to keep decoding through the tier-1 call (the context is 1024 tokens)."""
-LOW_STREAM_INTERVAL = 16
-"""Tokens per chunk of a tier-3 stream: fewer chunks keep the API server (and this process)
-from slowing the engine on two cores."""
 URGENT_TOKENS = 200
 DEADLINE_SHARE = 0.6
 """The deadline, as a share of the time the same call took without one in the same round."""
@@ -86,15 +85,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServedModel
 
 def metric(text: str, name: str, **labels: str) -> float:
     """The sum of the samples of `name` in Prometheus text whose labels include `labels`."""
-    total = 0.0
-    for line in text.splitlines():
-        sample, _, value = line.rpartition(" ")
-        metric_name, _, label_text = sample.partition("{")
-        if metric_name != name:
-            continue
-        if all(f'{key}="{wanted}"' in label_text for key, wanted in labels.items()):
-            total += float(value)
-    return total
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,43 +133,55 @@ async def counts_with_call(
             await asyncio.sleep(0.05)
 
 
-async def low_call(
-    http: httpx.AsyncClient, server: VllmServedModel, i: int, started: asyncio.Event
-) -> None:
-    """A streamed tier-3 call of `LOW_TOKENS` (EOS ignored); sets `started` at its first chunk."""
+async def low_call(http: httpx.AsyncClient, server: VllmServedModel, i: int) -> None:
+    """A tier-3 call of `LOW_TOKENS` (EOS ignored), not streamed: nothing for this process to
+    keep up with while the engine decodes (cancelling it aborts it in vLLM)."""
     body = {
         "model": SERVED_MODEL_NAME,
         "prompt": f"Write the long tier-3 report number {i}.",
         "max_tokens": LOW_TOKENS,
         "ignore_eos": True,
-        "stream": True,
-        "stream_interval": LOW_STREAM_INTERVAL,
         "priority": engine_priority(3, TASK_START + i),
     }
-    async with http.stream("POST", f"{server.base_url}/v1/completions", json=body) as answer:
-        assert answer.status_code == 200, await answer.aread()
-        async for _ in answer.aiter_lines():
-            started.set()
+    answer = await http.post(f"{server.base_url}/v1/completions", json=body)
+    assert answer.status_code == 200, answer.text
+
+
+async def engine_gauge(http: httpx.AsyncClient, server: VllmServedModel, name: str) -> float:
+    """One of the engine's gauges (`vllm:num_requests_running`, ...), as `/metrics` says now."""
+    answer = await http.get(f"{server.base_url}/metrics")
+    answer.raise_for_status()
+    return metric(answer.text, name)
 
 
 @contextlib.asynccontextmanager
 async def tier3_calls(http: httpx.AsyncClient, server: VllmServedModel) -> AsyncIterator[None]:
-    """`LOW_CALLS` tier-3 calls, all decoding; cancelled (aborted in vLLM) on exit."""
-    started = [asyncio.Event() for _ in range(LOW_CALLS)]
-    tasks = [asyncio.create_task(low_call(http, server, i, started[i])) for i in range(LOW_CALLS)]
+    """`LOW_CALLS` tier-3 calls, all running in the engine; aborted on exit.
+
+    The engine's own gauges say when they all run, rather than their first streamed tokens:
+    on two busy cores this process may read those seconds after the engine made them.
+    """
+    tasks = [asyncio.create_task(low_call(http, server, i)) for i in range(LOW_CALLS)]
+
+    async def all_running() -> bool:
+        for task in tasks:
+            if task.done():
+                task.result()  # a failed call fails the test with its error
+                raise AssertionError("a tier-3 call ended before all of them ran")
+        return await engine_gauge(http, server, "vllm:num_requests_running") >= LOW_CALLS
+
+    async def idle() -> bool:
+        return await engine_gauge(http, server, "vllm:num_requests_running") == 0
+
     try:
-        async with asyncio.timeout(60):
-            for task, event in zip(tasks, started, strict=True):
-                waiting = asyncio.create_task(event.wait())
-                await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)
-                waiting.cancel()
-                if task.done():
-                    task.result()  # a failed call fails the test with its error
+        await eventually(all_running, within=60, what="every tier-3 call runs", interval=0.02)
         yield
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        # The next scene starts from an idle engine: vLLM aborts a call whose client left.
+        await eventually(idle, within=30, what="vLLM aborted the tier-3 calls")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,7 +262,7 @@ async def test_a_call_at_risk_of_its_deadline_pauses_the_lower_tier(
     assert not unhurried.spoiled and not hurried.spoiled, rounds
     # Without a deadline no step decoded the tier-1 call alone: the tier-3 calls kept pace.
     assert unhurried.steps_alone == 0, rounds
-    # With one, most of its steps left the tier-3 calls out: their streams stalled...
+    # With one, most of its steps left the tier-3 calls out: they stalled...
     assert hurried.steps_alone >= PAUSED_SHARE * URGENT_TOKENS, rounds
     assert hurried.low_tokens <= PAUSED_SHARE * unhurried.low_tokens, rounds
     # ...and it decoded sooner.
