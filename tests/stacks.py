@@ -81,14 +81,21 @@ def fleet_for(pools: Sequence[PoolPlan], tenants: list[Tenant] | None = None) ->
     )
 
 
-def cheap_pool_that_crashes(backups: int = 1) -> list[PoolPlan]:
+def cheap_pool_that_crashes(backups: int = 1, backup_slowdown: float = 1.0) -> list[PoolPlan]:
     """The scheduler's first choice, whose only replica dies 20 tokens into a stream, and a
-    dearer backup pool where the cut call resumes."""
+    dearer backup pool where the cut call resumes, its engine steps `backup_slowdown` times
+    longer."""
     return [
         PoolPlan(
             "cheap", gpu="H200", prices=("0.05", "0.005", "0.15"), faults=FaultSpec(crash_after=20)
         ),
-        PoolPlan("backup", gpu="H100", replicas=backups, prices=("0.40", "0.04", "1.20")),
+        PoolPlan(
+            "backup",
+            gpu="H100",
+            replicas=backups,
+            prices=("0.40", "0.04", "1.20"),
+            faults=FaultSpec(slowdown=backup_slowdown),
+        ),
     ]
 
 

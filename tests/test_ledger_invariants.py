@@ -57,8 +57,12 @@ async def test_every_way_a_task_ends_leaves_the_ledger_exact(
 ):
     wf.REFUNDS.clear()
     wf.REVERSED.clear()
-    # The cheap replica dies mid-stream on its first long call; the backups take over.
-    async with fleet_stack(temporal_client, tmp_path, cheap_pool_that_crashes(backups=2)) as s:
+    # The cheap replica dies mid-stream on its first long call; the backups take over. They
+    # run 4x slower, so that the cancelled task's answer (3,000 tokens, about 2.6 s at full
+    # speed) is still streaming when the cancellation reaches its GPU worker, a heartbeat
+    # later, however fast the machine.
+    pools = cheap_pool_that_crashes(backups=2, backup_slowdown=4.0)
+    async with fleet_stack(temporal_client, tmp_path, pools) as s:
         # Short answers first: they fit under the cheap replica's crash point.
         normal = await s.start(
             wf.MultiStepAgent.run,

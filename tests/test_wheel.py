@@ -41,8 +41,10 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     [wheel] = where.glob("kvflow-*.whl")
     top = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    # kvflow_vllm: the engine-side scheduler vLLM imports from its own environment.
     assert top == {
         "kvflow",
+        "kvflow_vllm",
         wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1] + ".dist-info",
     }, top
     venv = where / "venv"
