@@ -430,10 +430,29 @@ class BugAfterRefund:
             return answer["text"]  # the bug: a KeyError, which Temporal retries as a task
 
 
+@workflow.defn
+class RefundReplyFollowUp:
+    """The refund and the reply of `RefundThenReply`, then a second model call."""
+
+    @workflow.run
+    async def run(self, task: RefundInput) -> str:
+        agent = Agent(task.spec)
+        async with agent:
+            reply = await refund_then_reply(agent, task)
+            follow_up = await agent.infer(
+                [ChatMessage(role="user", content=f"Summarise: {reply.text}")],
+                model=task.model,
+                max_tokens=4,
+                step="follow-up",
+            )
+            return follow_up.text
+
+
 ALL_WORKFLOWS = [
     MultiStepAgent,
     BugAfterRefund,
     RefundThenReply,
+    RefundReplyFollowUp,
     StructuredVerdict,
     LongReport,
     ReadContext,

@@ -39,6 +39,8 @@ class Fault:
     stall_s: float = 0.0
     chunk_delay_s: float = 0.0
     """Delay before each streamed chunk: makes a fast server stream slowly."""
+    hold_after_chunks: int | None = None
+    """Hold every stream after this many chunks until `FaultyProxy.release` is set."""
 
 
 class FaultyProxy:
@@ -55,6 +57,12 @@ class FaultyProxy:
         """Chooses each model call's `x-kvflow-fault` value (None: send none)."""
         self.headers_sent: Counter[str] = Counter()
         """How many calls got each fault header value."""
+        self.holding = threading.Event()
+        """Set once a stream is held (`Fault.hold_after_chunks`)."""
+        self.release = threading.Event()
+        """Set it to let held streams go on."""
+        self.cut_on_release = False
+        """Cut held streams when released instead of letting them go on."""
         app = Starlette(routes=[Route("/{path:path}", self._forward, methods=["GET", "POST"])])
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
         self._server = uvicorn.Server(config)
@@ -112,6 +120,13 @@ class FaultyProxy:
                         chunks += 1
                         if fault.chunk_delay_s:
                             await asyncio.sleep(fault.chunk_delay_s)
+                        if fault.hold_after_chunks is not None and chunks > fault.hold_after_chunks:
+                            self.holding.set()
+                            # Bounded, so that a test that never releases cannot hang it.
+                            await asyncio.to_thread(self.release.wait, 60)
+                            if self.cut_on_release:
+                                self.cuts += 1
+                                raise CutConnection
                         if fault.cut_after_chunks is not None and chunks > fault.cut_after_chunks:
                             self.cuts += 1
                             raise CutConnection

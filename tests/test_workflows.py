@@ -8,6 +8,8 @@ through it and checks what an operator and finance would see.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -66,12 +68,14 @@ from kvflow.workers.config import load_fleet
 from kvflow.workflows import errors, search_attributes
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown, TaskSpec
 from tests import agent_workflows as wf
+from tests.faulty_proxy import Fault, FaultyProxy
 from tests.history import wait_until_streaming
 from tests.stacks import (
     MODEL,
     PoolPlan,
     assert_replays,
     cheap_pool_that_crashes,
+    fleet_for,
     fleet_stack,
     task_spec,
 )
@@ -699,6 +703,129 @@ async def test_cancelled_task_runs_its_compensations_and_is_recorded_as_cancelle
         assert row is not None and row.outcome == TaskOutcome.CANCELLED
         attrs = (await handle.describe()).typed_search_attributes
         assert attrs.get(search_attributes.OUTCOME) == "cancelled"
+
+
+async def _last_heartbeat(handle: WorkflowHandle[Any, Any]) -> float:
+    pending = (await handle.describe()).raw_description.pending_activities
+    return pending[0].last_heartbeat_time.ToNanoseconds() / 1e9 if pending else 0.0
+
+
+async def _events(handle: WorkflowHandle[Any, Any]) -> list[Any]:
+    return [event async for event in handle.fetch_history_events()]
+
+
+@pytest.mark.parametrize("ending", ["answered", "cut"])
+async def test_a_task_cancelled_as_its_call_ends_otherwise_stops_there_as_cancelled(
+    temporal_client: Client, tmp_path: Path, ending: str
+):
+    """The call's own end wins the race with the cancellation: the task still ends CANCELED.
+
+    The reply's stream is held at the proxy until the workflow has asked the GPU worker to
+    stop the call, then let go at once, before the worker's next heartbeat brings it the
+    cancellation: the call completes (`answered`) or fails as a cut stream does (`cut`) after
+    its cancellation was requested, which Temporal's SDK hands the workflow as an ordinary
+    answer or failure. The task must neither go on to its follow-up call nor re-place the
+    cut one; its refund is reversed, and what the reply cost is its spend.
+    """
+    sim = SimServer(
+        ServerSettings(
+            gpu="H100",
+            models=[BUILTIN_MODELS[MODEL]],
+            time_scale=20.0,
+            engine=EngineConfig(block_size=16, max_model_len=4096),
+        )
+    ).start()
+    proxy = FaultyProxy(sim.base_url).start()
+    fleet = fleet_for([PoolPlan("only")])
+    pool = fleet.pools[0].model_copy(update={"endpoints": [proxy.base_url]})
+    fleet = fleet.model_copy(update={"pools": [pool]})
+    try:
+        async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only")], fleet=fleet) as s:
+            for attempt in range(1, 4):
+                wf.REVERSED.clear()
+                proxy.holding.clear()
+                proxy.release.clear()
+                proxy.cut_on_release = ending == "cut"
+                proxy.fault = Fault(hold_after_chunks=4)
+                refund = wf.Refund(account=f"C-race-{attempt}", amount_cents=500)
+                task = wf.RefundInput(
+                    spec=TaskSpec(tenant="acme", expected_steps=3),
+                    model=MODEL,
+                    refund=refund,
+                    max_tokens=32,
+                )
+                handle = await s.start(wf.RefundReplyFollowUp.run, task)
+                await eventually(proxy.holding.is_set, within=20, what="the reply is streaming")
+                # Cancel just after a heartbeat reached the server: the GPU worker's next one,
+                # which would bring it the cancellation, is a heartbeat interval away.
+                beat = await _last_heartbeat(handle)
+                with contextlib.suppress(AssertionError):
+                    await eventually(
+                        functools.partial(_heartbeat_after, handle, beat),
+                        within=3,
+                        what="a heartbeat",
+                    )
+                await handle.cancel()
+                await eventually(
+                    functools.partial(
+                        _has_event, handle, EventType.EVENT_TYPE_ACTIVITY_TASK_CANCEL_REQUESTED
+                    ),
+                    within=10,
+                    what="the workflow asks the GPU worker to stop the reply",
+                    interval=0.01,
+                )
+                proxy.fault = Fault()
+                proxy.release.set()
+                with pytest.raises(WorkflowFailureError):
+                    await handle.result()
+                events = await _events(handle)
+                kinds = [event.event_type for event in events]
+                call_end = (
+                    EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED
+                    if ending == "answered"
+                    else EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED
+                )
+                if (
+                    call_end
+                    in kinds[kinds.index(EventType.EVENT_TYPE_ACTIVITY_TASK_CANCEL_REQUESTED) :]
+                ):
+                    break  # the race this test is about: the call ended after the request
+            else:
+                pytest.fail("the GPU worker heard of the cancellation first in all 3 tries")
+            description = await handle.describe()
+            assert description.status == WorkflowExecutionStatus.CANCELED
+            scheduled = [
+                e.activity_task_scheduled_event_attributes.activity_type.name
+                for e in events
+                if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+            ]
+            # The refund, the reply and the refund's reversal: no follow-up call, no re-placement.
+            assert scheduled.count(INFER_ACTIVITY) == 1, scheduled
+            assert [refund] == wf.REVERSED
+            row = await s.ledger.task(handle.id, description.run_id or "")
+            assert row is not None and row.outcome == TaskOutcome.CANCELLED
+            # The reply's one attempt is the cancelled task's spend: answered in full and
+            # billed as such, or cut and billed as waste.
+            assert row.attempts == 1 and row.spend_micros > 0
+            assert row.wasted_micros == (0 if ending == "answered" else row.spend_micros)
+            spend = await handle.query(SPEND_QUERY, result_type=SpendBreakdown)
+            assert spend.outcome == "cancelled" and spend.spend_micros == row.spend_micros
+            outcomes = {
+                step.name: step.outcome for step in spend.steps if step.kind != "compensation"
+            }
+            assert outcomes == {"refund": "ok", "reply": "cancelled"}
+            await assert_replays(handle)
+    finally:
+        proxy.stop()
+        sim.stop()
+
+
+async def _heartbeat_after(handle: WorkflowHandle[Any, Any], beat: float) -> bool:
+    return await _last_heartbeat(handle) > beat
+
+
+async def _has_event(handle: WorkflowHandle[Any, Any], kind: EventType.ValueType) -> bool:
+    return any(event.event_type == kind for event in await _events(handle))
 
 
 async def test_gpu_worker_process_killed_mid_call_is_billed_and_the_call_resumes_elsewhere(

@@ -143,6 +143,10 @@ TOOL_RETRY = RetryPolicy(
 EXCLUSIONS_LAPSE_PATCH = "kvflow-exclusions-lapse"
 """`workflow.patched` id of the rule that a call every candidate replica has failed is placed
 again among them (histories from before it failed the task there)."""
+STOP_WHEN_CANCELLED_PATCH = "kvflow-stop-when-cancelled"
+"""`workflow.patched` id of the rule that a task cancelled while a call runs ends there, even
+when the call's answer completed first (histories from before it went on to their next
+steps)."""
 MAX_ADMISSION_WAITS = 60
 """How many times one step waits for admission before it fails (without a deadline)."""
 MAX_OUTAGE_REPLACEMENTS = 10
@@ -516,6 +520,9 @@ class Agent:
                 else asked_at + timedelta(seconds=self.spec.step_slo_s),
             )
             dispatched_at = workflow.now()
+            # A cancellation requested before this call is the caller's to handle (cleanup
+            # after catching it); only one that arrives while the call runs is checked below.
+            cancelled_before = workflow.cancellation_reason() is not None
             try:
                 result: InferenceResult = await workflow.execute_activity(
                     INFER_ACTIVITY,
@@ -581,6 +588,9 @@ class Agent:
                         f"{self.spec.retry_budget} re-placements are used up",
                         last_error=failure.error_type,
                     ) from None
+                if not cancelled_before:
+                    # Cancelled as the call failed: no re-placement.
+                    self._stop_if_cancelled(record)
                 call.attempt += 1
                 call.after_outage = free
                 if free:
@@ -610,7 +620,30 @@ class Agent:
             if result.reused_tokens and call.carried:
                 await self.spend.mark_resumed(call.carried)
             self._last_replica = result.replica
+            if not cancelled_before:
+                # The answer may have completed after the task's cancellation asked the GPU
+                # worker to stop: the SDK then returns it, and the cancellation is spent.
+                self._stop_if_cancelled(record)
             return result
+
+    def _stop_if_cancelled(self, record: StepSpend) -> None:
+        """End the task as cancelled if its cancellation was requested, before it spends more.
+
+        Called after a call that was dispatched before the cancellation. Temporal delivers a
+        workflow's cancellation once. A call cancelled while its answer completes (the GPU
+        worker hears of it only with its next heartbeat) returns that answer, and a
+        retryable failure at that moment would be re-placed: either way the task would go
+        on to spend on calls its owner asked it not to make. The answer already paid for
+        stays billed (its attempt is "ok"); the task ends CANCELED and its saga's
+        compensations run.
+        """
+        if workflow.cancellation_reason() is None:
+            return
+        if not workflow.patched(STOP_WHEN_CANCELLED_PATCH):
+            return
+        record.outcome = "cancelled"
+        self._publish()
+        raise asyncio.CancelledError(f"the task was cancelled at step {record.name!r}")
 
     async def _place(self, call: _Call) -> Placement:
         """Ask the scheduler; wait out admission refusals (saturated fleet, circuits open)."""
