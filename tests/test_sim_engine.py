@@ -571,23 +571,37 @@ def test_a_blocked_head_is_not_looked_up_again_until_something_could_let_it_in(
     assert skipping[0] < every_step[0] / 2
 
 
+DUE_AT = 0.3
+"""When `_urgent_beside_a_batch`'s urgent request is due."""
+
+
+def _urgent_beside_a_batch(
+    config: EngineConfig, urgent: int, batch: int, *more: SimRequest
+) -> tuple[EngineCore, SimRequest, list[SimRequest]]:
+    """An engine given a short request of priority `urgent` due at `DUE_AT`, `more`, and a
+    batch of 16 long ones of priority `batch`, all at 0 s."""
+    engine = EngineCore("H100", SMALL, config)
+    due = SimRequest(
+        "urgent", max_tokens=400, prompt_token_ids=prompt(1, 64), priority=urgent,
+        deadline_at=DUE_AT,
+    )  # fmt: skip
+    others = [
+        SimRequest(f"o{i}", max_tokens=400, prompt_token_ids=prompt(i + 3, 2048), priority=batch)
+        for i in range(16)
+    ]
+    for request in (due, *more, *others):
+        engine.add_request(request, 0.0)
+    return engine, due, others
+
+
 def test_deadline_pause_steps_only_the_urgent_request_while_its_deadline_is_at_risk() -> None:
     # A relaxation for the benchmark's bounds: a priority-1 request whose answer cannot end by
     # its deadline at the batch's pace has the batch to itself until the deadline passes.
     def run(pause: bool) -> tuple[list[int], int]:
-        engine = EngineCore("H100", SMALL, EngineConfig(deadline_pause=pause))
-        urgent = SimRequest(
-            "urgent", max_tokens=400, prompt_token_ids=prompt(1, 64), priority=1, deadline_at=0.3
-        )
-        others = [
-            SimRequest(f"o{i}", max_tokens=400, prompt_token_ids=prompt(i + 2, 2048), priority=5)
-            for i in range(16)
-        ]
-        for request in (urgent, *others):
-            engine.add_request(request, 0.0)
+        engine, urgent, others = _urgent_beside_a_batch(EngineConfig(deadline_pause=pause), 1, 5)
         now = 0.0
         outputs: list[int] = []
-        while now < 0.3:
+        while now < DUE_AT:
             now += engine.step(now).duration
             outputs.append(sum(o.num_output_tokens for o in others))
         return outputs, urgent.num_output_tokens
@@ -605,25 +619,15 @@ def test_deadline_pause_leaves_the_urgent_requests_own_band_running() -> None:
     # the urgent request's own tier keeps decoding; only lower tiers pause.
     span = 100
     config = EngineConfig(deadline_pause=True, deadline_priority_span=span)
-    engine = EngineCore("H100", SMALL, config)
-    urgent = SimRequest(
-        "urgent", max_tokens=400, prompt_token_ids=prompt(1, 64), priority=span + 1,
-        deadline_at=0.3,
-    )  # fmt: skip
     same_tier = SimRequest(
         "same", max_tokens=400, prompt_token_ids=prompt(2, 64), priority=span + 7
     )
-    lower = [
-        SimRequest(f"o{i}", max_tokens=400, prompt_token_ids=prompt(i + 3, 2048), priority=2 * span)
-        for i in range(16)
-    ]
-    for request in (urgent, same_tier, *lower):
-        engine.add_request(request, 0.0)
+    engine, _, lower = _urgent_beside_a_batch(config, span + 1, 2 * span, same_tier)
     now = 0.0
     at_half: tuple[int, int] | None = None
-    while now < 0.3:
+    while now < DUE_AT:
         now += engine.step(now).duration
-        if at_half is None and now >= 0.15:
+        if at_half is None and now >= DUE_AT / 2:
             at_half = (same_tier.num_output_tokens, sum(o.num_output_tokens for o in lower))
     assert at_half is not None
     # The lower tier stopped gaining tokens in the second half; the same tier did not.
@@ -635,24 +639,14 @@ def test_deadline_hold_admits_no_lower_band_but_keeps_running_ones_stepping() ->
     # The admission half only: what a router holding lower tiers off the replica could do.
     def run(hold: bool) -> tuple[int, int]:
         config = EngineConfig(deadline_hold=hold, deadline_priority_span=10)
-        engine = EngineCore("H100", SMALL, config)
-        urgent = SimRequest(
-            "urgent", max_tokens=400, prompt_token_ids=prompt(1, 64), priority=10,
-            deadline_at=0.3,
-        )  # fmt: skip
-        running = [
-            SimRequest(f"r{i}", max_tokens=400, prompt_token_ids=prompt(i + 2, 2048), priority=50)
-            for i in range(16)
-        ]
-        for request in (urgent, *running):
-            engine.add_request(request, 0.0)
+        engine, _, running = _urgent_beside_a_batch(config, 10, 50)
         now = 0.0
         while now < 0.1:
             now += engine.step(now).duration
         late = SimRequest("late", max_tokens=400, prompt_token_ids=prompt(40, 64), priority=50)
         engine.add_request(late, now)
         before = sum(r.num_output_tokens for r in running)
-        while now < 0.3:
+        while now < DUE_AT:
             now += engine.step(now).duration
         return late.num_output_tokens, sum(r.num_output_tokens for r in running) - before
 

@@ -887,11 +887,11 @@ class EngineCore:
 
     # -- scheduling ---------------------------------------------------------------------
 
-    def _paused_above(self, now: float) -> int | None:
-        """The priority above which requests pause or wait this step; None: none.
+    def _at_risk_band_top(self, now: float) -> int | None:
+        """The last priority of the band at risk this step; None: no request is at risk.
 
-        For `deadline_pause` and `deadline_hold`.
-        The last priority of the band (`deadline_priority_span`) of the most urgent decoding
+        Requests of larger priorities pause (`deadline_pause`) or wait (`deadline_hold`).
+        It is the last priority of the band (`deadline_priority_span`) of the most urgent decoding
         request whose deadline its `max_tokens` left, at the last step's duration, would pass.
         What an engine knows: the request's cap, not where its answer ends, as vLLM's
         scheduler (`kvflow_vllm.scheduler`) sees it.
@@ -926,7 +926,9 @@ class EngineCore:
         running = self.running
         by_priority = self._by_priority
         config = self.config
-        at_risk = self._paused_above(now) if config.deadline_pause or config.deadline_hold else None
+        at_risk = (
+            self._at_risk_band_top(now) if config.deadline_pause or config.deadline_hold else None
+        )
         paused_above = at_risk if config.deadline_pause else None
         index = 0
         while index < len(running) and budget > 0:
