@@ -78,6 +78,19 @@ async def reverse_refund(refund: Refund) -> None:
     REVERSED.append(refund)
 
 
+REFUNDS_STARTED: set[str] = set()
+"""Accounts whose `issue_refund_slowly` has begun."""
+
+
+@activity.defn
+async def issue_refund_slowly(refund: Refund) -> str:
+    """Issue the refund a second after starting; it never heartbeats, so never hears a cancel."""
+    REFUNDS_STARTED.add(refund.account)
+    await asyncio.sleep(1.0)
+    REFUNDS.append(refund)
+    return f"refund-{len(REFUNDS)}"
+
+
 class RefundInput(BaseModel):
     spec: TaskSpec
     model: str
@@ -448,8 +461,29 @@ class RefundReplyFollowUp:
             return follow_up.text
 
 
+@workflow.defn
+class SlowRefundThenReply:
+    """`RefundThenReply` with a refund that takes a second and ignores cancellation."""
+
+    @workflow.run
+    async def run(self, task: RefundInput) -> str:
+        agent = Agent(task.spec)
+        async with agent:
+            await agent.tool(
+                issue_refund_slowly, task.refund, compensation=reverse_refund, step="refund"
+            )
+            reply = await agent.infer(
+                [ChatMessage(role="user", content="Draft the reply to the customer.")],
+                model=task.model,
+                max_tokens=task.max_tokens,
+                step="reply",
+            )
+            return reply.text
+
+
 ALL_WORKFLOWS = [
     MultiStepAgent,
+    SlowRefundThenReply,
     BugAfterRefund,
     RefundThenReply,
     RefundReplyFollowUp,
@@ -464,6 +498,7 @@ ALL_WORKFLOWS = [
 ]
 ALL_ACTIVITIES = [
     issue_refund,
+    issue_refund_slowly,
     reverse_refund,
     book_hotel,
     cancel_hotel,

@@ -714,6 +714,49 @@ async def _events(handle: WorkflowHandle[Any, Any]) -> list[Any]:
     return [event async for event in handle.fetch_history_events()]
 
 
+async def test_a_task_cancelled_while_an_undoable_tool_runs_waits_for_it_and_undoes_it(
+    temporal_client: Client, tmp_path: Path
+):
+    # The refund tool never heartbeats, so the cancellation cannot stop it: it issues the
+    # refund a second later whatever the workflow does. Leaving it there would leave a refund
+    # no compensation reverses.
+    wf.REFUNDS.clear()
+    wf.REVERSED.clear()
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
+        refund = wf.Refund(account="C-slow", amount_cents=700)
+        task = wf.RefundInput(
+            spec=TaskSpec(tenant="acme", expected_steps=1), model=MODEL, refund=refund
+        )
+        handle = await s.start(wf.SlowRefundThenReply.run, task)
+        await eventually(
+            lambda: refund.account in wf.REFUNDS_STARTED, within=20, what="the refund starts"
+        )
+        await handle.cancel()
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()
+        # The refund went out and was reversed; the reply was never asked for.
+        assert [refund] == wf.REFUNDS and [refund] == wf.REVERSED
+        description = await handle.describe()
+        assert description.status == WorkflowExecutionStatus.CANCELED
+        events = await _events(handle)
+        scheduled = [
+            (i, e.activity_task_scheduled_event_attributes.activity_type.name)
+            for i, e in enumerate(events)
+            if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+        ]
+        assert INFER_ACTIVITY not in [name for _, name in scheduled]
+        tools = [(i, name) for i, name in scheduled if not name.startswith("kvflow.")]
+        assert [name for _, name in tools] == ["issue_refund_slowly", "reverse_refund"]
+        # The reversal was scheduled once the refund had completed, not while it ran.
+        completed = [e.event_type for e in events].index(
+            EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED
+        )
+        assert completed < tools[1][0]
+        row = await s.ledger.task(handle.id, description.run_id or "")
+        assert row is not None and row.outcome == TaskOutcome.CANCELLED
+        await assert_replays(handle)
+
+
 @pytest.mark.parametrize("ending", ["answered", "cut"])
 async def test_a_task_cancelled_as_its_call_ends_otherwise_stops_there_as_cancelled(
     temporal_client: Client, tmp_path: Path, ending: str

@@ -143,6 +143,9 @@ TOOL_RETRY = RetryPolicy(
 EXCLUSIONS_LAPSE_PATCH = "kvflow-exclusions-lapse"
 """`workflow.patched` id of the rule that a call every candidate replica has failed is placed
 again among them (histories from before it failed the task there)."""
+WAIT_FOR_UNDOABLE_TOOLS_PATCH = "kvflow-wait-for-undoable-tools"
+"""`workflow.patched` id of the rule that a cancelled task waits for a running tool that has a
+compensation, and undoes it if it did its work (histories from before left it running)."""
 STOP_WHEN_CANCELLED_PATCH = "kvflow-stop-when-cancelled"
 """`workflow.patched` id of the rule that a task cancelled while a call runs ends there, even
 when the call's answer completed first (histories from before it went on to their next
@@ -565,6 +568,10 @@ class Agent:
                     )
                 verdict = await self._observe(placement, failure, dispatched_at=dispatched_at)
                 self._publish()
+                if not cancelled_before:
+                    # Cancelled as the call failed: the task ends cancelled, neither failed
+                    # nor re-placed.
+                    self._stop_if_cancelled(record)
                 if not failure.retryable:
                     record.outcome = failure.error_type
                     raise self._error(
@@ -588,9 +595,6 @@ class Agent:
                         f"{self.spec.retry_budget} re-placements are used up",
                         last_error=failure.error_type,
                     ) from None
-                if not cancelled_before:
-                    # Cancelled as the call failed: no re-placement.
-                    self._stop_if_cancelled(record)
                 call.attempt += 1
                 call.after_outage = free
                 if free:
@@ -626,22 +630,22 @@ class Agent:
                 self._stop_if_cancelled(record)
             return result
 
-    def _stop_if_cancelled(self, record: StepSpend) -> None:
+    def _stop_if_cancelled(self, record: StepSpend, outcome: str = "cancelled") -> None:
         """End the task as cancelled if its cancellation was requested, before it spends more.
 
         Called after a call that was dispatched before the cancellation. Temporal delivers a
         workflow's cancellation once. A call cancelled while its answer completes (the GPU
-        worker hears of it only with its next heartbeat) returns that answer, and a
-        retryable failure at that moment would be re-placed: either way the task would go
-        on to spend on calls its owner asked it not to make. The answer already paid for
+        worker hears of it only with its next heartbeat) returns that answer; one that fails
+        then would be re-placed or fail the task. The task would go on to spend on calls its
+        owner asked it not to make, or end failed though it was cancelled first. The answer already paid for
         stays billed (its attempt is "ok"); the task ends CANCELED and its saga's
-        compensations run.
+        compensations run. The step's outcome becomes `outcome`.
         """
         if workflow.cancellation_reason() is None:
             return
         if not workflow.patched(STOP_WHEN_CANCELLED_PATCH):
             return
-        record.outcome = "cancelled"
+        record.outcome = outcome
         self._publish()
         raise asyncio.CancelledError(f"the task was cancelled at step {record.name!r}")
 
@@ -926,6 +930,11 @@ class Agent:
         An attempt whose worker died is noticed when `start_to_close` passes, unless the tool
         heartbeats (`async with kvflow.tool_heartbeats():` around its body) and
         `heartbeat_timeout` is given: then it is retried once the heartbeats stop.
+
+        When the task is cancelled while a tool with a compensation runs, the task waits for
+        the tool: one that heartbeats hears of the cancellation and may stop; one that
+        finishes its work anyway is undone with the others, after it has finished. A tool
+        without a compensation is left to stop on its own.
         """
         name = step or (activity if isinstance(activity, str) else activity.__name__)
         record = StepSpend(index=len(self.steps) + 1, name=name, kind="tool")
@@ -940,6 +949,11 @@ class Agent:
                 f"the task's {self.spec.latency_budget_s:g} s latency budget is spent",
             )
         until_deadline = timedelta(seconds=remaining) if remaining is not None else None
+        cancelled_before = workflow.cancellation_reason() is not None
+        # Cancelled while it runs, a tool that can be undone is waited for: had it done its
+        # work by then, its compensation must run, and only once it has. Any other tool is
+        # left to stop on its own.
+        waits = compensation is not None and workflow.patched(WAIT_FOR_UNDOABLE_TOOLS_PATCH)
         try:
             result = await workflow.execute_activity(
                 cast(Any, activity),
@@ -950,12 +964,18 @@ class Agent:
                 retry_policy=policy,
                 result_type=result_type,
                 summary=f"tool {name}",
+                cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED
+                if waits
+                else ActivityCancellationType.TRY_CANCEL,
             )
         except ActivityError as err:
             record.outcome = "cancelled" if _is_cancellation(err) else "failed"
             self._publish()
             if _is_cancellation(err):
                 raise
+            if waits and not cancelled_before:
+                # It failed after the task's cancellation reached it: the task is cancelled.
+                self._stop_if_cancelled(record)
             what = _tool_failure(err.cause)
             # Cut off by the deadline: no time for another try, or the last one timed out at
             # it. A tool's own non-retryable error stays its verdict, whenever it came.
@@ -978,6 +998,9 @@ class Agent:
                 (name, compensation, arg if compensation_arg is None else compensation_arg)
             )
         self._publish()
+        if waits and not cancelled_before:
+            # It finished after the task's cancellation reached it: it is undone with the rest.
+            self._stop_if_cancelled(record, outcome="ok")
         return result
 
     async def compensate(self) -> bool:
