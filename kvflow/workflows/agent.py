@@ -637,9 +637,9 @@ class Agent:
         workflow's cancellation once. A call cancelled while its answer completes (the GPU
         worker hears of it only with its next heartbeat) returns that answer; one that fails
         then would be re-placed or fail the task. The task would go on to spend on calls its
-        owner asked it not to make, or end failed though it was cancelled first. The answer already paid for
-        stays billed (its attempt is "ok"); the task ends CANCELED and its saga's
-        compensations run. The step's outcome becomes `outcome`.
+        owner asked it not to make, or end failed though it was cancelled first. The answer
+        already paid for stays billed (its attempt is "ok"); the task ends CANCELED and its
+        saga's compensations run. The step's outcome becomes `outcome`.
         """
         if workflow.cancellation_reason() is None:
             return
