@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from decimal import Decimal
 
@@ -15,7 +16,7 @@ from kvflow.bench.policies.relaxations import at_hit_rate, main, seed_floors
 from kvflow.bench.policies.runs import run_policy
 from kvflow.bench.policies.task_runner import ORACLE_RETENTION_S, oracle_retention
 from kvflow.simulator.kvcache import DEFAULT_RETENTION_PRIORITY
-from kvflow.simulator.workloads import WORKLOADS
+from kvflow.simulator.workloads import WORKLOADS, Workload
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -133,4 +134,26 @@ def test_retention_by_the_tools_kind_reads_the_kind_never_the_pause() -> None:
         run_policy(
             "round-robin", spec=spec, fleet=bench_fleet("long-agent", 2), task_rate=0.1,
             seed=0, tasks=1, kind_oracle=True,
+        )  # fmt: skip
+
+
+def test_even_arrivals_start_the_same_tasks_exactly_one_gap_apart() -> None:
+    spec = WORKLOADS["long-agent"]
+    tenants = [("acme", 1), ("globex", 3), ("initech", 5)]
+    poisson = list(Workload(spec, tenants, tasks=50, task_rate=0.5, seed=3))
+    even = list(Workload(spec, tenants, tasks=50, task_rate=0.5, seed=3, even_arrivals=True))
+    assert [t.arrival for t in even] == pytest.approx([2.0 * n for n in range(1, 51)])
+    # The Poisson stream is not even; the tasks themselves are the same ones.
+    gaps = [b.arrival - a.arrival for a, b in itertools.pairwise(poisson)]
+    assert max(gaps) > 2 * min(gaps)
+    assert [(t.tier, t.steps) for t in even] == [(t.tier, t.steps) for t in poisson]
+    # Derived workloads keep the spacing, and a run cannot mix a workload with another one.
+    assert next(iter(Workload(spec, tenants, tasks=1, task_rate=1.0, even_arrivals=True).at_rate(
+        0.25, tasks=2
+    ))).arrival == pytest.approx(4.0)  # fmt: skip
+    with pytest.raises(ValueError, match="even_arrivals"):
+        run_policy(
+            "round-robin", spec=spec, fleet=bench_fleet("long-agent", 2), task_rate=1.0, seed=0,
+            tasks=1, even_arrivals=True,
+            workload=Workload(spec, tenants, tasks=1, task_rate=1.0),
         )  # fmt: skip

@@ -32,6 +32,7 @@ Generation is lazy and deterministic: task i is drawn from its own generator see
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import random
 import statistics
@@ -448,6 +449,8 @@ class Workload:
 
     `tenants` are (name, tier) pairs; `task_rate` is the mean arrival rate in tasks per second.
     Iterating gives `tasks` tasks, or (with `until_s`) every task arriving before `until_s`.
+    `even_arrivals` spaces the same tasks exactly 1 / `task_rate` apart instead: a
+    relaxation, the smoothest starts any admission could give without making a task wait.
     """
 
     def __init__(
@@ -460,6 +463,7 @@ class Workload:
         seed: int = 0,
         block_size: int = 16,
         until_s: float | None = None,
+        even_arrivals: bool = False,
         _drawer: _Drawer | None = None,
     ) -> None:
         if task_rate <= 0:
@@ -470,6 +474,7 @@ class Workload:
         self.tenants = list(tenants)
         self.tasks = tasks
         self.until_s = until_s
+        self.even_arrivals = even_arrivals
         self.task_rate = task_rate
         self.seed = seed
         self.block_size = block_size
@@ -490,6 +495,7 @@ class Workload:
             seed=self.seed,
             block_size=self.block_size,
             until_s=until_s,
+            even_arrivals=self.even_arrivals,
             _drawer=self._drawer,
         )
 
@@ -499,6 +505,9 @@ class Workload:
 
     def arrivals(self) -> Iterator[float]:
         """Arrival times: Poisson at `task_rate` on average, with bursts (module docstring)."""
+        if self.even_arrivals:
+            yield from (n / self.task_rate for n in itertools.count(1))
+            return
         spec = self.spec
         rng = random.Random(f"{self.seed}/arrivals")
         share, factor = spec.burst_share, spec.burst_factor

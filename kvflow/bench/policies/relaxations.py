@@ -15,7 +15,11 @@ constraint lifted at a time, on the seeds, tasks and load of `kvflow bench polic
 - **eviction by the tool's kind** (`kind_oracle`, where the workload has tools): the same, with
   each pause replaced by the typical pause of the tool the call's answer will ask for. A
   policy learns that tool only from the answer, after the call ended, so this too is more
-  than any policy has; it says what knowing the tool, not the pause, is worth.
+  than any policy has; it says what knowing the tool, not the pause, is worth;
+- **evenly spaced starts** (`even_arrivals`, with `--even-arrivals`): the same tasks starting
+  exactly 1 / rate apart instead of as a Poisson stream. That is the smoothest any admission
+  that holds new tasks back could make the load, without the wait it would cost them; it
+  says what admission could buy against the peaks of the cache's demand.
 
 Beside them, the KV-capacity floor twice: as the bound (running calls hold their prompt for
 their idle-fleet model time) and with running calls held as long as the policy's measured
@@ -27,7 +31,7 @@ Neither is a policy: both read what production cannot have, and only bound what 
 admission and eviction order can buy.
 
     python -m kvflow.bench.policies.relaxations --workload long-agent --capacity 0.0229 \
-        [--mechanisms engine-priority,router-queue,hints,task-end]
+        [--mechanisms engine-priority,router-queue,hints,task-end] [--even-arrivals]
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ class RelaxedRun:
 
     seed: int
     variant: str
-    """`cache ×<scale>`, `oracle retention` or `retention by the tool's kind`."""
+    """`cache ×<scale>`, `oracle retention`, `retention by the tool's kind` or `even
+    arrivals`."""
     prefix_hit_rate: float
     cost_per_successful_task_usd: str
     mean_model_s: float
@@ -81,6 +86,7 @@ class _Job:
     oracle: bool
     mechanisms: frozenset[str] = DEFAULT_MECHANISMS
     kind: bool = False
+    even: bool = False
 
 
 def quick_plan(spec: WorkloadSpec, fleet: Fleet, task_rate: float) -> RunPlan:
@@ -98,7 +104,7 @@ def _run(job: _Job) -> RelaxedRun:
     run = run_policy(
         job.policy, spec=spec, fleet=fleet, task_rate=job.task_rate, seed=job.seed, plan=plan,
         kv_cache_scale=job.scale, retention_oracle=job.oracle, mechanisms=job.mechanisms,
-        kind_oracle=job.kind,
+        kind_oracle=job.kind, even_arrivals=job.even,
     )  # fmt: skip
     fig = figures(run.outcome, 0.0)
     return RelaxedRun(
@@ -108,6 +114,8 @@ def _run(job: _Job) -> RelaxedRun:
             if job.kind
             else "oracle retention"
             if job.oracle
+            else "even arrivals"
+            if job.even
             else f"cache ×{job.scale:g}"
         ),
         prefix_hit_rate=fig.prefix_hit_rate,
@@ -188,8 +196,9 @@ def relax(
     oracle: bool = True,
     workers: int = 2,
     mechanisms: frozenset[str] = DEFAULT_MECHANISMS,
+    even_arrivals: bool = False,
 ) -> dict[str, Any]:
-    """Every scale (and the oracle) on every seed; the floor's hit rate and model time there."""
+    """Every scale (and the oracle, even arrivals) on every seed; the floor's figures there."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
     if task_rate <= 0:
@@ -209,6 +218,11 @@ def relax(
                 _Job(workload, count, seed, task_rate, policy, 1.0, True, mechanisms, kind=True)
                 for seed in seeds
             ]
+    if even_arrivals:
+        jobs += [
+            _Job(workload, count, seed, task_rate, policy, 1.0, False, mechanisms, even=True)
+            for seed in seeds
+        ]
     context = multiprocessing.get_context("fork")
     with concurrent.futures.ProcessPoolExecutor(max(1, workers), mp_context=context) as pool:
         runs = list(pool.map(_run, jobs))
@@ -345,6 +359,9 @@ def main(
     oracle: Annotated[
         bool, typer.Option(help="also run eviction by true return and by the tool's kind")
     ] = True,
+    even_arrivals: Annotated[
+        bool, typer.Option(help="also run the same tasks starting evenly spaced")
+    ] = False,
     mechanisms: Annotated[
         str, typer.Option(help="mechanisms around every run, comma-separated (as the benchmark)")
     ] = ",".join(sorted(DEFAULT_MECHANISMS)),
@@ -357,6 +374,7 @@ def main(
         result = relax(
             workload, task_rate=capacity * load, seeds=list(range(seeds)), policy=policy,
             scales=multiples, oracle=oracle, workers=jobs, mechanisms=_mechanisms(mechanisms),
+            even_arrivals=even_arrivals,
         )  # fmt: skip
     except ValueError as error:
         Console(stderr=True).print(f"error: {error}", highlight=False)

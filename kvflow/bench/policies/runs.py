@@ -145,6 +145,7 @@ def run_policy(
     kind_oracle: bool = False,
     deadline_pause: bool = False,
     deadline_hold: bool = False,
+    even_arrivals: bool = False,
 ) -> PolicyRun:
     """Run one policy on one workload (faults included for `faults`).
 
@@ -157,7 +158,8 @@ def run_policy(
     of one pool); `retention_oracle` evicts by each conversation's true return
     (`oracle_retention`), on engines that evict by retention; with `kind_oracle` too, by the
     typical pause (median) of the tool its answer asks for instead of its own. Two more,
-    `deadline_pause` and `deadline_hold`, give the engines those `EngineConfig` options.
+    `deadline_pause` and `deadline_hold`, give the engines those `EngineConfig` options;
+    `even_arrivals` starts the same tasks evenly spaced (`Workload`), not as a Poisson stream.
     """
     factories = policy_factories()
     extra = dict(extra or {})
@@ -199,8 +201,10 @@ def run_policy(
     if workload is None:
         workload = Workload(
             spec, fleet_tenants(fleet), tasks=1, task_rate=task_rate, seed=seed,
-            block_size=block_size,
+            block_size=block_size, even_arrivals=even_arrivals,
         )  # fmt: skip
+    elif even_arrivals != workload.even_arrivals:
+        raise ValueError("even_arrivals must match the workload given")
     until = plan.arrivals_until_s if plan is not None else None
     workload = workload.at_rate(task_rate, tasks=None if plan else tasks, until_s=until)
     runner_box: list[TaskRunner] = []
