@@ -25,8 +25,9 @@ Both scenes of a round are judged against each other, so neither the machine's p
 changes between rounds can make a round pass. Without the pause no step decodes the tier-1
 call alone while tier-3 calls run (vLLM's own scheduler decodes every running call on every
 step), so a round can only pass where the pause works; a busy machine can still spoil a round
-(the deadline passes before the call gets going, or a tier-3 call ends within the scene), so up
-to `ROUNDS` rounds run and one must show the effects.
+(the deadline passes before the call gets going, or the machine speeds up between the two
+scenes so that the call is never at risk), so up to `ROUNDS` rounds run and one must show the
+effects.
 """
 
 from __future__ import annotations
@@ -54,12 +55,12 @@ from tests.fixtures_vllm import (
 )
 from tests.waiting import eventually
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 TASK_START = 1_765_000_000.0
 """When the calls' tasks began (POSIX seconds)."""
 LOW_CALLS = 4
-LOW_TOKENS = 900
+LOW_TOKENS = 990
 """Long enough to keep decoding through the tier-1 call (the context is 1024 tokens)."""
 URGENT_TOKENS = 200
 DEADLINE_SHARE = 0.6
@@ -67,9 +68,11 @@ DEADLINE_SHARE = 0.6
 PAUSED_SHARE = 0.5
 """With the deadline, at least this share of the tier-1 call's decode steps decode it alone,
 and the tier-3 calls get at most this share of the tokens they got without it."""
-ROUNDS = 4
+ROUNDS = 6
 START_TRIES = 15
 """Tries at having every tier-3 call running at once before a scene (`tier3_calls`)."""
+FRESH_TOKENS = 100
+"""Each tier-3 call has made at most about this many tokens when the tier-1 call is sent."""
 
 
 SERVERS = early_vllm(
@@ -159,13 +162,15 @@ async def engine_gauge(http: httpx.AsyncClient, server: VllmServedModel, name: s
 
 @contextlib.asynccontextmanager
 async def tier3_calls(http: httpx.AsyncClient, server: VllmServedModel) -> AsyncIterator[None]:
-    """`LOW_CALLS` tier-3 calls, all running in the engine; aborted on exit.
+    """`LOW_CALLS` tier-3 calls, all running in the engine and freshly so; aborted on exit.
 
     The engine's own gauges say when they all run, rather than their first streamed tokens:
     on two busy cores this process may read those seconds after the engine made them. Where
-    the API server is slow enough (another server loading beside it) that one call ends
-    before the last one runs, they are aborted and sent again, up to `START_TRIES` times
-    (about a minute: longer than a server takes to load).
+    the API server is slow enough (another server loading beside it) that the calls have
+    made more than `FRESH_TOKENS` each by the time the last one runs, they are aborted and
+    sent again, up to `START_TRIES` times (about a minute: longer than a server takes to
+    load). Calls that far along may end within the scene, or fill the small KV cache so that
+    the tier-1 call preempts them whatever its deadline.
     """
 
     async def running() -> float:
@@ -178,6 +183,7 @@ async def tier3_calls(http: httpx.AsyncClient, server: VllmServedModel) -> Async
         # A client of their own: a connection vLLM closed when an earlier call was aborted is
         # never reused for the next one.
         calls = httpx.AsyncClient(timeout=120)
+        made_before = (await EngineCounts.read(http, server)).generated_tokens
         tasks = [asyncio.create_task(low_call(calls, server, i)) for i in range(LOW_CALLS)]
         try:
             await eventually(
@@ -186,10 +192,18 @@ async def tier3_calls(http: httpx.AsyncClient, server: VllmServedModel) -> Async
                 what="every tier-3 call runs",
                 interval=0.05,
             )
+            # The gauge can run ahead of the steps: wait until they decode, every one a token.
+            await eventually(
+                functools.partial(_decoding, tasks, http, server, made_before),
+                within=30,
+                what="the tier-3 calls decode",
+                interval=0.02,
+            )
             ended = [task for task in tasks if task.done()]
             for task in ended:
                 task.result()  # a failed call fails the test with its error
-            if not ended:
+            made = (await EngineCounts.read(http, server)).generated_tokens - made_before
+            if not ended and made <= LOW_CALLS * FRESH_TOKENS:
                 yield
                 return
         finally:
@@ -200,9 +214,22 @@ async def tier3_calls(http: httpx.AsyncClient, server: VllmServedModel) -> Async
             # The next scene starts from an idle engine: vLLM aborts a call whose client left.
             await eventually(idle, within=30, what="vLLM aborted the tier-3 calls")
     raise AssertionError(
-        f"in {START_TRIES} tries one of the {LOW_CALLS} tier-3 calls always ended before the "
-        "last one ran: the server admitted them too slowly"
+        f"in {START_TRIES} tries the {LOW_CALLS} tier-3 calls never all ran within "
+        f"{FRESH_TOKENS} tokens each of the first: the server admitted them too slowly"
     )
+
+
+async def _decoding(
+    tasks: list[asyncio.Task[None]],
+    http: httpx.AsyncClient,
+    server: VllmServedModel,
+    made_before: float,
+) -> bool:
+    """Whether a tier-3 call has ended, or they have made a few tokens each since sent."""
+    if any(task.done() for task in tasks):
+        return True
+    made = (await EngineCounts.read(http, server)).generated_tokens - made_before
+    return made >= 2 * LOW_CALLS
 
 
 async def _all_running_or_one_ended(
