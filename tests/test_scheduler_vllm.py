@@ -103,7 +103,9 @@ async def test_vllm_kv_events_predict_the_cached_tokens_vllm_reports(
                 workflow_id="wf-vllm",
             )
             expected = 0
-            for _ in range(400):  # the engine publishes its events shortly after the step
+            # The engine publishes its events shortly after the step; on a busy machine,
+            # seconds after.
+            for _ in range(1500):
                 status = scheduler.status()[0]
                 if status.precise and status.blocks_indexed >= 8:
                     placement = scheduler.place(request)

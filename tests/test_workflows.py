@@ -238,12 +238,20 @@ async def test_deadline_too_tight_fails_fast_and_runs_the_compensation(
             refund=refund,
             max_tokens=2_000,
         )
-        handle = await s.start(wf.RefundThenReply.run, task)
-        with pytest.raises(WorkflowFailureError) as failed:
-            await handle.result()
-        cause = failed.value.cause
-        assert isinstance(cause, ApplicationError)
-        assert cause.type == errors.TaskErrorType.DEADLINE_EXCEEDED and cause.non_retryable
+        for _ in range(3):
+            wf.REFUNDS.clear()
+            handle = await s.start(wf.RefundThenReply.run, task)
+            with pytest.raises(WorkflowFailureError) as failed:
+                await handle.result()
+            cause = failed.value.cause
+            assert isinstance(cause, ApplicationError)
+            assert cause.type == errors.TaskErrorType.DEADLINE_EXCEEDED and cause.non_retryable
+            # On a busy machine the first workflow task can start after the 50 ms: the budget
+            # is then spent before the refund, and the reply's refusal cannot be seen.
+            if "step 1/2 'refund'" not in cause.message:
+                break
+        else:
+            pytest.fail("the workflow started after its 50 ms budget in all 3 tries")
         assert "step 2/2 'reply'" in cause.message
         assert [refund] == wf.REFUNDS and [refund] == wf.REVERSED
         run_id = (await handle.describe()).run_id or ""
