@@ -12,15 +12,17 @@ from __future__ import annotations
 import asyncio
 import sys
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import pytest
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client, Plugin, WorkflowHandle
+from temporalio.client import Client, Plugin, WorkflowFailureError, WorkflowHandle
+from temporalio.exceptions import ApplicationError
 from temporalio.worker import Replayer
 
 from kvflow.activities.context_store import DirectoryContextStore
@@ -35,6 +37,7 @@ from kvflow.workers.embedded import EmbeddedFleet
 from kvflow.workers.gpu_worker import GpuWorker
 from kvflow.workers.plugin import KvflowPlugin
 from kvflow.workers.workflow_worker import workflow_worker
+from kvflow.workflows import errors
 from kvflow.workflows.agent import TaskSpec
 from tests import agent_workflows as wf
 
@@ -97,6 +100,35 @@ def cheap_pool_that_crashes(backups: int = 1, backup_slowdown: float = 1.0) -> l
             faults=FaultSpec(slowdown=backup_slowdown),
         ),
     ]
+
+
+LATE_START_TRIES = 3
+"""Tries `fails_for_its_deadline` gives a task whose workflow began after its budget."""
+
+
+async def fails_for_its_deadline(
+    start: Callable[[], Awaitable[WorkflowHandle[Any, Any]]],
+    *,
+    started_late: Callable[[str], bool],
+) -> tuple[WorkflowHandle[Any, Any], ApplicationError]:
+    """Run a task with a budget of milliseconds until it fails for its deadline where it should.
+
+    `start` starts the task afresh; it must fail DEADLINE_EXCEEDED, non-retryable. On a busy
+    machine its first workflow task can begin after so short a budget, and the task then fails
+    before it reaches the step the test is about: `started_late(message)` says so from the
+    failure's message, and such a try is run again, up to `LATE_START_TRIES` times.
+    Returns the handle and the failure of the try that got there.
+    """
+    for _ in range(LATE_START_TRIES):
+        handle = await start()
+        with pytest.raises(WorkflowFailureError) as failed:
+            await handle.result()
+        cause = failed.value.cause
+        assert isinstance(cause, ApplicationError), cause
+        assert cause.type == errors.TaskErrorType.DEADLINE_EXCEEDED and cause.non_retryable, cause
+        if not started_late(cause.message):
+            return handle, cause
+    pytest.fail(f"the task's workflow began after its budget in all {LATE_START_TRIES} tries")
 
 
 def task_spec(**kwargs: Any) -> TaskSpec:
