@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -107,6 +106,7 @@ class EngineCounts:
     """What the engine had counted at one moment (its Prometheus metrics)."""
 
     finished_by_length: float
+    running: float
     steps: float
     steps_of_one_token: float
     generated_tokens: float
@@ -119,6 +119,7 @@ class EngineCounts:
         text = answer.text
         return EngineCounts(
             finished_by_length=metric(text, "vllm:request_success_total", finished_reason="length"),
+            running=metric(text, "vllm:num_requests_running"),
             steps=metric(text, "vllm:iteration_tokens_total_count"),
             steps_of_one_token=metric(text, "vllm:iteration_tokens_total_bucket", le="1.0"),
             generated_tokens=metric(text, "vllm:generation_tokens_total"),
@@ -156,58 +157,57 @@ async def low_call(http: httpx.AsyncClient, server: VllmServedModel, i: int) -> 
     assert answer.status_code == 200, answer.text
 
 
-async def engine_gauge(http: httpx.AsyncClient, server: VllmServedModel, name: str) -> float:
-    """One of the engine's gauges (`vllm:num_requests_running`, ...), as `/metrics` says now."""
-    answer = await http.get(f"{server.base_url}/metrics")
-    answer.raise_for_status()
-    return metric(answer.text, name)
-
-
 @contextlib.asynccontextmanager
-async def tier3_calls(http: httpx.AsyncClient, server: VllmServedModel) -> AsyncIterator[None]:
+async def tier3_calls(
+    http: httpx.AsyncClient, server: VllmServedModel
+) -> AsyncIterator[EngineCounts]:
     """`LOW_CALLS` tier-3 calls, all running in the engine and freshly so; aborted on exit.
 
-    The engine's own gauges say when they all run, rather than their first streamed tokens:
-    on two busy cores this process may read those seconds after the engine made them. Where
-    the API server is slow enough (another server loading beside it) that one call ends
-    before the last one runs, they are aborted and sent again, up to `START_TRIES` times
-    (about a minute: longer than a server takes to load); in the first `FRESH_TRIES`, also
-    when they have made more than `FRESH_TOKENS` each by then, as calls that far along may
-    end within the scene.
+    Yields the engine's counts from just before they were sent, so that a scene can tell
+    whether one of them ended before the tier-1 call did (`Scene.spoiled`).
+
+    Whether they run, and whether one has ended, is read from the engine's own counts rather
+    than from their answers: on two busy cores this process may read an answer seconds after
+    the engine made it. Where the API server is slow enough (another server loading beside
+    it) that one call ends before the last one runs, they are aborted and sent again, up to
+    `START_TRIES` times (about a minute: longer than a server takes to load); in the first
+    `FRESH_TRIES`, also when they have made more than `FRESH_TOKENS` each by then, as calls
+    that far along may end within the scene.
     """
-
-    async def running() -> float:
-        return await engine_gauge(http, server, "vllm:num_requests_running")
-
-    async def idle() -> bool:
-        return await running() == 0
-
     for attempt in range(1, START_TRIES + 1):
         # A client of their own: a connection vLLM closed when an earlier call was aborted is
         # never reused for the next one.
         calls = httpx.AsyncClient(timeout=120)
-        made_before = (await EngineCounts.read(http, server)).generated_tokens
+        sent = await EngineCounts.read(http, server)
         tasks = [asyncio.create_task(low_call(calls, server, i)) for i in range(LOW_CALLS)]
+
+        async def running_or_one_ended(sent: EngineCounts = sent) -> bool:
+            now = await EngineCounts.read(http, server)
+            return _one_ended(sent, now) or now.running >= LOW_CALLS
+
+        async def decoding_or_one_ended(sent: EngineCounts = sent) -> bool:
+            # The gauge can run ahead of the steps: wait until they decode, a few tokens each.
+            now = await EngineCounts.read(http, server)
+            return _one_ended(sent, now) or now.generated_tokens - sent.generated_tokens >= (
+                2 * LOW_CALLS
+            )
+
         try:
             await eventually(
-                functools.partial(_all_running_or_one_ended, tasks, running),
-                within=60,
-                what="every tier-3 call runs",
-                interval=0.05,
+                running_or_one_ended, within=60, what="every tier-3 call runs", interval=0.05
             )
-            # The gauge can run ahead of the steps: wait until they decode, every one a token.
             await eventually(
-                functools.partial(_decoding, tasks, http, server, made_before),
-                within=30,
-                what="the tier-3 calls decode",
-                interval=0.02,
+                decoding_or_one_ended, within=30, what="the tier-3 calls decode", interval=0.02
             )
-            ended = [task for task in tasks if task.done()]
-            for task in ended:
-                task.result()  # a failed call fails the test with its error
-            made = (await EngineCounts.read(http, server)).generated_tokens - made_before
-            if not ended and (made <= LOW_CALLS * FRESH_TOKENS or attempt >= FRESH_TRIES):
-                yield
+            for task in tasks:
+                if task.done():
+                    task.result()  # a failed call fails the test with its error
+            now = await EngineCounts.read(http, server)
+            made = now.generated_tokens - sent.generated_tokens
+            if not _one_ended(sent, now) and (
+                made <= LOW_CALLS * FRESH_TOKENS or attempt >= FRESH_TRIES
+            ):
+                yield sent
                 return
         finally:
             for task in tasks:
@@ -215,31 +215,25 @@ async def tier3_calls(http: httpx.AsyncClient, server: VllmServedModel) -> Async
             await asyncio.gather(*tasks, return_exceptions=True)
             await calls.aclose()
             # The next scene starts from an idle engine: vLLM aborts a call whose client left.
-            await eventually(idle, within=30, what="vLLM aborted the tier-3 calls")
+            await eventually(idle(http, server), within=30, what="vLLM aborted the tier-3 calls")
     raise AssertionError(
         f"in {START_TRIES} tries one of the {LOW_CALLS} tier-3 calls always ended before the "
         "last one ran: the server admitted them too slowly"
     )
 
 
-async def _decoding(
-    tasks: list[asyncio.Task[None]],
-    http: httpx.AsyncClient,
-    server: VllmServedModel,
-    made_before: float,
-) -> bool:
-    """Whether a tier-3 call has ended, or they have made a few tokens each since sent."""
-    if any(task.done() for task in tasks):
-        return True
-    made = (await EngineCounts.read(http, server)).generated_tokens - made_before
-    return made >= 2 * LOW_CALLS
+def _one_ended(sent: EngineCounts, now: EngineCounts) -> bool:
+    """Whether the engine finished a call since `sent` (the tier-3 calls are the only ones)."""
+    return now.finished_by_length > sent.finished_by_length
 
 
-async def _all_running_or_one_ended(
-    tasks: list[asyncio.Task[None]], running: Callable[[], Awaitable[float]]
-) -> bool:
-    """Whether a tier-3 call has ended, or all of them run in the engine."""
-    return any(task.done() for task in tasks) or await running() >= LOW_CALLS
+def idle(http: httpx.AsyncClient, server: VllmServedModel) -> Callable[[], Awaitable[bool]]:
+    """A check that the engine runs no call."""
+
+    async def check() -> bool:
+        return (await EngineCounts.read(http, server)).running == 0
+
+    return check
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,14 +250,15 @@ class Scene:
     low_tokens: int
     """Tokens the tier-3 calls got meanwhile (all of them together)."""
     spoiled: bool
-    """A tier-3 call ended within the scene: its counts are not the scene's alone."""
+    """A tier-3 call ended before the tier-1 call did (in the engine, whatever this process
+    had read of its answer): the tier-1 call did not decode amid all of them throughout."""
 
 
 async def scene(
     http: httpx.AsyncClient, server: VllmServedModel, deadline_in_s: float | None
 ) -> Scene:
     """The tier-1 call amid decoding tier-3 calls, with a deadline `deadline_in_s` from now."""
-    async with tier3_calls(http, server):
+    async with tier3_calls(http, server) as at_tier3_start:
         before = await EngineCounts.read(http, server)
         xargs: dict[str, Any] = {"kvflow_priority_span": TIER_PRIORITY_SPAN}
         if deadline_in_s is not None:
@@ -276,9 +271,9 @@ async def scene(
             "priority": engine_priority(1, TASK_START + 10),
             "vllm_xargs": xargs,
         }
-        sent = time.monotonic()
+        sent_at = time.monotonic()
         answer = await http.post(f"{server.base_url}/v1/completions", json=body)
-        latency_s = time.monotonic() - sent
+        latency_s = time.monotonic() - sent_at
         assert answer.status_code == 200, answer.text
         assert answer.json()["usage"]["completion_tokens"] == URGENT_TOKENS
         after = await counts_with_call(http, server, before)
@@ -288,7 +283,9 @@ async def scene(
         steps=round(after.steps - before.steps),
         steps_alone=round(after.steps_of_one_token - before.steps_of_one_token),
         low_tokens=round(after.generated_tokens - before.generated_tokens) - URGENT_TOKENS,
-        spoiled=after.finished_by_length != before.finished_by_length + 1,
+        # Compared with the counts from before the tier-3 calls were sent: one that had
+        # ended by the time the tier-1 call was sent spoils the scene too.
+        spoiled=after.finished_by_length != at_tier3_start.finished_by_length + 1,
     )
 
 

@@ -523,8 +523,6 @@ class Agent:
                 else asked_at + timedelta(seconds=self.spec.step_slo_s),
             )
             dispatched_at = workflow.now()
-            # A cancellation requested before this call is the caller's to handle (cleanup
-            # after catching it); only one that arrives while the call runs is checked below.
             cancelled_before = workflow.cancellation_reason() is not None
             try:
                 result: InferenceResult = await workflow.execute_activity(
@@ -568,10 +566,9 @@ class Agent:
                     )
                 verdict = await self._observe(placement, failure, dispatched_at=dispatched_at)
                 self._publish()
-                if not cancelled_before:
-                    # Cancelled as the call failed: the task ends cancelled, neither failed
-                    # nor re-placed.
-                    self._stop_if_cancelled(record)
+                # Cancelled as the call failed: the task ends cancelled, neither failed nor
+                # re-placed.
+                self._stop_if_cancelled(record, cancelled_before=cancelled_before)
                 if not failure.retryable:
                     record.outcome = failure.error_type
                     raise self._error(
@@ -624,24 +621,29 @@ class Agent:
             if result.reused_tokens and call.carried:
                 await self.spend.mark_resumed(call.carried)
             self._last_replica = result.replica
-            if not cancelled_before:
-                # The answer may have completed after the task's cancellation asked the GPU
-                # worker to stop: the SDK then returns it, and the cancellation is spent.
-                self._stop_if_cancelled(record)
+            # The answer may have completed after the task's cancellation asked the GPU worker
+            # to stop: the SDK then returns it, and the cancellation is spent.
+            self._stop_if_cancelled(record, cancelled_before=cancelled_before)
             return result
 
-    def _stop_if_cancelled(self, record: StepSpend, outcome: str = "cancelled") -> None:
-        """End the task as cancelled if its cancellation was requested, before it spends more.
+    def _stop_if_cancelled(
+        self, record: StepSpend, *, cancelled_before: bool, outcome: str = "cancelled"
+    ) -> None:
+        """End the task as cancelled if its cancellation arrived while the step's call ran.
 
-        Called after a call that was dispatched before the cancellation. Temporal delivers a
-        workflow's cancellation once. A call cancelled while its answer completes (the GPU
-        worker hears of it only with its next heartbeat) returns that answer; one that fails
-        then would be re-placed or fail the task. The task would go on to spend on calls its
-        owner asked it not to make, or end failed though it was cancelled first. The answer
-        already paid for stays billed (its attempt is "ok"); the task ends CANCELED and its
-        saga's compensations run. The step's outcome becomes `outcome`.
+        Called when a call has ended other than cancelled. Temporal delivers a workflow's
+        cancellation once. A call cancelled while its answer completes (the GPU worker hears
+        of it only with its next heartbeat) returns that answer; one that fails then would be
+        re-placed or fail the task. The task would go on to spend on calls its owner asked it
+        not to make, or end failed though it was cancelled first. The answer already paid for
+        stays billed (its attempt is "ok"); the task ends CANCELED and its saga's
+        compensations run. The step's outcome becomes `outcome`.
+
+        `cancelled_before` says whether the cancellation had already been requested when the
+        call was dispatched: such a call is the caller's cleanup after catching it, and this
+        does nothing for it.
         """
-        if workflow.cancellation_reason() is None:
+        if cancelled_before or workflow.cancellation_reason() is None:
             return
         if not workflow.patched(STOP_WHEN_CANCELLED_PATCH):
             return
@@ -973,9 +975,9 @@ class Agent:
             self._publish()
             if _is_cancellation(err):
                 raise
-            if waits and not cancelled_before:
+            if waits:
                 # It failed after the task's cancellation reached it: the task is cancelled.
-                self._stop_if_cancelled(record)
+                self._stop_if_cancelled(record, cancelled_before=cancelled_before)
             what = _tool_failure(err.cause)
             # Cut off by the deadline: no time for another try, or the last one timed out at
             # it. A tool's own non-retryable error stays its verdict, whenever it came.
@@ -998,9 +1000,9 @@ class Agent:
                 (name, compensation, arg if compensation_arg is None else compensation_arg)
             )
         self._publish()
-        if waits and not cancelled_before:
+        if waits:
             # It finished after the task's cancellation reached it: it is undone with the rest.
-            self._stop_if_cancelled(record, outcome="ok")
+            self._stop_if_cancelled(record, cancelled_before=cancelled_before, outcome="ok")
         return result
 
     async def compensate(self) -> bool:
