@@ -139,6 +139,7 @@ def tiny_server(
     extra_args: Sequence[str] = (),
     extra_env: Mapping[str, str] | None = None,
     deadline_pause: bool = False,
+    max_model_len: int = MAX_MODEL_LEN,
 ) -> _VllmServerWithArgs:
     """A server of the tests' tiny model, logging to `log_dir/vllm-server.log` (not started)."""
     model_dir = install.model_dir
@@ -151,7 +152,7 @@ def tiny_server(
         log_path=log_dir / "vllm-server.log",
         model_dir=model_dir,
         served_model_names=[SERVED_MODEL_NAME],
-        max_model_len=MAX_MODEL_LEN,
+        max_model_len=max_model_len,
         kv_events=True,
         kv_topic=KV_TOPIC,
         ready_timeout_s=READY_TIMEOUT_S,
@@ -169,7 +170,7 @@ def served_model(server: VllmServer) -> VllmServedModel:
         base_url=server.base_url,
         model=SERVED_MODEL_NAME,
         block_size=BLOCK_SIZE,
-        max_model_len=MAX_MODEL_LEN,
+        max_model_len=server.max_model_len,
         kv_events_endpoint=server.kv_events_endpoint,
         kv_replay_endpoint=server.kv_replay_endpoint,
         kv_topic=KV_TOPIC,

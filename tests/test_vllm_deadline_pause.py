@@ -59,8 +59,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 TASK_START = 1_765_000_000.0
 """When the calls' tasks began (POSIX seconds)."""
 LOW_CALLS = 4
-LOW_TOKENS = 990
-"""Long enough to keep decoding through the tier-1 call (the context is 1024 tokens)."""
+CONTEXT = 2048
+"""The server's context: the tiny model's whole (`max_position_embeddings`), so that the tier-3
+calls can be long."""
+LOW_TOKENS = CONTEXT - 32
+"""Long enough to keep decoding through the tier-1 call, however late this process sends it
+on a busy machine (their prompts are under 32 tokens)."""
 URGENT_TOKENS = 200
 DEADLINE_SHARE = 0.6
 """The deadline, as a share of the time the same call took without one in the same round."""
@@ -80,7 +84,9 @@ spoil is run again)."""
 SERVERS = early_vllm(
     __name__,
     "vllm-deadline-pause",
-    lambda install, log_dir: {"server": tiny_server(install, log_dir, deadline_pause=True)},
+    lambda install, log_dir: {
+        "server": tiny_server(install, log_dir, deadline_pause=True, max_model_len=CONTEXT)
+    },
 )
 
 
@@ -322,3 +328,7 @@ async def test_a_call_at_risk_of_its_deadline_pauses_the_lower_tier(
     assert hurried.low_tokens <= PAUSED_SHARE * unhurried.low_tokens, rounds
     # ...and it decoded sooner.
     assert hurried.decode_time_s < unhurried.decode_time_s, rounds
+    # The server's log says why, as an operator reads it.
+    assert (
+        f"pausing priority bands above 1 (span {TIER_PRIORITY_SPAN})" in server.log_path.read_text()
+    )
