@@ -136,6 +136,12 @@ def task_spec(**kwargs: Any) -> TaskSpec:
     return TaskSpec(**{"tenant": "acme", "expected_steps": 5, **kwargs})
 
 
+def refund_task(refund: wf.Refund, *, max_tokens: int = 16, **spec: Any) -> wf.RefundInput:
+    """A refund task (`wf.RefundThenReply` and its kin) on `MODEL`: `refund`, then a reply of
+    `max_tokens`; its spec is `task_spec(**spec)`."""
+    return wf.RefundInput(spec=task_spec(**spec), model=MODEL, refund=refund, max_tokens=max_tokens)
+
+
 @dataclass
 class Stack:
     """A running stack: where a test starts its tasks and reads their books."""

@@ -38,7 +38,14 @@ from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
 from tests import agent_workflows as wf
 from tests.history import wait_until_streaming
 from tests.ledger_books import OUTCOMES, assert_books_balance, settled
-from tests.stacks import MODEL, PoolPlan, cheap_pool_that_crashes, fleet_stack, task_spec
+from tests.stacks import (
+    MODEL,
+    PoolPlan,
+    cheap_pool_that_crashes,
+    fleet_stack,
+    refund_task,
+    task_spec,
+)
 from tests.test_exactly_once import (
     AnswersThenWaits,
     HeldRows,
@@ -93,9 +100,7 @@ async def test_every_way_a_task_ends_leaves_the_ledger_exact(
         refund = wf.Refund(account="C-9", amount_cents=300)
         cancelled = await s.start(
             wf.RefundThenReply.run,
-            wf.RefundInput(
-                spec=task_spec(expected_steps=2), model=MODEL, refund=refund, max_tokens=3000
-            ),
+            refund_task(refund, expected_steps=2, max_tokens=3000),
         )
         await wait_until_streaming(cancelled)
         await cancelled.cancel()
@@ -154,9 +159,7 @@ async def test_cancelled_call_whose_row_was_spooled_is_counted_when_replayed(
             refund = wf.Refund(account="C-7", amount_cents=100)
             handle = await s.start(
                 wf.RefundThenReply.run,
-                wf.RefundInput(
-                    spec=task_spec(expected_steps=2), model=MODEL, refund=refund, max_tokens=3000
-                ),
+                refund_task(refund, expected_steps=2, max_tokens=3000),
             )
             await wait_until_streaming(handle)
             await handle.cancel()

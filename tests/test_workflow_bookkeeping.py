@@ -46,7 +46,7 @@ from kvflow.workflows import errors, search_attributes
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown, TaskSpec
 from tests import agent_workflows as wf
 from tests.history import wait_until_streaming
-from tests.stacks import MODEL, PoolPlan, cheap_pool_that_crashes, fleet_stack
+from tests.stacks import MODEL, PoolPlan, cheap_pool_that_crashes, fleet_stack, refund_task
 from tests.waiting import eventually
 
 DATA = Path(__file__).parent / "data"
@@ -77,9 +77,7 @@ async def test_unknown_tenant_fails_the_task_at_once_with_its_fix_and_runs_compe
     wf.REVERSED.clear()
     async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
         refund = wf.Refund(account="T-1", amount_cents=400)
-        task = wf.RefundInput(
-            spec=_spec(tenant="acmee", expected_steps=2), model=MODEL, refund=refund
-        )
+        task = refund_task(refund, tenant="acmee", expected_steps=2)
         handle = await s.start(wf.RefundThenReply.run, task)
         with pytest.raises(WorkflowFailureError) as failed:
             await _result(handle)
@@ -214,9 +212,7 @@ async def test_cancelled_call_is_billed_and_the_scheduler_frees_its_replica(
     wf.REVERSED.clear()
     async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only", gpu="L4")]) as s:
         refund = wf.Refund(account="C-4", amount_cents=700)
-        task = wf.RefundInput(
-            spec=_spec(expected_steps=2), model=MODEL, refund=refund, max_tokens=3000
-        )
+        task = refund_task(refund, expected_steps=2, max_tokens=3000)
         handle = await s.start(wf.RefundThenReply.run, task)
         await wait_until_streaming(handle)
         await handle.cancel()
@@ -470,7 +466,7 @@ async def test_bug_in_workflow_code_closes_nothing_and_undoes_nothing(
         refund = wf.Refund(account="C-1", amount_cents=5)
         handle = await s.start(
             wf.BugAfterRefund.run,
-            wf.RefundInput(spec=_spec(expected_steps=1), model=MODEL, refund=refund),
+            refund_task(refund, expected_steps=1),
         )
         await eventually(
             lambda: _has_event(handle, EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED),

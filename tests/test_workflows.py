@@ -66,7 +66,7 @@ from kvflow.simulator import BUILTIN_MODELS, EngineConfig, ServerSettings, SimSe
 from kvflow.simulator.faults import FaultDice, FaultSpec
 from kvflow.workers.config import load_fleet
 from kvflow.workflows import errors, search_attributes
-from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown, TaskSpec
+from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
 from tests import agent_workflows as wf
 from tests.faulty_proxy import Fault, FaultyProxy
 from tests.history import wait_until_streaming
@@ -78,6 +78,7 @@ from tests.stacks import (
     fails_for_its_deadline,
     fleet_for,
     fleet_stack,
+    refund_task,
     task_spec,
 )
 from tests.waiting import eventually
@@ -233,11 +234,8 @@ async def test_deadline_too_tight_fails_fast_and_runs_the_compensation(
     wf.REVERSED.clear()
     async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only", gpu="L4")]) as s:
         refund = wf.Refund(account="A-17", amount_cents=2_500)
-        task = wf.RefundInput(
-            spec=TaskSpec(tenant="globex", latency_budget_s=0.05, expected_steps=2),
-            model=MODEL,
-            refund=refund,
-            max_tokens=2_000,
+        task = refund_task(
+            refund, tenant="globex", latency_budget_s=0.05, expected_steps=2, max_tokens=2_000
         )
 
         async def start() -> WorkflowHandle[Any, Any]:
@@ -416,7 +414,7 @@ async def test_failure_details_that_do_not_validate_park_the_task_with_a_typed_e
     pools = [PoolPlan("other", gpu="H100", gpu_worker=False)]
     async with fleet_stack(temporal_client, tmp_path, pools) as s:
         refund = wf.Refund(account="A-18", amount_cents=900)
-        task = wf.RefundInput(spec=task_spec(expected_steps=2), model=MODEL, refund=refund)
+        task = refund_task(refund, expected_steps=2)
         async with Worker(
             temporal_client,
             task_queue=task_queue_for("other", 0),
@@ -688,12 +686,7 @@ async def test_cancelled_task_runs_its_compensations_and_is_recorded_as_cancelle
     wf.REVERSED.clear()
     async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only", gpu="L4")]) as s:
         refund = wf.Refund(account="C-3", amount_cents=900)
-        task = wf.RefundInput(
-            spec=TaskSpec(tenant="acme", expected_steps=2),
-            model=MODEL,
-            refund=refund,
-            max_tokens=3000,
-        )
+        task = refund_task(refund, expected_steps=2, max_tokens=3000)
         handle = await s.start(wf.RefundThenReply.run, task)
         # Cancel while the reply is being written (after the refund went out).
         await eventually(lambda: _inferring(handle), within=10, what="the model call is in flight")
@@ -728,9 +721,7 @@ async def test_a_task_cancelled_while_an_undoable_tool_runs_waits_for_it_and_und
     wf.REVERSED.clear()
     async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
         refund = wf.Refund(account="C-slow", amount_cents=700)
-        task = wf.RefundInput(
-            spec=TaskSpec(tenant="acme", expected_steps=1), model=MODEL, refund=refund
-        )
+        task = refund_task(refund, expected_steps=1)
         handle = await s.start(wf.SlowRefundThenReply.run, task)
         await eventually(
             lambda: refund.account in wf.REFUNDS_STARTED, within=20, what="the refund starts"
@@ -795,12 +786,7 @@ async def test_a_task_cancelled_as_its_call_ends_otherwise_stops_there_as_cancel
                 proxy.cut_on_release = ending == "cut"
                 proxy.fault = Fault(hold_after_chunks=4)
                 refund = wf.Refund(account=f"C-race-{attempt}", amount_cents=500)
-                task = wf.RefundInput(
-                    spec=TaskSpec(tenant="acme", expected_steps=3),
-                    model=MODEL,
-                    refund=refund,
-                    max_tokens=32,
-                )
+                task = refund_task(refund, expected_steps=3, max_tokens=32)
                 handle = await s.start(wf.RefundReplyFollowUp.run, task)
                 await eventually(proxy.holding.is_set, within=20, what="the reply is streaming")
                 # Cancel just after a heartbeat reached the server: the GPU worker's next one,
