@@ -35,8 +35,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
+import os
+import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -44,11 +48,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvflow.scheduler.placement import TIER_PRIORITY_SPAN, engine_priority
+from kvflow.workers.vllm_server import kvflow_vllm_path, vllm_install
 from tests.fixtures_vllm import (
     SERVED_MODEL_NAME,
     VllmServedModel,
     early_vllm,
     served_model,
+    skip_or_fail,
     tiny_server,
     vllm_servers,
 )
@@ -332,3 +338,51 @@ async def test_a_call_at_risk_of_its_deadline_pauses_the_lower_tier(
     assert (
         f"pausing priority bands above 1 (span {TIER_PRIORITY_SPAN})" in server.log_path.read_text()
     )
+
+
+COMPOSITION_CHECK = """
+import json
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from kvflow_vllm.scheduler import DeadlinePauseAsyncScheduler, DeadlinePauseScheduler
+
+own = {n for n, v in vars(AsyncScheduler).items() if callable(v)}
+print(json.dumps({
+    "is_async": issubclass(DeadlinePauseAsyncScheduler, AsyncScheduler),
+    "shadowed": sorted(own & set(vars(DeadlinePauseScheduler))),
+    "schedule": DeadlinePauseAsyncScheduler.schedule.__qualname__,
+    "async_methods": sorted(own),
+}))
+"""
+
+
+def test_the_asynchronous_form_is_vllms_asynchronous_scheduler_with_the_pause(
+    tmp_path: Path,
+) -> None:
+    """`DeadlinePauseAsyncScheduler`, as the real vLLM composes it.
+
+    GPUs schedule asynchronously by default, and the CPU build turns that off, so no server
+    here can run it. What can be checked is the composition a GPU server would load: the
+    pause's `schedule()` over vLLM's asynchronous scheduler, none of whose own methods the
+    pause replaces (its `__init__` calls on to it). A vLLM whose `AsyncScheduler` came to
+    define `schedule()` itself would be shadowed by the pause, and this would say so.
+    """
+    install = vllm_install()
+    missing = install.missing()
+    if missing is not None:
+        skip_or_fail(missing)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["PYTHONPATH"] = str(kvflow_vllm_path(tmp_path / "python"))
+    ran = subprocess.run(
+        [str(install.python), "-c", COMPOSITION_CHECK],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    composed = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert composed["is_async"], composed
+    assert composed["schedule"] == "DeadlinePauseScheduler.schedule", composed
+    assert composed["shadowed"] == ["__init__"], composed
+    assert "_update_after_schedule" in composed["async_methods"], composed
