@@ -76,6 +76,7 @@ from kvflow.activities.wire import (
 )
 from kvflow.ledger.records import AttemptOutcome, AttemptRecord
 from kvflow.scheduler.builtin_tokenizer import Tokenizer as BuiltinTokenizer
+from kvflow.scheduler.engine_http import engine_limits
 from kvflow.scheduler.fleet import TIERS, Pool, replica_name
 from kvflow.scheduler.placement import TIER_PRIORITY_SPAN
 
@@ -235,12 +236,16 @@ def default_http_client(stall_timeout_s: float = 30.0) -> httpx.AsyncClient:
     """The worker's one pooled client: timeouts set, no client-side retries.
 
     The read timeout is the longest silence tolerated between two streamed chunks, so a
-    stalled replica becomes a retryable `ReplicaTimeout` instead of a hung call.
+    stalled replica becomes a retryable `ReplicaTimeout` instead of a hung call. Idle
+    connections are dropped before the engine would close them (`engine_http`).
     """
     return httpx.AsyncClient(
         timeout=httpx.Timeout(connect=5.0, read=stall_timeout_s, write=10.0, pool=10.0),
-        limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
-        transport=httpx.AsyncHTTPTransport(retries=0),
+        # The limits go to the transport: httpx ignores a client's own `limits` when it is
+        # given a transport.
+        transport=httpx.AsyncHTTPTransport(
+            retries=0, limits=engine_limits(max_connections=512, max_keepalive_connections=128)
+        ),
     )
 
 

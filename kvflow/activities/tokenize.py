@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from kvflow.scheduler.builtin_tokenizer import Tokenizer as BuiltinTokenizer
+from kvflow.scheduler.engine_http import engine_limits
 from kvflow.scheduler.fleet import Fleet
 from kvflow.scheduler.tokens import (
     BUILTIN,
@@ -124,7 +125,7 @@ class VllmTokenize:
     async def _ask(self, body: dict[str, Any]) -> list[int]:
         if self._client is None:
             # Made on first use, inside the event loop that uses it.
-            self._client = httpx.AsyncClient(timeout=self.timeout_s)
+            self._client = httpx.AsyncClient(timeout=self.timeout_s, limits=engine_limits())
         start, self._next = self._next, self._next + 1
         failures: list[str] = []
         for step in range(len(self.base_urls)):

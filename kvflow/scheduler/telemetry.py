@@ -33,6 +33,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvflow.scheduler.core import Scheduler
+from kvflow.scheduler.engine_http import engine_limits
 from kvflow.scheduler.fleet import Fleet
 from kvflow.scheduler.redact import redact_url
 from kvflow.scheduler.state import ReplicaMetrics
@@ -142,7 +143,7 @@ class MetricsScraper:
         self.failures_before_down = failures_before_down
         self.confirm_after_s = confirm_after_s
         self._owns_client = client is None
-        self._client = client or httpx.AsyncClient(timeout=timeout_s)
+        self._client = client or httpx.AsyncClient(timeout=timeout_s, limits=engine_limits())
         self._failures = dict.fromkeys(self.endpoints, 0)
         self._down: set[str] = set()
         """Replicas this scraper marked down; a good scrape marks them up."""
