@@ -317,7 +317,11 @@ async def test_a_call_at_risk_of_its_deadline_pauses_the_lower_tier(
     server: VllmServedModel,
 ) -> None:
     rounds: list[tuple[Scene, Scene]] = []
-    async with httpx.AsyncClient(timeout=120) as http:
+    # A new connection for every request: the scenes poll `/metrics` with pauses of seconds in
+    # between on a busy machine, and a pooled connection reused just as the server closes it
+    # for idling (5 s) fails with "Server disconnected without sending a response".
+    no_reuse = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=120, limits=no_reuse) as http:
         for _ in range(ROUNDS):
             unhurried = await scene(http, server, None)
             hurried = await scene(http, server, DEADLINE_SHARE * unhurried.latency_s)
