@@ -322,6 +322,7 @@ def paused_enough(unhurried: Scene, hurried: Scene) -> bool:
     )
 
 
+@pytest.mark.paced  # `make paced`: a busy machine's delays spoil its rounds (module doc)
 async def test_a_call_at_risk_of_its_deadline_pauses_the_lower_tier(
     server: VllmServedModel,
 ) -> None:
