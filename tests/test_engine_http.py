@@ -7,6 +7,7 @@ Engines' HTTP servers (uvicorn, under vLLM, SGLang and the simulator) close a co
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,7 +16,11 @@ import pytest
 import uvicorn
 
 from kvflow.activities.inference import default_http_client
+from kvflow.activities.tokenize import VllmTokenize
+from kvflow.scheduler.core import Scheduler
 from kvflow.scheduler.engine_http import ENGINE_KEEPALIVE_EXPIRY_S
+from kvflow.scheduler.telemetry import MetricsScraper
+from tests.stacks import MODEL, PoolPlan, fleet_for
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(60)
@@ -25,10 +30,21 @@ SERVER_KEEPALIVE_S = 5
 
 
 async def client_port(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """An ASGI app answering with the port the request came from (one per connection)."""
+    """An ASGI app answering with the port the request came from (one per connection).
+
+    As an engine would: `/tokenize` the port as the only token id, `/metrics` as the number of
+    waiting requests, `/v1/models` one model; any other path, the port as text.
+    """
     if scope["type"] != "http":
         return
-    body = str(scope["client"][1]).encode()
+    port = scope["client"][1]
+    body: bytes = str(port).encode()
+    if scope["path"] == "/tokenize":
+        body = json.dumps({"tokens": [port]}).encode()
+    elif scope["path"] == "/metrics":
+        body = f'vllm:num_requests_waiting{{model_name="{MODEL}"}} {port}\n'.encode()
+    elif scope["path"] == "/v1/models":
+        body = json.dumps({"data": [{"id": MODEL}]}).encode()
     await send({"type": "http.response.start", "status": 200, "headers": []})
     await send({"type": "http.response.body", "body": body})
 
@@ -65,3 +81,27 @@ async def test_an_idle_connection_is_dropped_before_the_engine_closes_it(engine_
         # engine would close it under a request.
         await asyncio.sleep(ENGINE_KEEPALIVE_EXPIRY_S + 0.5)
         assert (await http.get(engine_like)).text != first
+
+
+async def test_the_tokenizer_drops_an_idle_connection_too(engine_like: str):
+    tokenizer = VllmTokenize([engine_like], MODEL)  # the client it makes for itself
+    try:
+        # Each text its own round trip (answers are cached by request).
+        [first] = await tokenizer.encode("one")
+        assert await tokenizer.encode("two") == [first]
+        await asyncio.sleep(ENGINE_KEEPALIVE_EXPIRY_S + 0.5)
+        assert await tokenizer.encode("three") != [first]
+    finally:
+        await tokenizer.aclose()
+
+
+async def test_the_metrics_scraper_drops_an_idle_connection_too(engine_like: str):
+    scheduler = Scheduler(fleet_for([PoolPlan("cpu")]))
+    async with MetricsScraper(scheduler, {"cpu/0": engine_like}) as scraper:
+        first = await scraper.scrape_replica("cpu/0")
+        assert first is not None and first.models == (MODEL,)
+        again = await scraper.scrape_replica("cpu/0")
+        assert again is not None and again.waiting == first.waiting
+        await asyncio.sleep(ENGINE_KEEPALIVE_EXPIRY_S + 0.5)
+        later = await scraper.scrape_replica("cpu/0")
+        assert later is not None and later.waiting != first.waiting
