@@ -191,9 +191,7 @@ class Search:
             if not chosen.cold_load_s and not self.may_win_on_cache(
                 holder, bound, decision.previous
             ):
-                chosen = self._within_bound(
-                    view, best, evaluated, consider, decision.previous, factor
-                )
+                chosen = self._within_bound(decision, view, best, evaluated, consider, factor)
             return chosen, False
         return self._rendezvous(decision, view, chosen, consider)
 
@@ -229,21 +227,30 @@ class Search:
 
     def _within_bound(
         self,
+        ctx: Decision,
         view: ModelRanking,
         best: list[Estimate],
         evaluated: Verdicts,
         consider: Callable[[int], Estimate | Filter],
-        previous: int,
         factor: float,
     ) -> Estimate:
         """The lowest objective among warm replicas within their bound; else the best found.
 
-        Scores the replicas already examined and, per pool, the first `search_width` of its
-        ranking within the bound (`affinity_capacity` at `factor`; the ranking is by static
-        factor, so least loaded first).
+        The candidates are the replicas already examined and, per pool, the first
+        `search_width` of its ranking within the bound (`affinity_capacity` at `factor`; the
+        ranking is by static factor, so least loaded first). Those not scored yet are scored
+        lowest lower bound first (`objective_bound` at the most the replica can have cached),
+        until the next bound reaches the best objective found among the candidates: the pick
+        is the one scoring them all would make, at a fraction of the evaluations.
         """
         replicas = self._replicas
+        previous = ctx.previous
         capacity: dict[int, int] = {}  # per pool
+        # (lower bound, order of the rankings' walk, replica): the walk's order breaks ties
+        # as scoring every candidate in that order would.
+        pending: list[tuple[float, int, int]] = []
+        costs: dict[tuple[int, int], float] = {}  # (pool, cached tokens) → µ$
+        sunk = self._sunk_cost * ctx.spent
         for position, ranked in enumerate(view.warm):
             if not ranked:
                 continue
@@ -254,9 +261,16 @@ class Search:
             for _, rid in ranked:
                 if taken == self._search_width:
                     break
-                if replicas[rid].load <= bound:
-                    consider(rid)
+                state = replicas[rid]
+                if state.load <= bound:
                     taken += 1
+                    if rid not in evaluated:
+                        cached = self._most_cached(ctx, rid)
+                        cost = costs.get((position, cached))
+                        if cost is None:
+                            cost = self._prices[position].cost(ctx.prompt, cached, ctx.output)
+                            costs[position, cached] = cost
+                        pending.append((state.objective_bound(cost, sunk), len(pending), rid))
         found: Estimate | None = None
         for rid, verdict in evaluated.items():
             state = replicas[rid]
@@ -267,7 +281,28 @@ class Search:
                 and (found is None or verdict.objective < found.objective)
             ):
                 found = verdict
+        pending.sort()
+        for lower, _, rid in pending:
+            if found is not None and lower >= found.objective:
+                break  # nor can any candidate after it: their bounds are higher still
+            verdict = consider(rid)
+            # Within its pool's bound by construction, so it may win on its cache.
+            if (
+                isinstance(verdict, Estimate)
+                and not verdict.cold_load_s
+                and (found is None or verdict.objective < found.objective)
+            ):
+                found = verdict
         return found if found is not None else best[0]
+
+    def _most_cached(self, ctx: Decision, rid: int) -> int:
+        """The most prompt tokens replica `rid` can serve from its cache (its prefix depth)."""
+        for depth, mask in ctx.levels:
+            if mask >> rid & 1:
+                longest = ctx.prompt - 1 if ctx.prompt > 0 else 0
+                cached = depth * self._entry_tokens
+                return cached if cached < longest else longest
+        return 0
 
     def _search(
         self,
