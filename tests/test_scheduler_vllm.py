@@ -22,6 +22,7 @@ from kvflow.scheduler.placement import Placement, PlacementRequest
 from kvflow.scheduler.telemetry import MetricsScraper, fleet_endpoints
 from tests.fixtures_vllm import VllmServedModel
 from tests.fleets import one_pool_fleet
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.vllm
 
@@ -102,20 +103,25 @@ async def test_vllm_kv_events_predict_the_cached_tokens_vllm_reports(
                 tenant="acme",
                 workflow_id="wf-vllm",
             )
-            expected = 0
+
+            def indexed() -> bool:
+                status = scheduler.status()[0]
+                return status.precise and status.blocks_indexed >= 8
+
             # The engine publishes its events shortly after the step; on a busy machine,
             # seconds after.
-            for _ in range(1500):
-                status = scheduler.status()[0]
-                if status.precise and status.blocks_indexed >= 8:
-                    placement = scheduler.place(request)
-                    assert isinstance(placement, Placement)
-                    expected = placement.expected_cached_tokens
-                    break
-                await asyncio.sleep(0.02)
+            await eventually(
+                indexed,
+                within=60,
+                what="the scheduler indexes the prompt's blocks from vLLM's KV events",
+                interval=0.02,
+            )
             assert subscriber.events > 0 and subscriber.undecodable == 0
+            placement = scheduler.place(request)
+            assert isinstance(placement, Placement)
+            expected = placement.expected_cached_tokens
             # 600 tokens: four whole blocks of 128; vLLM recomputes the last token.
-            assert expected == 512
+            assert expected == 512, scheduler.status()
             assert await complete(tokens) == expected
 
             # A subscriber that joins now has missed the batches above. The next batch it
