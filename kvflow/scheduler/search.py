@@ -239,38 +239,53 @@ class Search:
         The candidates are the replicas already examined and, per pool, the first
         `search_width` of its ranking within the bound (`affinity_capacity` at `factor`; the
         ranking is by static factor, so least loaded first). Those not scored yet are scored
-        lowest lower bound first (`objective_bound` at the most the replica can have cached),
-        until the next bound reaches the best objective found among the candidates: the pick
-        is the one scoring them all would make, at a fraction of the evaluations.
+        lowest lower bound first, and only while the bound is below the best objective found
+        among the candidates: the pick is the one scoring them all would make, at a fraction
+        of the evaluations. The bound is cost · static factor at the most the replica can have
+        cached (`objective_bound` less its sunk-cost term, which is checked before scoring).
+        A pool's replicas holding none of the prompt all cost the same, so along its ranking
+        their bounds only rise: they are merged pool by pool, as `_search` does, with the prefix
+        holders, rather than sorted.
         """
         replicas = self._replicas
+        prices = self._prices
         previous = ctx.previous
+        prompt, output = ctx.prompt, ctx.output
+        holders = 0  # every replica holding part of the prompt, one bit each
+        for _, mask in ctx.levels:
+            holders |= mask
         capacity: dict[int, int] = {}  # per pool
-        # (lower bound, order of the rankings' walk, replica): the walk's order breaks ties
-        # as scoring every candidate in that order would.
-        pending: list[tuple[float, int, int]] = []
-        costs: dict[tuple[int, int], float] = {}  # (pool, cached tokens) → µ$
-        sunk = self._sunk_cost * ctx.spent
+        # (lower bound, tie-break order, replica, cost, the pool's uncached candidates and the
+        # index of this one among them, or None for a holder). Exact ties go to the earlier
+        # pool, then the earlier in its ranking, as when the candidates were scored in order.
+        heap: list[tuple[float, int, int, float, list[tuple[int, float]] | None, int]] = []
+        seq = 0
         for position, ranked in enumerate(view.warm):
             if not ranked:
                 continue
             capacity[position] = bound = self.affinity_capacity(
                 view, replicas[ranked[0][1]].pool.max_concurrency, factor
             )
+            uncached = prices[position].cost(prompt, 0, output)
+            plain: list[tuple[int, float]] = []  # (replica, static factor), in ranking order
             taken = 0
-            for _, rid in ranked:
+            for static_factor, rid in ranked:
                 if taken == self._search_width:
                     break
-                state = replicas[rid]
-                if state.load <= bound:
+                if replicas[rid].load <= bound:
                     taken += 1
-                    if rid not in evaluated:
-                        cached = self._most_cached(ctx, rid)
-                        cost = costs.get((position, cached))
-                        if cost is None:
-                            cost = self._prices[position].cost(ctx.prompt, cached, ctx.output)
-                            costs[position, cached] = cost
-                        pending.append((state.objective_bound(cost, sunk), len(pending), rid))
+                    if rid in evaluated:
+                        continue
+                    if holders >> rid & 1:
+                        cost = prices[position].cost(prompt, self._most_cached(ctx, rid), output)
+                        heap.append((cost * static_factor, seq, rid, cost, None, 0))
+                        seq += 1
+                    else:
+                        plain.append((rid, static_factor))
+            if plain:
+                rid, static_factor = plain[0]
+                heap.append((uncached * static_factor, seq, rid, uncached, plain, 0))
+                seq += len(plain)
         found: Estimate | None = None
         for rid, verdict in evaluated.items():
             state = replicas[rid]
@@ -281,10 +296,23 @@ class Search:
                 and (found is None or verdict.objective < found.objective)
             ):
                 found = verdict
-        pending.sort()
-        for lower, _, rid in pending:
+        sunk = self._sunk_cost * ctx.spent
+        heapq.heapify(heap)
+        while heap:
+            lower, order, rid, cost, run, at = heapq.heappop(heap)
             if found is not None and lower >= found.objective:
                 break  # nor can any candidate after it: their bounds are higher still
+            if run is not None and at + 1 < len(run):
+                following, static_factor = run[at + 1]
+                heapq.heappush(
+                    heap, (cost * static_factor, order + 1, following, cost, run, at + 1)
+                )
+            if (
+                found is not None
+                and sunk
+                and replicas[rid].objective_bound(cost, sunk) >= found.objective
+            ):
+                continue
             verdict = consider(rid)
             # Within its pool's bound by construction, so it may win on its cache.
             if (
