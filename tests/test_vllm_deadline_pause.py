@@ -16,7 +16,6 @@ machine can run it.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,12 @@ from typing import Any
 import pytest
 
 from kvflow.scheduler.placement import TIER_PRIORITY_SPAN
-from kvflow.workers.vllm_server import VllmInstall, kvflow_vllm_path, vllm_install
+from kvflow.workers.vllm_server import (
+    VllmInstall,
+    kvflow_vllm_path,
+    vllm_environment,
+    vllm_install,
+)
 from tests.fixtures_vllm import skip_or_fail
 
 pytestmark = pytest.mark.timeout(300)
@@ -49,8 +53,7 @@ def installed() -> VllmInstall:
 def in_vllm(tmp_path: Path, *args: str) -> str:
     """Run vLLM's python with only `kvflow_vllm` on its path; its standard output."""
     install = installed()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env["PYTHONPATH"] = str(kvflow_vllm_path(tmp_path / "python"))
+    env = vllm_environment(kvflow_vllm_path(tmp_path / "python"))
     env["KVFLOW_TINY_MODEL"] = str(install.model_dir)
     ran = subprocess.run(
         [str(install.python), *args],

@@ -257,17 +257,9 @@ class VllmServer:
         return command
 
     def environment(self) -> dict[str, str]:
-        """The server's environment: this one without Python paths, offline, no telemetry."""
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        env.update(
-            VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_space_gib),  # GiB of KV cache
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            VLLM_NO_USAGE_STATS="1",
-            DO_NOT_TRACK="1",
-        )
-        if self._python_dir is not None:
-            env["PYTHONPATH"] = str(self._python_dir)
+        """The server's environment: `vllm_environment`, with its KV cache size."""
+        env = vllm_environment(self._python_dir)
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gib)  # GiB of KV cache
         return env
 
     def start(self) -> VllmServer:
@@ -386,6 +378,23 @@ class VllmServer:
         self.stop()
 
 
+def vllm_environment(python_dir: Path | None = None) -> dict[str, str]:
+    """An environment for vLLM's python: this one without Python paths, offline, no telemetry.
+
+    `python_dir` (see `kvflow_vllm_path`) becomes its only `PYTHONPATH`.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+    )
+    if python_dir is not None:
+        env["PYTHONPATH"] = str(python_dir)
+    return env
+
+
 def kvflow_vllm_path(into: Path) -> Path:
     """`into`, holding a link to the `kvflow_vllm` package: a `PYTHONPATH` for vLLM.
 
@@ -428,8 +437,10 @@ __all__ = [
     "VllmInstall",
     "VllmServer",
     "VllmServerError",
+    "kvflow_vllm_path",
     "log_tail",
     "model_max_positions",
     "stop_servers",
+    "vllm_environment",
     "vllm_install",
 ]
