@@ -151,6 +151,8 @@ class Scene:
     finished_at: dict[str, float] = field(default_factory=dict)
     blocks: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
     blocks_kept: dict[str, bool] = field(default_factory=dict)
+    preempted: set[str] = field(default_factory=set)
+    """Requests the engine preempted at any step (a finished request leaves `requests`)."""
     log: Lines = field(default_factory=Lines)
 
     def __post_init__(self) -> None:
@@ -177,7 +179,9 @@ class Scene:
             done = req.num_computed_tokens + scheduled[request_id] >= req.num_prompt_tokens
             sampled.append([7] if done else [])
         self.clock.elapsed += STEP_BASE_S + STEP_PER_REQUEST_S * len(ids)
-        for request_id in self.engine.requests:
+        for request_id, req in self.engine.requests.items():
+            if req.num_preemptions:
+                self.preempted.add(request_id)
             blocks = self.engine.kv_cache_manager.get_block_ids(request_id)
             seen = self.blocks.setdefault(request_id, blocks)
             # A request's blocks only grow while it keeps them: each list starts with the
@@ -208,14 +212,13 @@ class Scene:
 
     def report(self, name: str, **extra: Any) -> None:
         """Print the scene as one JSON line."""
-        preempted = sorted(r.request_id for r in self.engine.requests.values() if r.num_preemptions)
         print(
             json.dumps(
                 {
                     "scene": name,
                     "steps": self.steps,
                     "finished_at": self.finished_at,
-                    "preempted": preempted,
+                    "preempted": sorted(self.preempted),
                     "blocks_kept": self.blocks_kept,
                     "log": self.log.lines,
                     "step_s": {"base": STEP_BASE_S, "per_request": STEP_PER_REQUEST_S},
