@@ -453,6 +453,35 @@ class AdmissionConfig(_Config):
         ),
     )
 
+    open_task_kv_by_tier: tuple[float, float, float, float, float] | None = Field(
+        default=None,
+        description=(
+            "admission before a KV collapse: a new task of tier t is refused at its first step "
+            "(`RefusalReason.OVERLOADED`, with `retry_after_s`) while the KV its model's open "
+            "tasks will come back to (each task's last prompt and expected output), with its "
+            "own prompt, exceeds this multiple of the KV cache of the replicas warm for the "
+            "model. Past a multiple, conversations returning from their tools find their KV "
+            "evicted, recompute it and evict each other's: tasks already running slow down "
+            "and fail having spent. None: never"
+        ),
+    )
+    open_task_retry_after_s: float = Field(
+        default=10.0,
+        gt=0,
+        description=(
+            "the retry-after of a task refused by `open_task_kv_by_tier`: room comes back as "
+            "open tasks end, on the scale of a task's lifetime, not of a batch's"
+        ),
+    )
+    open_task_idle_s: float = Field(
+        default=900.0,
+        gt=0,
+        description=(
+            "a task that placed no call for this long is no longer counted open "
+            "(`open_task_kv_by_tier`): it ended, or its KV is evicted by now anyway"
+        ),
+    )
+
     def admission_tier(self, tier: int, steps_done: int) -> int:
         """The tier a call is admitted as: `running_task_tiers` better once its task ran."""
         return max(1, tier - self.running_task_tiers) if steps_done else tier
@@ -462,6 +491,8 @@ class AdmissionConfig(_Config):
         named = [("saturation_by_tier", self.saturation_by_tier)]
         if self.headroom_by_tier is not None:
             named.append(("headroom_by_tier", self.headroom_by_tier))
+        if self.open_task_kv_by_tier is not None:
+            named.append(("open_task_kv_by_tier", self.open_task_kv_by_tier))
         for name, thresholds in named:
             if any(t <= 0 for t in thresholds) or list(thresholds) != sorted(
                 thresholds, reverse=True

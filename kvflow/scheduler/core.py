@@ -4,21 +4,25 @@ A decision, for one `PlacementRequest`:
 
 1. **Tenant checks** (`kvflow.scheduler.tenancy`): the task's and the tenant's retry budgets,
    the tenant's daily quota.
-2. **Model**: the model asked for, then (if it cannot be placed and the request allows it) its
+2. **Admission before a KV collapse**, at a task's first step only and where
+   `admission.open_task_kv_by_tier` is set (`_open_task_refusal`): a new task waits while the
+   KV its model's open tasks will come back to, with its prompt, exceeds its tier's multiple
+   of the model's KV cache.
+3. **Model**: the model asked for, then (if it cannot be placed and the request allows it) its
    fallback chain. A model's candidates are the replicas that are up, whose circuit is not
    open, and that hold its weights (warm) or, when no warm replica fits, could load them
    (cold). The axes may refuse the call before any replica is scored (tier admission refuses
    low tiers first when the model's replicas are saturated).
-3. **Axes** (`kvflow.scheduler.axes`, run by `kvflow.scheduler.policy`): each replica examined
+4. **Axes** (`kvflow.scheduler.axes`, run by `kvflow.scheduler.policy`): each replica examined
    passes the configured axes in order; the first `Filter` that turns it down is its verdict,
    otherwise its objective is J = (cost + at risk) / p × penalties × factors. When nothing
    passes, the refusal (`kvflow.scheduler.reasons`) reports the furthest filter any replica
    reached.
-4. **Pick** (`kvflow.scheduler.search`): the lowest J, searched best-first by a lower bound; but
+5. **Pick** (`kvflow.scheduler.search`): the lowest J, searched best-first by a lower bound; but
    when no feasible replica holds any of the prompt's prefix, rendezvous hashing of the prefix
    key over the near-best replicas, with bounded load, so that every scheduler process sends a
    new prefix to the same replica.
-5. **Task admission**, at a task's first step only and where `latency.task_admission` is on
+6. **Task admission**, at a task's first step only and where `latency.task_admission` is on
    (`_task_refusal`): the task is refused before it spends when the pick's estimate, over its
    expected steps and tool time, misses its deadline or its first step's objective though
    the same call on an idle replica would not (`RefusalReason.OVERLOADED`).
@@ -96,12 +100,14 @@ class _Booking:
 
     __slots__ = (
         "block_hashes",
+        "closes",
         "held_depth",
         "model",
         "now",
         "probe",
         "retry",
         "rid",
+        "shared",
         "tenant",
         "tokens",
         "workflow_id",
@@ -119,6 +125,8 @@ class _Booking:
         probe: bool,
         now: float,
         tokens: int,
+        closes: bool,
+        shared: int,
     ) -> None:
         self.rid = rid
         self.model = model
@@ -131,6 +139,11 @@ class _Booking:
         self.now = now
         self.tokens = tokens
         """Prompt + expected output: the KV the call's decode steps will read."""
+        self.closes = closes
+        """The call is its task's last (`steps_remaining` 1): the task is no longer open."""
+        self.shared = shared
+        """At a task's first step, the prompt tokens some cache already held (a system prompt
+        other tasks share); −1 at a later step."""
 
 
 class Scheduler:
@@ -148,6 +161,14 @@ class Scheduler:
         self._task_admission = config.latency.task_admission
         """Whether first steps are admitted as whole tasks (`_task_refusal`); read once, since
         a decision should not pay for a lever that is off."""
+        self._open_task_kv = config.admission.open_task_kv_by_tier
+        self._open_task_idle_s = config.admission.open_task_idle_s
+        self._open_tasks: OrderedDict[str, tuple[str, int, float, int]] = OrderedDict()
+        """With `open_task_kv_by_tier`: workflow id → (model, the KV tokens its next call will
+        come back to: its last call's prompt and expected output less what it shares, when
+        that call was placed, the tokens it shares), least recently placed first."""
+        self._open_kv: dict[str, int] = {m.name: 0 for m in fleet.models}
+        """Model → the KV tokens of its open tasks (`_open_tasks`)."""
         self._clock = clock
         self._lock = threading.RLock()
         self.block_size = config.prefix.block_size
@@ -469,6 +490,10 @@ class Scheduler:
             if refusal is not None:
                 return refusal
             ctx = self._context(request, spec, now)
+            if self._open_task_kv is not None:
+                waits = self._open_task_refusal(ctx)
+                if waits is not None:
+                    return waits
             outcome = self._place_model(ctx)
             if isinstance(outcome, tuple):
                 if self._task_admission:
@@ -602,7 +627,102 @@ class Scheduler:
                 if len(remembered) > self._remembered_workflows:
                     remembered.popitem(last=False)
             self._tenants.record_call(booking.tenant, booking.retry, booking.now)
+            if self._open_task_kv is not None and booking.workflow_id:
+                self._track_open_task(booking)
             self._refresh_load(state)
+
+    def _track_open_task(self, booking: _Booking) -> None:
+        """The task's KV is now its latest call's, less what it shares; its last call closes it.
+
+        What the task's first call found cached anywhere (a system prompt) is held once for
+        every task that shares it, so it is not the task's own: counting it per task would
+        call a fleet whose tasks share one long prompt full when its caches are not.
+        """
+        tasks = self._open_tasks
+        old = tasks.pop(booking.workflow_id, None)
+        if old is not None:
+            self._open_kv[old[0]] -= old[1]
+            shared = old[3]
+        else:
+            shared = booking.shared if booking.shared > 0 else 0
+        if booking.closes:
+            return
+        own = booking.tokens - shared if booking.tokens > shared else 0
+        tasks[booking.workflow_id] = (booking.model, own, booking.now, shared)
+        self._open_kv[booking.model] += own
+
+    def _expire_open_tasks(self, now: float) -> None:
+        """Forget tasks that placed nothing for `open_task_idle_s` (least recent first)."""
+        tasks = self._open_tasks
+        horizon = now - self._open_task_idle_s
+        while tasks:
+            workflow_id = next(iter(tasks))
+            model, tokens, placed_at, _ = tasks[workflow_id]
+            if placed_at > horizon:
+                return
+            del tasks[workflow_id]
+            self._open_kv[model] -= tokens
+
+    def _kv_capacity_tokens(self, model: ModelSpec) -> int:
+        """The KV-cache tokens of the replicas warm for `model` that may take calls.
+
+        Scraped: `num_gpu_blocks` · the engine's block size; before that, the estimate from
+        the GPU's memory and the model's weights (`kv_capacity_blocks`).
+        """
+        total = 0
+        for rid, member in self._search.rankings[model.name].member.items():
+            if member[2] is None:
+                continue  # cold: it holds no KV for the model until it loads the weights
+            state = self._replicas[rid]
+            if state.num_gpu_blocks is not None:
+                total += state.num_gpu_blocks * (state.engine_block_size or self.block_size)
+            else:
+                blocks = kv_capacity_blocks(state.pool, model, self.block_size, self.config)
+                total += blocks * self.block_size
+        return total
+
+    def _open_task_refusal(self, ctx: Decision) -> Refusal | None:
+        """A new task waits while the KV its model's open tasks will come back to is too much.
+
+        refused iff open tasks' KV + its prompt > open_task_kv_by_tier[tier − 1] · the KV
+        cache of the replicas warm for the model
+
+        each counted without the prefix some cache already held at the task's first step (a
+        system prompt its tasks share, held once).
+
+        Past that multiple, conversations coming back from their tools find their KV evicted
+        and recompute it, evicting each other's: admitting one more task slows every task
+        already running and makes some fail having spent. Waiting before its first step, it
+        spends nothing and holds nothing (`AdmissionConfig.open_task_kv_by_tier`).
+        """
+        thresholds = self._open_task_kv
+        request = ctx.request
+        if (
+            thresholds is None
+            or request.steps_done
+            or request.attempt > 1
+            or not request.workflow_id
+            or request.workflow_id in self._open_tasks
+        ):
+            return None
+        self._expire_open_tasks(ctx.now)
+        tier = self._tenants.keys(ctx.tenant)[0]
+        factor = thresholds[tier - 1]
+        committed = self._open_kv[ctx.model]
+        capacity = self._kv_capacity_tokens(ctx.spec)
+        own = ctx.prompt - ctx.most_cached  # a prompt some cache holds is shared, not added
+        if not capacity or committed + own <= factor * capacity:
+            return None
+        return reasons.kv_committed(
+            ctx,
+            sum(1 for task in self._open_tasks.values() if task[0] == ctx.model),
+            committed,
+            capacity,
+            factor,
+            tier,
+            own,
+            self.config.admission.open_task_retry_after_s,
+        )
 
     def _refresh_load(self, state: ReplicaState) -> None:
         """After a placement: only the load-dependent estimates of the replica change.
@@ -723,6 +843,8 @@ class Scheduler:
                 probe,
                 ctx.now,
                 ctx.prompt + ctx.output,
+                ctx.request.steps_remaining <= 1,
+                -1 if ctx.request.steps_done else ctx.most_cached,
             )
         )
         self.policy.finish(state, ctx, chosen)

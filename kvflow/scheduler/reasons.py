@@ -158,6 +158,31 @@ def saturated(
     )
 
 
+def kv_committed(
+    decision: Decision,
+    open_tasks: int,
+    committed: int,
+    capacity: int,
+    factor: float,
+    tier: int,
+    own: int,
+    retry_after: float,
+) -> Refusal:
+    """A new task waits: the model's open tasks will come back to more KV than it may add to."""
+    return refusal(
+        decision,
+        RefusalReason.SATURATED,
+        f"the {open_tasks} open tasks of this scheduler will come back to {committed:,} tokens "
+        f"of {decision.spec.name} KV cache, {committed / capacity:.2f}× the {capacity:,} its "
+        f"warm replicas hold; a new tier-{tier} task starts while they and its "
+        f"{own:,} prompt tokens no cache holds stay within {factor:g}× "
+        "(`admission.open_task_kv_by_tier`), so that returning conversations keep their "
+        f"cache: nothing was spent, it waits {retry_after:g} s",
+        retry_after=retry_after,
+        retryable=True,
+    )
+
+
 def no_fit(
     decision: Decision,
     verdicts: dict[int, Estimate | Filter],

@@ -1,0 +1,179 @@
+"""Admission before a KV collapse: new tasks wait while open tasks' KV outgrows the caches.
+
+With `AdmissionConfig.open_task_kv_by_tier` set, the scheduler counts the tasks it has placed
+and not yet seen end (its last call, or `open_task_idle_s` without a call), each at its last
+call's prompt and expected output: the KV that task's next call will come back to. A new
+task of tier t waits at its first step (`SATURATED`, retryable, `open_task_retry_after_s`)
+while that sum and its own prompt exceed the tier's multiple of the KV cache of the replicas
+warm for the model. Calls of tasks already running are never held this way.
+"""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from kvflow.scheduler.config import AdmissionConfig, SchedulerConfig
+from kvflow.scheduler.core import Scheduler
+from kvflow.scheduler.placement import Placement, PlacementRequest, RefusalReason
+from kvflow.scheduler.state import ReplicaMetrics
+from tests.test_scheduler_placement import (
+    Clock,
+    make_fleet,
+    placed,
+    prompt,
+    refused,
+    request,
+)
+
+BLOCKS, BLOCK = 250, 16
+CAPACITY = 4 * BLOCKS * BLOCK
+"""KV tokens of the four replicas warm for the 8B model, as each scrape says (16,000)."""
+FACTORS = (1.0, 1.0, 0.75, 0.75, 0.75)
+"""Tier 1 (acme) starts within the caches' size (16,000 tokens); tier 3 (globex) 12,000."""
+PROMPT = 3_000
+OUTPUT = 200
+
+
+def make_scheduler(factors: tuple[float, ...] | None = FACTORS, **fields: float) -> Scheduler:
+    admission = AdmissionConfig(open_task_kv_by_tier=factors, **fields)
+    clock = Clock()
+    scheduler = Scheduler(make_fleet(), SchedulerConfig(admission=admission), clock=clock)
+    for name in scheduler.replica_names():
+        scheduler.update_metrics(
+            name, ReplicaMetrics(running=0, waiting=0, block_size=BLOCK, num_gpu_blocks=BLOCKS)
+        )
+    return scheduler
+
+
+def task_call(n: int, tenant: str = "globex", **fields: object) -> PlacementRequest:
+    """Task `n`'s first call (of five, unless said): a 3,000-token prompt."""
+    values: dict[str, object] = {
+        "tenant": tenant,
+        "workflow_id": f"task-{n}",
+        "steps_remaining": 5,
+        "max_output_tokens": OUTPUT,
+    }
+    values.update(fields)
+    return request(prompt(n, PROMPT), **values)
+
+
+def open_tasks(scheduler: Scheduler, count: int) -> None:
+    """Start `count` tier-1 tasks (admitted up to 1×), each holding 3,200 tokens."""
+    for n in range(count):
+        placed(scheduler.place(task_call(100 + n, tenant="acme")))
+    scheduler.settle()
+
+
+def test_a_new_lower_tier_task_waits_while_open_tasks_hold_its_share_of_the_cache() -> None:
+    scheduler = make_scheduler()
+    open_tasks(scheduler, 2)  # 6,400 tokens open: with a 3,000-token prompt, within 12,000
+    placed(scheduler.place(task_call(1)))
+    scheduler.settle()  # 9,600 open: the next one would take it to 12,600, past 12,000
+    before = [state.load for state in scheduler._replicas]
+    answer = refused(scheduler.place(task_call(2)))
+    assert answer.reason is RefusalReason.SATURATED
+    # It waits (the workflow sleeps on a durable timer), at a task's pace, not a batch's.
+    assert answer.retryable and answer.retry_after_s == 10.0
+    assert "3 open tasks" in answer.message and "9,600 tokens" in answer.message
+    assert f"{CAPACITY:,}" in answer.message and "within 0.75×" in answer.message
+    assert "nothing was spent" in answer.message
+    scheduler.settle()
+    assert [state.load for state in scheduler._replicas] == before
+    # Tier 1 is admitted up to the caches' whole size: 12,600 of 16,000.
+    placed(scheduler.place(task_call(3, tenant="acme")))
+
+
+def test_calls_of_a_task_already_running_are_never_held() -> None:
+    scheduler = make_scheduler()
+    open_tasks(scheduler, 4)  # 12,800 open: past tier 3's 12,000
+    refused(scheduler.place(task_call(1)))
+    # A running tier-3 task's next call goes on: holding it would waste what it spent.
+    placed(scheduler.place(task_call(2, steps_done=1, steps_remaining=4)))
+    # So does the retry of a first call that was placed.
+    placed(scheduler.place(task_call(3, attempt=2)))
+
+
+def test_a_tasks_last_call_closes_it_and_makes_room() -> None:
+    scheduler = make_scheduler()
+    open_tasks(scheduler, 4)
+    refused(scheduler.place(task_call(1)))
+    for n in range(100, 103):
+        last = task_call(n, tenant="acme", steps_done=4, steps_remaining=1)
+        placed(scheduler.place(last))
+    scheduler.settle()  # one task open: 3,200 tokens
+    placed(scheduler.place(task_call(1)))
+
+
+def test_a_task_that_placed_nothing_for_a_while_is_no_longer_counted() -> None:
+    scheduler = make_scheduler(open_task_idle_s=600.0)
+    open_tasks(scheduler, 4)
+    clock = scheduler._clock
+    assert isinstance(clock, Clock)
+    clock.advance(599.0)
+    refused(scheduler.place(task_call(1)))
+    clock.advance(2.0)  # the four went silent 601 s ago: they ended, or their KV is gone
+    placed(scheduler.place(task_call(1)))
+
+
+def test_a_growing_conversation_counts_at_its_latest_size() -> None:
+    scheduler = make_scheduler()
+    open_tasks(scheduler, 1)  # 3,200
+    placed(scheduler.place(task_call(1)))  # 6,400
+    scheduler.settle()
+    placed(scheduler.place(task_call(2)))  # 9,600
+    scheduler.settle()
+    # The first tier-1 task comes back with 4,000 tokens: it counts 4,200, not 3,200 + 4,200.
+    grown = request(
+        prompt(100, 4_000),
+        tenant="acme",
+        workflow_id="task-100",
+        steps_done=1,
+        steps_remaining=4,
+        max_output_tokens=OUTPUT,
+    )
+    placed(scheduler.place(grown))
+    scheduler.settle()
+    assert scheduler._open_kv["llama-3.1-8b"] == 4_200 + 3_200 + 3_200
+    # 10,600 open: a third tier-3 task would take it past 12,000.
+    assert "10,600 tokens" in refused(scheduler.place(task_call(3))).message
+
+
+def test_off_by_default_every_task_starts() -> None:
+    scheduler = make_scheduler(factors=None)
+    for n in range(8):
+        placed(scheduler.place(task_call(n)))
+        scheduler.settle()
+    assert not scheduler._open_tasks
+
+
+def test_thresholds_that_admit_a_lower_tier_longer_are_rejected() -> None:
+    with pytest.raises(ValidationError, match="open_task_kv_by_tier must be positive"):
+        AdmissionConfig(open_task_kv_by_tier=(1.0, 1.0, 2.0, 1.0, 1.0))
+
+
+def test_a_system_prompt_the_tasks_share_is_counted_once() -> None:
+    scheduler = make_scheduler()
+    system = prompt(7, 2_000)
+
+    def shared_call(n: int) -> PlacementRequest:
+        return request(
+            system + prompt(n, 1_000),
+            tenant="globex",
+            workflow_id=f"task-{n}",
+            steps_remaining=5,
+            max_output_tokens=OUTPUT,
+        )
+
+    started = 0
+    while isinstance(scheduler.place(shared_call(started)), Placement):
+        scheduler.settle()
+        started += 1
+    # The first task brings the system prompt (3,200 tokens its own); each later one adds its
+    # 1,000 tokens and answer (1,200): (12,000 − 3,200) / 1,200 more fit, not 12,000 / 3,200.
+    # The index holds whole entries of blocks: the shared part is the system prompt rounded
+    # down to one.
+    entry = scheduler._entry_tokens
+    own = 3_200 - 2_000 // entry * entry
+    assert started == 1 + (12_000 - 3_200) // own == 8
+    assert scheduler._open_kv["llama-3.1-8b"] == 3_200 + (started - 1) * own
