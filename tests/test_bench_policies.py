@@ -29,7 +29,7 @@ from kvflow.bench.policies.bounds import (
     success_ceiling,
     zero_miss_floor,
 )
-from kvflow.bench.policies.figures import cost_per_success, figures, percentile
+from kvflow.bench.policies.figures import PolicyFigures, cost_per_success, figures, percentile
 from kvflow.bench.policies.fleet import (
     bench_fleet,
     engine_config,
@@ -640,6 +640,9 @@ def test_plot_without_matplotlib_names_the_extra_to_install(tmp_path: Path) -> N
         (["--policies", "kvflow,nope"], "--policies: unknown 'nope'"),
         (["--mechanisms", "hints,magic"], "--mechanisms: unknown 'magic'"),
         (["--capacity", "0"], "--capacity"),
+        (["--levers", "kv_admission,telepathy"], "--levers: 'telepathy' is not NAME"),
+        (["--levers", "kv_admission=maybe"], "kv_admission (off by default)"),
+        (["--levers", ","], "--levers: empty list"),
     ],
 )
 def test_bench_policies_refuses_bad_input_with_exit_code_2(args: list[str], message: str) -> None:
@@ -702,3 +705,24 @@ def test_the_floor_goal_says_where_the_best_anchor_stands_against_the_floor() ->
     assert floor is not None and theirs is not None
     # Level with the best anchor, a miss is the engines' eviction, not kvflow's placement.
     assert f"the best anchor is at {theirs / float(floor):.3f}× (sglang-tuned)" in goal.detail
+
+
+def test_kv_admission_keeps_long_agent_past_capacity_out_of_the_collapse() -> None:
+    # Long-agent at 2× capacity: admitting every task, returning conversations find their KV
+    # evicted and recompute it; holding new tasks while the open ones outgrow the caches
+    # keeps what they cached, at a fraction of the cost per successful task.
+    spec, fleet = WORKLOADS["long-agent"], bench_fleet("long-agent", 2)
+    measured: dict[bool, tuple[int, PolicyFigures]] = {}
+    for lever in (True, False):
+        run = run_policy(
+            "kvflow", spec=spec, fleet=fleet, task_rate=0.0458, seed=0, tasks=200,
+            extra={"kv_admission": lever},
+        )  # fmt: skip
+        measured[lever] = (run.outcome.refusals, figures(run.outcome, 0.0))
+    (held, on), (_, off) = measured[True], measured[False]
+    assert held > 100, "no task waited: the test proves nothing"
+    assert on.prefix_hit_rate > off.prefix_hit_rate + 0.15
+    assert on.success_rate >= off.success_rate
+    assert on.cost_per_successful_task_usd is not None
+    assert off.cost_per_successful_task_usd is not None
+    assert on.cost_per_successful_task_usd < off.cost_per_successful_task_usd * Decimal("0.8")

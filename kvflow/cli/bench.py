@@ -37,6 +37,7 @@ from kvflow.bench.policies.figures import Interval, MoneyInterval, mean_ci, mone
 from kvflow.scheduler.build import scheduler_build
 from kvflow.simulator.policies import POLICIES
 from kvflow.simulator.policies.base import DEFAULT_MECHANISMS, MECHANISMS
+from kvflow.simulator.policies.kvflow_scheduler import LEVERS
 from kvflow.simulator.policies.oracle import GREEDY_REFERENCE
 from kvflow.simulator.workloads import WORKLOADS
 
@@ -466,6 +467,25 @@ def _names(text: str, flag: str, known: Sequence[str], *, none: bool = False) ->
     return names
 
 
+def _levers(text: str) -> dict[str, object]:
+    """`--levers`: NAME switches kvflow's lever on, NAME=off off (`LEVERS`)."""
+    switched: dict[str, object] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        name, _, value = part.partition("=")
+        name, value = name.strip(), value.strip().lower() or "on"
+        if name not in LEVERS or value not in ("on", "off"):
+            raise _usage_error(
+                f"--levers: {part!r} is not NAME or NAME=off; levers: "
+                + ", ".join(f"{n} ({'on' if on else 'off'} by default)" for n, on in LEVERS.items())
+            )
+        switched[name] = value == "on"
+    if not switched:
+        raise _usage_error("--levers: empty list; give NAME to switch a lever on, NAME=off off")
+    return switched
+
+
 @bench_app.command("policies")
 def policies_bench(
     quick: Annotated[
@@ -546,6 +566,16 @@ def policies_bench(
             "--ablate", help="also run kvflow with each axis off, and each lever flipped, in turn"
         ),
     ] = False,
+    levers: Annotated[
+        str | None,
+        typer.Option(
+            "--levers",
+            help=(
+                "kvflow's levers switched from their defaults, comma-separated: NAME on, "
+                "NAME=off off (" + ", ".join(LEVERS) + ")"
+            ),
+        ),
+    ] = None,
     fleet_file: Annotated[
         Path | None, typer.Option("--fleet", help="fleet.toml to simulate instead of the default")
     ] = None,
@@ -575,6 +605,7 @@ def policies_bench(
     compared = list(POLICIES) if policies is None else _names(policies, "--policies", known)
     chosen = frozenset(_names(mechanisms, "--mechanisms", MECHANISMS, none=True))
     swept = None if sweep_policies is None else _names(sweep_policies, "--sweep-policies", known)
+    extra = None if levers is None else {"kvflow": _levers(levers)}
     fleet = None
     if fleet_file is not None:
         from kvflow.workers.console import load_fleet_or_exit
@@ -613,6 +644,7 @@ def policies_bench(
                     progress=lambda text: status.update(f"simulating {text}..."),
                     ablate=ablate,
                     workers=workers,
+                    extra=extra,
                 )
             )
     for result in results:

@@ -70,6 +70,7 @@ LEVERS = {
     "step_headroom": True,
     "keep_conversation": True,
     "objective_bound": True,
+    "kv_admission": False,
 }
 """kvflow's task-aware levers beyond the scheduler's axes, each a `PolicySetup.extra` switch,
 with its default; `kvflow bench policies --ablate` runs kvflow with each flipped in turn:
@@ -138,12 +139,32 @@ with its default; `kvflow bench policies --ablate` runs kvflow with each flipped
   `keep_conversation`, so it moves new tasks. On by default: it acts only where steps
   declare objectives (the overload workload), and there over seeds 0–19 it kept 98.3% of
   tier-1 tasks in time against 97.4% (paired: +0.9 points [−0.0, +1.8]), at 0.999× the
-  cost."""
+  cost;
+- `kv_admission`: a new task waits at its first step (a retry-after of 10 s; it spends and
+  holds nothing) while the KV that the tasks already open will come back to, with its own
+  prompt, exceeds `OPEN_TASK_KV` times the caches (`admission.open_task_kv_by_tier`); where
+  off, every task starts at once. Off by default, as `tier_headroom` is: it is a setting
+  for a fleet run past its capacity. On long-agent at 2× capacity it keeps the fleet out of
+  the collapse in which returning conversations recompute and evict each other (seeds 0–4:
+  66% of prompt tokens cached against 27%, half the cost per successful task, 1.26× the
+  goodput); at capacity it costs nothing but the lower tiers' waits (mean model time 216 s
+  against 157 s, the same cost); on overload at 1.5× it changes no figure, on agent at 0.95×
+  (shared system prompts make most of the KV) none by more than 0.5%."""
 TIER_HEADROOM = (4.0, 2.0, 0.05, 0.04, 0.03)
 """`admission.saturation_by_tier` for the benchmark's fleet (256 slots per replica): tier 3
 waits above about 13 calls per replica, tier 4 above 10, tier 5 above 8, where a burst's
 prefills start to stretch a tier-1 step past its 6 s. A deployment sets its own from the
 batch at which its tier-1 steps slow; `--ablate` shows what the setting trades."""
+
+
+OPEN_TASK_KV = (2.5, 2.5, 2.0, 2.0, 2.0)
+"""`admission.open_task_kv_by_tier` for the benchmark's fleets: a new task of tier 3 or 5
+waits while the open tasks' own KV (shared system prompts counted once) would pass 2× the
+caches, tier 1 2.5×. On long-agent the open conversations need about 2× the caches at
+capacity, and past that the caches thrash: at 2× capacity (seeds 0–4) kvflow found 27% of
+prompt tokens cached admitting every task, 66% with these multiples, 77% with (2, 2, 1.75,
+…), 57% with (3, 3, 2, …). A deployment sets its own from where its hit rate falls;
+`kvflow bench policies --ablate` shows what it trades."""
 
 
 def lever_config(config: SchedulerConfig, extra: Mapping[str, object]) -> SchedulerConfig:
@@ -164,6 +185,8 @@ def lever_config(config: SchedulerConfig, extra: Mapping[str, object]) -> Schedu
     admission["headroom_for_step_objectives"] = on("step_headroom")
     if on("running_first"):
         admission["running_task_tiers"] = 1
+    if on("kv_admission"):
+        admission["open_task_kv_by_tier"] = OPEN_TASK_KV
     sections: dict[str, dict[str, object]] = {
         "admission": admission,
         "latency": {"task_admission": on("task_admission")},
