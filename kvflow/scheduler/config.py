@@ -462,7 +462,10 @@ class AdmissionConfig(_Config):
             "own prompt, exceeds this multiple of the KV cache of the replicas warm for the "
             "model. Past a multiple, conversations returning from their tools find their KV "
             "evicted, recompute it and evict each other's: tasks already running slow down "
-            "and fail having spent. None: never"
+            "and fail having spent. A task counts from its first call to the call of its last "
+            "declared step (`PlacementRequest.steps_remaining` 1; `TaskSpec.expected_steps`), "
+            "so tasks that declare no steps are never counted. Each scheduler process counts "
+            "the tasks it placed. None: never"
         ),
     )
     open_task_retry_after_s: float = Field(
