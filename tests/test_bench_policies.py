@@ -641,7 +641,7 @@ def test_plot_without_matplotlib_names_the_extra_to_install(tmp_path: Path) -> N
         (["--mechanisms", "hints,magic"], "--mechanisms: unknown 'magic'"),
         (["--capacity", "0"], "--capacity"),
         (["--levers", "kv_admission,telepathy"], "--levers: 'telepathy' is not NAME"),
-        (["--levers", "kv_admission=maybe"], "kv_admission (off by default)"),
+        (["--levers", "kv_admission=maybe"], "kv_admission (on by default)"),
         (["--levers", ","], "--levers: empty list"),
     ],
 )

@@ -177,3 +177,24 @@ def test_a_system_prompt_the_tasks_share_is_counted_once() -> None:
     own = 3_200 - 2_000 // entry * entry
     assert started == 1 + (12_000 - 3_200) // own == 8
     assert scheduler._open_kv["llama-3.1-8b"] == 3_200 + (started - 1) * own
+
+
+def test_with_slack_holding_starts_at_the_looser_multiple_and_then_holds_to_the_tighter() -> None:
+    # Tier 3's multiple 0.75 (12,000 tokens), with slack 1.5: holding starts past 18,000.
+    scheduler = make_scheduler(open_task_kv_slack=1.5, open_task_kv_hold_s=300.0)
+    open_tasks(scheduler, 4)  # 12,800 open: past 12,000, not past 18,000
+    placed(scheduler.place(task_call(1)))  # 15,800 with its prompt
+    scheduler.settle()  # 16,000
+    answer = refused(scheduler.place(task_call(2)))  # 19,000: past 18,000, holding starts
+    assert "within 1.125×" in answer.message
+    for n in range(100, 102):  # two tier-1 tasks end: 9,600 open
+        placed(scheduler.place(task_call(n, tenant="acme", steps_done=4, steps_remaining=1)))
+    scheduler.settle()
+    # 12,600 with the next prompt: under the looser multiple, but holding it is the tighter.
+    assert "within 0.75×" in refused(scheduler.place(task_call(2))).message
+    clock = scheduler._clock
+    assert isinstance(clock, Clock)
+    clock.advance(299.0)
+    refused(scheduler.place(task_call(2)))  # held again: the hold runs 300 s from here
+    clock.advance(301.0)
+    placed(scheduler.place(task_call(2)))  # 300 s without a task held: the looser again

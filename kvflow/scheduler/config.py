@@ -468,6 +468,22 @@ class AdmissionConfig(_Config):
             "the tasks it placed. None: never"
         ),
     )
+    open_task_kv_slack: float = Field(
+        default=1.0,
+        ge=1.0,
+        description=(
+            "`open_task_kv_by_tier` times this is where holding new tasks starts; once one "
+            "is held, the multiples themselves apply until `open_task_kv_hold_s` passes "
+            "without a task held. At capacity the open tasks' KV swings about its mean and "
+            "seldom reaches the looser multiples; past capacity it does at once, and the "
+            "tighter ones then keep the caches from thrashing. 1: the multiples always"
+        ),
+    )
+    open_task_kv_hold_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="how long the tighter multiples hold after the last task held",
+    )
     open_task_retry_after_s: float = Field(
         default=10.0,
         gt=0,

@@ -163,6 +163,10 @@ class Scheduler:
         a decision should not pay for a lever that is off."""
         self._open_task_kv = config.admission.open_task_kv_by_tier
         self._open_task_idle_s = config.admission.open_task_idle_s
+        self._open_task_slack = config.admission.open_task_kv_slack
+        self._open_task_hold_s = config.admission.open_task_kv_hold_s
+        self._holding_until = -math.inf
+        """Until when the tight multiples apply: `open_task_kv_hold_s` after the last hold."""
         self._open_tasks: OrderedDict[str, tuple[str, int, float, int]] = OrderedDict()
         """With `open_task_kv_by_tier`: workflow id → (model, the KV tokens its next call will
         come back to: its last call's prompt and expected output less what it shares, when
@@ -708,11 +712,14 @@ class Scheduler:
         self._expire_open_tasks(ctx.now)
         tier = self._tenants.keys(ctx.tenant)[0]
         factor = thresholds[tier - 1]
+        if ctx.now >= self._holding_until:
+            factor *= self._open_task_slack
         committed = self._open_kv[ctx.model]
         capacity = self._kv_capacity_tokens(ctx.spec)
         own = ctx.prompt - ctx.most_cached  # a prompt some cache holds is shared, not added
         if not capacity or committed + own <= factor * capacity:
             return None
+        self._holding_until = ctx.now + self._open_task_hold_s
         return reasons.kv_committed(
             ctx,
             sum(1 for task in self._open_tasks.values() if task[0] == ctx.model),
