@@ -7,7 +7,7 @@ A decision, for one `PlacementRequest`:
 2. **Admission before a KV collapse**, at a task's first step only and where
    `admission.open_task_kv_by_tier` is set (`_open_task_refusal`): a new task waits while the
    KV its model's open tasks will come back to, with its prompt, exceeds its tier's multiple
-   of the model's KV cache.
+   of the model's KV cache (looser by `open_task_kv_slack` until a task is held).
 3. **Model**: the model asked for, then (if it cannot be placed and the request allows it) its
    fallback chain. A model's candidates are the replicas that are up, whose circuit is not
    open, and that hold its weights (warm) or, when no warm replica fits, could load them
@@ -692,7 +692,10 @@ class Scheduler:
         cache of the replicas warm for the model
 
         each counted without the prefix some cache already held at the task's first step (a
-        system prompt its tasks share, held once).
+        system prompt its tasks share, held once). While no task was held for
+        `open_task_kv_hold_s`, the multiple is `open_task_kv_slack` times looser: at capacity
+        the open tasks' KV swings about its mean below it, past capacity it crosses at once.
+        The hold is the scheduler's, not one model's.
 
         Past that multiple, conversations coming back from their tools find their KV evicted
         and recompute it, evicting each other's: admitting one more task slows every task
