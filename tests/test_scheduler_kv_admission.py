@@ -35,10 +35,12 @@ PROMPT = 3_000
 OUTPUT = 200
 
 
-def make_scheduler(factors: tuple[float, ...] | None = FACTORS, **fields: float) -> Scheduler:
+def make_scheduler(
+    factors: tuple[float, ...] | None = FACTORS, clock: Clock | None = None, **fields: float
+) -> Scheduler:
     admission = AdmissionConfig(open_task_kv_by_tier=factors, **fields)
-    clock = Clock()
-    scheduler = Scheduler(make_fleet(), SchedulerConfig(admission=admission), clock=clock)
+    config = SchedulerConfig(admission=admission)
+    scheduler = Scheduler(make_fleet(), config, clock=clock or Clock())
     for name in scheduler.replica_names():
         scheduler.update_metrics(
             name, ReplicaMetrics(running=0, waiting=0, block_size=BLOCK, num_gpu_blocks=BLOCKS)
@@ -70,7 +72,7 @@ def test_a_new_lower_tier_task_waits_while_open_tasks_hold_its_share_of_the_cach
     open_tasks(scheduler, 2)  # 6,400 tokens open: with a 3,000-token prompt, within 12,000
     placed(scheduler.place(task_call(1)))
     scheduler.settle()  # 9,600 open: the next one would take it to 12,600, past 12,000
-    before = [state.load for state in scheduler._replicas]
+    before = [status.inflight for status in scheduler.status()]
     answer = refused(scheduler.place(task_call(2)))
     assert answer.reason is RefusalReason.SATURATED
     # It waits (the workflow sleeps on a durable timer), at a task's pace, not a batch's.
@@ -79,7 +81,7 @@ def test_a_new_lower_tier_task_waits_while_open_tasks_hold_its_share_of_the_cach
     assert f"{CAPACITY:,}" in answer.message and "within 0.75×" in answer.message
     assert "nothing was spent" in answer.message
     scheduler.settle()
-    assert [state.load for state in scheduler._replicas] == before
+    assert [status.inflight for status in scheduler.status()] == before
     # Tier 1 is admitted up to the caches' whole size: 12,600 of 16,000.
     placed(scheduler.place(task_call(3, tenant="acme")))
 
@@ -106,10 +108,9 @@ def test_a_tasks_last_call_closes_it_and_makes_room() -> None:
 
 
 def test_a_task_that_placed_nothing_for_a_while_is_no_longer_counted() -> None:
-    scheduler = make_scheduler(open_task_idle_s=600.0)
+    clock = Clock()
+    scheduler = make_scheduler(clock=clock, open_task_idle_s=600.0)
     open_tasks(scheduler, 4)
-    clock = scheduler._clock
-    assert isinstance(clock, Clock)
     clock.advance(599.0)
     refused(scheduler.place(task_call(1)))
     clock.advance(2.0)  # the four went silent 601 s ago: they ended, or their KV is gone
@@ -134,17 +135,15 @@ def test_a_growing_conversation_counts_at_its_latest_size() -> None:
     )
     placed(scheduler.place(grown))
     scheduler.settle()
-    assert scheduler._open_kv["llama-3.1-8b"] == 4_200 + 3_200 + 3_200
-    # 10,600 open: a third tier-3 task would take it past 12,000.
+    # 4,200 + 3,200 + 3,200 open: a third tier-3 task would take it past 12,000.
     assert "10,600 tokens" in refused(scheduler.place(task_call(3))).message
 
 
 def test_off_by_default_every_task_starts() -> None:
     scheduler = make_scheduler(factors=None)
     for n in range(8):
-        placed(scheduler.place(task_call(n)))
+        placed(scheduler.place(task_call(n)))  # 8 · 3,200 open at the end: 25,600
         scheduler.settle()
-    assert not scheduler._open_tasks
 
 
 def test_thresholds_that_admit_a_lower_tier_longer_are_rejected() -> None:
@@ -166,22 +165,24 @@ def test_a_system_prompt_the_tasks_share_is_counted_once() -> None:
         )
 
     started = 0
-    while isinstance(scheduler.place(shared_call(started)), Placement):
+    while isinstance(answer := scheduler.place(shared_call(started)), Placement):
         scheduler.settle()
         started += 1
     # The first task brings the system prompt (3,200 tokens its own); each later one adds its
     # 1,000 tokens and answer (1,200): (12,000 − 3,200) / 1,200 more fit, not 12,000 / 3,200.
     # The index holds whole entries of blocks: the shared part is the system prompt rounded
     # down to one.
-    entry = scheduler._entry_tokens
+    prefix = SchedulerConfig().prefix
+    entry = prefix.block_size * prefix.index_stride
     own = 3_200 - 2_000 // entry * entry
     assert started == 1 + (12_000 - 3_200) // own == 8
-    assert scheduler._open_kv["llama-3.1-8b"] == 3_200 + (started - 1) * own
+    assert f"{3_200 + (started - 1) * own:,} tokens" in refused(answer).message
 
 
 def test_with_slack_holding_starts_at_the_looser_multiple_and_then_holds_to_the_tighter() -> None:
     # Tier 3's multiple 0.75 (12,000 tokens), with slack 1.5: holding starts past 18,000.
-    scheduler = make_scheduler(open_task_kv_slack=1.5, open_task_kv_hold_s=300.0)
+    clock = Clock()
+    scheduler = make_scheduler(clock=clock, open_task_kv_slack=1.5, open_task_kv_hold_s=300.0)
     open_tasks(scheduler, 4)  # 12,800 open: past 12,000, not past 18,000
     placed(scheduler.place(task_call(1)))  # 15,800 with its prompt
     scheduler.settle()  # 16,000
@@ -192,8 +193,6 @@ def test_with_slack_holding_starts_at_the_looser_multiple_and_then_holds_to_the_
     scheduler.settle()
     # 12,600 with the next prompt: under the looser multiple, but holding it is the tighter.
     assert "within 0.75×" in refused(scheduler.place(task_call(2))).message
-    clock = scheduler._clock
-    assert isinstance(clock, Clock)
     clock.advance(299.0)
     refused(scheduler.place(task_call(2)))  # held again: the hold runs 300 s from here
     clock.advance(301.0)

@@ -456,11 +456,13 @@ class AdmissionConfig(_Config):
     open_task_kv_by_tier: tuple[float, float, float, float, float] | None = Field(
         default=None,
         description=(
-            "admission before a KV collapse: a new task of tier t is refused at its first step "
-            "(`RefusalReason.OVERLOADED`, with `retry_after_s`) while the KV its model's open "
-            "tasks will come back to (each task's last prompt and expected output), with its "
-            "own prompt, exceeds this multiple of the KV cache of the replicas warm for the "
-            "model. Past a multiple, conversations returning from their tools find their KV "
+            "admission before a KV collapse: a new task of tier t waits at its first step "
+            "(`RefusalReason.SATURATED`, retryable after `open_task_retry_after_s`) while the "
+            "KV its model's open tasks will come back to (each task's last prompt and expected "
+            "output, less the prefix its first call found cached: a shared system prompt "
+            "counts once), with its own uncached prompt, exceeds this multiple of the KV cache "
+            "of the replicas warm for the model (looser by `open_task_kv_slack` until one "
+            "waits). Past a multiple, conversations returning from their tools find their KV "
             "evicted, recompute it and evict each other's: tasks already running slow down "
             "and fail having spent. A task counts from its first call to the call of its last "
             "declared step (`PlacementRequest.steps_remaining` 1; `TaskSpec.expected_steps`), "

@@ -165,8 +165,9 @@ class Scheduler:
         self._open_task_idle_s = config.admission.open_task_idle_s
         self._open_task_slack = config.admission.open_task_kv_slack
         self._open_task_hold_s = config.admission.open_task_kv_hold_s
-        self._holding_until = -math.inf
-        """Until when the tight multiples apply: `open_task_kv_hold_s` after the last hold."""
+        self._holding_until: dict[str, float] = {m.name: -math.inf for m in fleet.models}
+        """Model → until when its tight multiples apply: `open_task_kv_hold_s` after the last
+        task of the model held."""
         self._open_tasks: OrderedDict[str, tuple[str, int, float, int]] = OrderedDict()
         """With `open_task_kv_by_tier`: workflow id → (model, the KV tokens its next call will
         come back to: its last call's prompt and expected output less what it shares, when
@@ -215,6 +216,12 @@ class Scheduler:
                             pool, self._models[model_name], self._entry_tokens, config
                         )
                     )
+        self._kv_estimate_tokens: dict[str, list[int]] = {
+            name: [kv_capacity_blocks(pool, m, self.block_size, config) * self.block_size
+                   for pool in self._pools]
+            for name, m in self._models.items()
+        }  # fmt: skip
+        """Model → KV-cache tokens a replica of each pool holds for it before a scrape says."""
         self.policy = Policy(configured_axes(fleet, config), self._replicas)
         """The configured axes, run in order on every replica examined."""
         self._search = Search(self.policy, self._replicas, self._prices, list(fleet.models), config)
@@ -674,6 +681,7 @@ class Scheduler:
         the GPU's memory and the model's weights (`kv_capacity_blocks`).
         """
         total = 0
+        estimates = self._kv_estimate_tokens[model.name]
         for rid, member in self._search.rankings[model.name].member.items():
             if member[2] is None:
                 continue  # cold: it holds no KV for the model until it loads the weights
@@ -681,8 +689,7 @@ class Scheduler:
             if state.num_gpu_blocks is not None:
                 total += state.num_gpu_blocks * (state.engine_block_size or self.block_size)
             else:
-                blocks = kv_capacity_blocks(state.pool, model, self.block_size, self.config)
-                total += blocks * self.block_size
+                total += estimates[state.pool_position]
         return total
 
     def _open_task_refusal(self, ctx: Decision) -> Refusal | None:
@@ -695,7 +702,7 @@ class Scheduler:
         system prompt its tasks share, held once). While no task was held for
         `open_task_kv_hold_s`, the multiple is `open_task_kv_slack` times looser: at capacity
         the open tasks' KV swings about its mean below it, past capacity it crosses at once.
-        The hold is the scheduler's, not one model's.
+        Each model holds on its own.
 
         Past that multiple, conversations coming back from their tools find their KV evicted
         and recompute it, evicting each other's: admitting one more task slows every task
@@ -715,14 +722,14 @@ class Scheduler:
         self._expire_open_tasks(ctx.now)
         tier = self._tenants.keys(ctx.tenant)[0]
         factor = thresholds[tier - 1]
-        if ctx.now >= self._holding_until:
+        if ctx.now >= self._holding_until[ctx.model]:
             factor *= self._open_task_slack
         committed = self._open_kv[ctx.model]
         capacity = self._kv_capacity_tokens(ctx.spec)
         own = ctx.prompt - ctx.most_cached  # a prompt some cache holds is shared, not added
         if not capacity or committed + own <= factor * capacity:
             return None
-        self._holding_until = ctx.now + self._open_task_hold_s
+        self._holding_until[ctx.model] = ctx.now + self._open_task_hold_s
         return reasons.kv_committed(
             ctx,
             sum(1 for task in self._open_tasks.values() if task[0] == ctx.model),
