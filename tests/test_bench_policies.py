@@ -39,10 +39,16 @@ from kvflow.bench.policies.fleet import (
 )
 from kvflow.bench.policies.task_runner import Outcome, TaskRunner
 from kvflow.scheduler.blocks import ROOT_HASH, hash_block
-from kvflow.scheduler.config import DEFAULT_AXES, REQUIRED_AXIS, PrefixConfig, SchedulerConfig
+from kvflow.scheduler.config import (
+    DEFAULT_AXES,
+    REQUIRED_AXIS,
+    AdmissionConfig,
+    PrefixConfig,
+    SchedulerConfig,
+)
 from kvflow.simulator.policies import POLICIES, PolicySetup
 from kvflow.simulator.policies.base import TaskContext
-from kvflow.simulator.policies.kvflow_scheduler import LEVERS
+from kvflow.simulator.policies.kvflow_scheduler import LEVERS, lever_config
 from kvflow.simulator.policies.oracle import GREEDY_REFERENCE
 from kvflow.simulator.workloads import WORKLOADS, Call, Step, Task, Workload
 
@@ -476,6 +482,23 @@ def test_objective_bound_moves_new_tasks_with_step_objectives_and_off_is_the_pla
     on, off = placements(), placements(objective_bound=False)
     assert off == placements(scheduler_config=plain)
     assert sum(a != b for a, b in zip(on, off, strict=False)) > 10
+
+
+def test_a_config_field_a_lever_sets_otherwise_is_refused_until_the_lever_is_off() -> None:
+    own = SchedulerConfig(admission=AdmissionConfig(open_task_kv_by_tier=(3, 3, 3, 3, 3)))
+    with pytest.raises(ValueError) as refused:
+        lever_config(own, {})  # kv_admission is on by default
+    message = str(refused.value)
+    assert "admission.open_task_kv_by_tier" in message and "kv_admission lever (on)" in message
+    assert "--levers kv_admission=off" in message
+    assert lever_config(own, {"kv_admission": False}).admission.open_task_kv_by_tier == (
+        3, 3, 3, 3, 3,
+    )  # fmt: skip
+    # A field set to what the lever sets anyway is no conflict; nor is one the lever leaves.
+    same = SchedulerConfig(prefix=PrefixConfig(affinity_keeps_conversation=True))
+    assert lever_config(same, {}).prefix.affinity_keeps_conversation is True
+    with pytest.raises(ValueError, match=r"prefix.affinity_keeps_conversation = True"):
+        lever_config(same, {"keep_conversation": False})
 
 
 def test_ablation_runs_kvflow_once_without_each_axis_but_the_required_one_and_each_lever() -> None:

@@ -362,9 +362,9 @@ def run_seed(job: SeedJob, progress: Callable[[str], None] | None = None) -> See
                     continue
                 if progress is not None:
                     progress(f"{job.workload}, seed {job.seed}: kvflow without {axis}")
-                without = SchedulerConfig.model_validate(
-                    {**config.model_dump(), "axes": [a for a in config.axes if a != axis]}
-                )
+                # A copy, not a dump and validation: that would mark every field as set
+                # by the caller, and `lever_config` refuses fields set against a lever.
+                without = config.model_copy(update={"axes": [a for a in config.axes if a != axis]})
                 run = run_policy(
                     "kvflow", spec=spec, fleet=fleet, task_rate=rate, seed=job.seed, plan=plan,
                     mechanisms=job.mechanisms, extra={**base, "scheduler_config": without},

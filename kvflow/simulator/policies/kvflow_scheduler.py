@@ -174,36 +174,53 @@ lever), and at 2× reaches at once."""
 def lever_config(config: SchedulerConfig, extra: Mapping[str, object]) -> SchedulerConfig:
     """`config` with the fields the levers of `LEVERS` set, each as `extra` switches it.
 
-    A lever not in `extra` takes its default; the levers decide those fields whatever
-    `config` held.
+    A lever not in `extra` takes its default; the levers decide those fields. A field that
+    `config` set itself to another value than its lever decides is an error, not silently
+    replaced: switch that lever off to run with your own value.
     """
 
     def on(lever: str) -> bool:
         return bool(extra.get(lever, LEVERS[lever]))
 
-    admission: dict[str, object] = {}
+    # (section, field) → (value, the lever that decides it)
+    decided: dict[tuple[str, str], tuple[object, str]] = {}
     if on("tier_headroom"):
-        admission["saturation_by_tier"] = TIER_HEADROOM
-    if on("late_headroom") or on("step_headroom"):
-        admission["headroom_by_tier"] = TIER_HEADROOM
-    admission["headroom_for_step_objectives"] = on("step_headroom")
+        decided["admission", "saturation_by_tier"] = (TIER_HEADROOM, "tier_headroom")
+    for lever in ("late_headroom", "step_headroom"):
+        if on(lever):
+            decided["admission", "headroom_by_tier"] = (TIER_HEADROOM, lever)
+    decided["admission", "headroom_for_step_objectives"] = (on("step_headroom"), "step_headroom")
     if on("running_first"):
-        admission["running_task_tiers"] = 1
+        decided["admission", "running_task_tiers"] = (1, "running_first")
     if on("kv_admission"):
-        admission["open_task_kv_by_tier"] = OPEN_TASK_KV
-        admission["open_task_kv_slack"] = OPEN_TASK_KV_SLACK
-    sections: dict[str, dict[str, object]] = {
-        "admission": admission,
-        "latency": {"task_admission": on("task_admission")},
-        "prefix": {
-            "affinity_keeps_conversation": on("keep_conversation"),
-            "affinity_load_factor_with_objective": (
-                config.prefix.affinity_load_factor_with_objective
-                if on("objective_bound")
-                else config.prefix.affinity_load_factor
-            ),
-        },
-    }
+        decided["admission", "open_task_kv_by_tier"] = (OPEN_TASK_KV, "kv_admission")
+        decided["admission", "open_task_kv_slack"] = (OPEN_TASK_KV_SLACK, "kv_admission")
+    decided["latency", "task_admission"] = (on("task_admission"), "task_admission")
+    decided["prefix", "affinity_keeps_conversation"] = (
+        on("keep_conversation"),
+        "keep_conversation",
+    )
+    decided["prefix", "affinity_load_factor_with_objective"] = (
+        (
+            config.prefix.affinity_load_factor_with_objective
+            if on("objective_bound")
+            else config.prefix.affinity_load_factor
+        ),
+        "objective_bound",
+    )
+    sections: dict[str, dict[str, object]] = {}
+    for (section, name), (value, lever) in decided.items():
+        part = getattr(config, section)
+        given = getattr(part, name)
+        if name in part.model_fields_set and given != value:
+            state = "on" if on(lever) else "off"
+            raise ValueError(
+                f"scheduler_config sets {section}.{name} = {given!r}, but the {lever} lever "
+                f"({state}) sets it to {value!r}: switch the lever "
+                f"{'off' if on(lever) else 'on'} (extra {{{lever!r}: {not on(lever)}}}, "
+                f"`--levers {lever}={'off' if on(lever) else 'on'}`) or drop the field"
+            )
+        sections.setdefault(section, {})[name] = value
     return config.model_copy(
         update={
             name: getattr(config, name).model_copy(update=fields)
