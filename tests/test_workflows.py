@@ -66,7 +66,12 @@ from kvflow.simulator import BUILTIN_MODELS, EngineConfig, ServerSettings, SimSe
 from kvflow.simulator.faults import FaultDice, FaultSpec
 from kvflow.workers.config import load_fleet
 from kvflow.workflows import errors, search_attributes
-from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
+from kvflow.workflows.agent import (
+    ADMISSION_WAIT_STRETCH,
+    MAX_ADMISSION_WAITS,
+    SPEND_QUERY,
+    SpendBreakdown,
+)
 from tests import agent_workflows as wf
 from tests.faulty_proxy import Fault, FaultyProxy
 from tests.history import wait_until_streaming
@@ -531,9 +536,10 @@ async def test_long_conversation_keeps_history_small(temporal_client: Client, tm
 class SaturatedFor:
     """The real scheduler, behind an admission gate that says "saturated" `times` times."""
 
-    def __init__(self, scheduler: Scheduler, times: int) -> None:
+    def __init__(self, scheduler: Scheduler, times: int, retry_after_s: float = 0.2) -> None:
         self.scheduler = scheduler
         self.refusals_left = times
+        self.retry_after_s = retry_after_s
 
     def place(self, request: PlacementRequest) -> Placement | Refusal:
         if self.refusals_left > 0:
@@ -543,7 +549,7 @@ class SaturatedFor:
                 message="the fleet is saturated for tier 3",
                 model=request.model,
                 tenant=request.tenant,
-                retry_after_s=0.2,
+                retry_after_s=self.retry_after_s,
                 retryable=True,
             )
         return self.scheduler.place(request)
@@ -593,6 +599,64 @@ async def test_admission_wait_that_would_pass_the_deadline_fails_fast(
             and cause.type == errors.TaskErrorType.PLACEMENT_REFUSED
         )
         assert "saturated" in cause.message
+
+
+def _timer_waits(history: Any) -> list[float]:
+    """The durations of the workflow's timers, in the order they started."""
+    return [
+        e.timer_started_event_attributes.start_to_fire_timeout.ToTimedelta().total_seconds()
+        for e in history.events
+        if e.event_type == EventType.EVENT_TYPE_TIMER_STARTED
+    ]
+
+
+async def test_a_step_with_a_deadline_waits_for_admission_past_the_count_until_admitted(
+    temporal_client: Client, tmp_path: Path
+):
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
+        times = MAX_ADMISSION_WAITS + 4
+        s.control.activities.scheduler = SaturatedFor(
+            s.control.scheduler, times=times, retry_after_s=0.05
+        )
+        # Held past the count of waits a step without a deadline gets, well within its own.
+        task = wf.StepsInput(
+            spec=task_spec(tenant="globex", expected_steps=1, latency_budget_s=600),
+            model=MODEL,
+            steps=1,
+        )
+        handle = await s.start(wf.MultiStepAgent.run, task)
+        await asyncio.wait_for(handle.result(), 120)
+        [step] = (await handle.query(SPEND_QUERY, result_type=SpendBreakdown)).steps
+        assert step.admission_waits == times and step.outcome == "ok"
+        waits = _timer_waits(await handle.fetch_history())
+        assert len(waits) == times
+        assert waits[:MAX_ADMISSION_WAITS] == [0.05] * MAX_ADMISSION_WAITS
+        # Then each wait is a tenth of the step's wait so far, which grows with them.
+        stretched = waits[MAX_ADMISSION_WAITS:]
+        assert all(wait > 0.05 for wait in stretched), stretched
+        assert stretched == sorted(stretched), stretched
+        assert stretched[0] >= ADMISSION_WAIT_STRETCH * sum(waits[:MAX_ADMISSION_WAITS])
+        await assert_replays(handle)
+
+
+async def test_a_step_without_a_deadline_stops_waiting_for_admission_at_the_count(
+    temporal_client: Client, tmp_path: Path
+):
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
+        s.control.activities.scheduler = SaturatedFor(
+            s.control.scheduler, times=MAX_ADMISSION_WAITS + 4, retry_after_s=0.05
+        )
+        task = wf.StepsInput(
+            spec=task_spec(tenant="globex", expected_steps=1), model=MODEL, steps=1
+        )
+        handle = await s.start(wf.MultiStepAgent.run, task)
+        with pytest.raises(WorkflowFailureError) as failed:
+            await asyncio.wait_for(handle.result(), 120)
+        cause = failed.value.cause
+        assert isinstance(cause, ApplicationError)
+        assert cause.type == errors.TaskErrorType.PLACEMENT_REFUSED
+        assert "saturated" in cause.message
+        assert _timer_waits(await handle.fetch_history()) == [0.05] * MAX_ADMISSION_WAITS
 
 
 async def test_gpu_worker_that_shuts_down_mid_call_hands_it_back_and_it_is_replaced(

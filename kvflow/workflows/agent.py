@@ -150,8 +150,18 @@ STOP_WHEN_CANCELLED_PATCH = "kvflow-stop-when-cancelled"
 """`workflow.patched` id of the rule that a task cancelled while a call runs ends there, even
 when the call's answer completed first (histories from before it went on to their next
 steps)."""
+ADMISSION_WAITS_TO_DEADLINE_PATCH = "kvflow-admission-waits-to-deadline"
+"""`workflow.patched` id of the rule that a step with a deadline waits for admission until the
+deadline, its waits stretched past `MAX_ADMISSION_WAITS` (histories from before it failed the
+task at that many waits)."""
 MAX_ADMISSION_WAITS = 60
-"""How many times one step waits for admission before it fails (without a deadline)."""
+"""How many times one step waits for admission before it fails, without a deadline. With one,
+the step waits while the wait ends before the deadline, each wait past this many at least
+`ADMISSION_WAIT_STRETCH` times the step's wait so far."""
+ADMISSION_WAIT_STRETCH = 0.1
+"""Past `MAX_ADMISSION_WAITS`, a step with a deadline waits at least this share of its wait so
+far before asking again: a task held through an hour-long overload adds a few dozen timers to
+its history rather than hundreds, and asks again within a tenth of the time it has waited."""
 MAX_OUTAGE_REPLACEMENTS = 10
 """How many times an outage of Temporal may cut one call and have it re-placed free of the
 task's and the tenant's retry budgets; beyond that its re-placements are retries."""
@@ -708,10 +718,28 @@ class Agent:
             assert answer.refusal is not None
             refusal: Refusal = answer.refusal
             wait = refusal.retry_after_s
+            many = record.admission_waits >= MAX_ADMISSION_WAITS
+            if (
+                many
+                and refusal.retryable
+                and wait is not None
+                and remaining is not None
+                and workflow.patched(ADMISSION_WAITS_TO_DEADLINE_PATCH)
+            ):
+                # A deadline bounds the wait, not a count: a task held by admission through
+                # a long overload starts when there is room, while it still can finish.
+                waited = (
+                    0.0
+                    if waiting_since is None
+                    else (workflow.now() - waiting_since).total_seconds()
+                )
+                if ADMISSION_WAIT_STRETCH * waited < remaining:
+                    wait = max(wait, ADMISSION_WAIT_STRETCH * waited)
+                many = False
             if (
                 refusal.retryable
                 and wait is not None
-                and record.admission_waits < MAX_ADMISSION_WAITS
+                and not many
                 and (remaining is None or wait < remaining)
             ):
                 # Admission: under saturation low tiers wait before high tiers do. A durable
