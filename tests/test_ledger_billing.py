@@ -172,6 +172,9 @@ class _NoScheduler:
     def settle(self) -> None:
         pass
 
+    def end_task(self, workflow_id: str) -> None:
+        pass
+
 
 # ---- a failed ledger write is retried, then spooled, never lost ------------------------------
 

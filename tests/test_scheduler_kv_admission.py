@@ -1,22 +1,27 @@
 """Admission before a KV collapse: new tasks wait while open tasks' KV outgrows the caches.
 
 With `AdmissionConfig.open_task_kv_by_tier` set, the scheduler counts the tasks it has placed
-and not yet seen end (its last call, or `open_task_idle_s` without a call), each at its last
-call's prompt and expected output: the KV that task's next call will come back to. A new
-task of tier t waits at its first step (`SATURATED`, retryable, `open_task_retry_after_s`)
+and not yet seen end (`Scheduler.end_task` when its ledger row is written, or
+`open_task_idle_s` without a call), each at its last call's prompt and expected output: the
+KV that task's next call will come back to. A new task of tier t waits at its first step (`SATURATED`, retryable, `open_task_retry_after_s`)
 while that sum and its own prompt exceed the tier's multiple of the KV cache of the replicas
 warm for the model. Calls of tasks already running are never held this way.
 """
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from pydantic import ValidationError
 
+from kvflow.activities.control_plane import ControlPlaneActivities
+from kvflow.ledger import TaskOutcome
 from kvflow.scheduler.config import AdmissionConfig, SchedulerConfig
 from kvflow.scheduler.core import Scheduler
 from kvflow.scheduler.placement import Placement, PlacementRequest, RefusalReason
 from kvflow.scheduler.state import ReplicaMetrics
+from tests.fixtures_ledger import task_record
 from tests.test_scheduler_placement import (
     Clock,
     make_fleet,
@@ -96,14 +101,19 @@ def test_calls_of_a_task_already_running_are_never_held() -> None:
     placed(scheduler.place(task_call(3, attempt=2)))
 
 
-def test_a_tasks_last_call_closes_it_and_makes_room() -> None:
+def test_a_task_counts_past_its_declared_last_step_until_it_ends() -> None:
     scheduler = make_scheduler()
     open_tasks(scheduler, 4)
     refused(scheduler.place(task_call(1)))
     for n in range(100, 103):
-        last = task_call(n, tenant="acme", steps_done=4, steps_remaining=1)
-        placed(scheduler.place(last))
-    scheduler.settle()  # one task open: 3,200 tokens
+        # Its declared last step, then one more: the conversation is still coming back.
+        for done in (4, 5):
+            last = task_call(n, tenant="acme", steps_done=done, steps_remaining=1)
+            placed(scheduler.place(last))
+    scheduler.settle()
+    refused(scheduler.place(task_call(1)))
+    for n in range(100, 103):
+        scheduler.end_task(f"task-{n}")  # one task open: 3,200 tokens
     placed(scheduler.place(task_call(1)))
 
 
@@ -114,6 +124,40 @@ def test_a_task_that_placed_nothing_for_a_while_is_no_longer_counted() -> None:
     clock.advance(599.0)
     refused(scheduler.place(task_call(1)))
     clock.advance(2.0)  # the four went silent 601 s ago: they ended, or their KV is gone
+    placed(scheduler.place(task_call(1)))
+
+
+def test_a_task_that_ended_before_its_last_step_makes_room_at_once() -> None:
+    scheduler = make_scheduler()
+    open_tasks(scheduler, 4)  # 12,800 open
+    refused(scheduler.place(task_call(1)))
+    # Task 100 failed at its first step; so did a task this scheduler never placed, twice.
+    scheduler.end_task("task-100")
+    scheduler.end_task("task-100")
+    scheduler.end_task("placed-elsewhere")
+    refused(scheduler.place(task_call(1)))  # 9,600 + 3,000: still past 12,000
+    scheduler.end_task("task-101")
+    placed(scheduler.place(task_call(1)))  # 6,400 + 3,000
+
+
+def test_a_task_that_ends_before_its_placement_settles_is_not_counted() -> None:
+    scheduler = make_scheduler()
+    open_tasks(scheduler, 2)  # 6,400 open
+    placed(scheduler.place(task_call(200, tenant="acme")))  # its booking is not settled yet
+    scheduler.end_task("task-200")
+    placed(scheduler.place(task_call(1)))  # 9,600 + 3,000 would be past 12,000 had it counted
+
+
+async def test_writing_a_tasks_ledger_row_ends_it_in_the_scheduler() -> None:
+    fleet = make_fleet()
+    scheduler = make_scheduler()
+    activities = ControlPlaneActivities(scheduler, fleet=fleet, block_size=BLOCK)
+    open_tasks(scheduler, 4)
+    refused(scheduler.place(task_call(1)))
+    for n in (100, 101):
+        # No ledger configured: the row is not written, the task still ended.
+        failed = task_record(f"task-{n}", tenant="acme", outcome=TaskOutcome.FAILED)
+        assert await asyncio.wait_for(activities.record_task(failed), 10) is False
     placed(scheduler.place(task_call(1)))
 
 
@@ -189,8 +233,7 @@ def test_with_slack_holding_starts_at_the_looser_multiple_and_then_holds_to_the_
     answer = refused(scheduler.place(task_call(2)))  # 19,000: past 18,000, holding starts
     assert "within 1.125×" in answer.message
     for n in range(100, 102):  # two tier-1 tasks end: 9,600 open
-        placed(scheduler.place(task_call(n, tenant="acme", steps_done=4, steps_remaining=1)))
-    scheduler.settle()
+        scheduler.end_task(f"task-{n}")
     # 12,600 with the next prompt: under the looser multiple, but holding it is the tighter.
     assert "within 0.75×" in refused(scheduler.place(task_call(2))).message
     clock.advance(299.0)

@@ -560,6 +560,9 @@ class SaturatedFor:
     def settle(self) -> None:
         self.scheduler.settle()
 
+    def end_task(self, workflow_id: str) -> None:
+        self.scheduler.end_task(workflow_id)
+
 
 async def test_step_waits_for_admission_when_the_fleet_is_saturated(
     temporal_client: Client, tmp_path: Path

@@ -136,6 +136,10 @@ class PlacementPolicy(Protocol):
         """Apply what answered placements changed; called right after each answer."""
         ...
 
+    def end_task(self, workflow_id: str) -> None:
+        """The task ended, whatever its outcome; its conversation will not come back."""
+        ...
+
 
 class FailureTriage(Protocol):
     """What the control plane does with a failed call before the scheduler learns of it."""
@@ -255,7 +259,13 @@ class ControlPlaneActivities:
 
     @activity.defn(name=RECORD_TASK_ACTIVITY)
     async def record_task(self, record: TaskRecord) -> bool:
-        """Write the task's ledger row (idempotent); False if it was already there."""
+        """Write the task's ledger row (idempotent); False if it was already there.
+
+        The row is written when the task ends, whatever its outcome, so this is where the
+        scheduler hears that the task's conversation will not come back
+        (`Scheduler.end_task`): first, so that a ledger that is down delays no new task.
+        """
+        self.scheduler.end_task(record.workflow_id)
         if self.ledger is None:
             log.warning("no ledger configured; task %s not recorded", record.key)
             return False

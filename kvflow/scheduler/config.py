@@ -464,10 +464,11 @@ class AdmissionConfig(_Config):
             "of the replicas warm for the model (looser by `open_task_kv_slack` until one "
             "waits). Past a multiple, conversations returning from their tools find their KV "
             "evicted, recompute it and evict each other's: tasks already running slow down "
-            "and fail having spent. A task counts from its first call to the call of its last "
-            "declared step (`PlacementRequest.steps_remaining` 1; `TaskSpec.expected_steps`), "
-            "so tasks that declare no steps are never counted. Each scheduler process counts "
-            "the tasks it placed. None: never"
+            "and fail having spent. A task counts from its first call until it ends "
+            "(`Scheduler.end_task`, which the workflow worker calls as it writes the task's "
+            "ledger row) or places no call for `open_task_idle_s`, whatever steps it "
+            "declared. Each scheduler process counts the tasks it placed and hears the end "
+            "of those whose rows it writes. None: never"
         ),
     )
     open_task_kv_slack: float = Field(
@@ -499,7 +500,8 @@ class AdmissionConfig(_Config):
         gt=0,
         description=(
             "a task that placed no call for this long is no longer counted open "
-            "(`open_task_kv_by_tier`): it ended, or its KV is evicted by now anyway"
+            "(`open_task_kv_by_tier`): it ended where this scheduler did not hear of it "
+            "(another workflow worker wrote its ledger row), or its KV is evicted by now"
         ),
     )
 

@@ -100,7 +100,6 @@ class _Booking:
 
     __slots__ = (
         "block_hashes",
-        "closes",
         "held_depth",
         "model",
         "now",
@@ -125,7 +124,6 @@ class _Booking:
         probe: bool,
         now: float,
         tokens: int,
-        closes: bool,
         shared: int,
     ) -> None:
         self.rid = rid
@@ -139,8 +137,6 @@ class _Booking:
         self.now = now
         self.tokens = tokens
         """Prompt + expected output: the KV the call's decode steps will read."""
-        self.closes = closes
-        """The call is its task's last (`steps_remaining` 1): the task is no longer open."""
         self.shared = shared
         """At a task's first step, the prompt tokens some cache already held (a system prompt
         other tasks share); −1 at a later step."""
@@ -366,6 +362,20 @@ class Scheduler:
         """Apply the bookkeeping of placements already answered (see `place`)."""
         with self._lock:
             self._settle()
+
+    def end_task(self, workflow_id: str) -> None:
+        """The task ended, whatever its outcome: its conversation will not come back.
+
+        With `admission.open_task_kv_by_tier` it stops counting among the open tasks at once,
+        not `open_task_idle_s` after its last call: a task that failed frees its share for a
+        new one. The workflow worker calls it as it writes the task's ledger row. A task
+        this scheduler did not place, or already ended, is ignored.
+        """
+        with self._lock:
+            self._settle()  # its last placement may still be unsettled
+            task = self._open_tasks.pop(workflow_id, None)
+            if task is not None:
+                self._open_kv[task[0]] -= task[1]
 
     def set_tenant_spend_today(self, tenant: str, micros: int) -> None:
         """Seed a tenant's spend for the current UTC day (e.g. from the ledger at start-up)."""
@@ -643,7 +653,11 @@ class Scheduler:
             self._refresh_load(state)
 
     def _track_open_task(self, booking: _Booking) -> None:
-        """The task's KV is now its latest call's, less what it shares; its last call closes it.
+        """The task's KV is now its latest call's, less what it shares, until the task ends.
+
+        Its last declared step does not end it: a task that runs past its `expected_steps`
+        still comes back to its conversation, the longest of all by then. `end_task` ends
+        it, or `open_task_idle_s` without a call.
 
         What the task's first call found cached anywhere (a system prompt) is held once for
         every task that shares it, so it is not the task's own: counting it per task would
@@ -656,8 +670,6 @@ class Scheduler:
             shared = old[3]
         else:
             shared = booking.shared if booking.shared > 0 else 0
-        if booking.closes:
-            return
         own = booking.tokens - shared if booking.tokens > shared else 0
         tasks[booking.workflow_id] = (booking.model, own, booking.now, shared)
         self._open_kv[booking.model] += own
@@ -860,7 +872,6 @@ class Scheduler:
                 probe,
                 ctx.now,
                 ctx.prompt + ctx.output,
-                ctx.request.steps_remaining <= 1,
                 -1 if ctx.request.steps_done else ctx.most_cached,
             )
         )

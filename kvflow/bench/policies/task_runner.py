@@ -520,6 +520,7 @@ class TaskRunner:
     def _finish_task(self, state: _TaskState, *, ok: bool) -> None:
         self._open_context -= state.context_tokens
         state.done = True
+        self.policy.on_task_end(f"task-{state.task.index}")
         self._conversation_over(state)
         state.ok = ok
         state.end = self.sim.now

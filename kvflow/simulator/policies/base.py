@@ -3,8 +3,9 @@
 A `PlacementPolicy` is a `kvflow.simulator.des.Router` (it chooses the replica of each call,
 or refuses it) that also hears what a router in production hears: each refresh of the
 replicas' `/metrics` (`on_scrape`), each engine step with its KV-cache events (`on_step`),
-how each attempt ended (`on_attempt_end`) and that a replica was found down
-(`on_replica_down`). A policy ignores what its source system does not use.
+how each attempt ended (`on_attempt_end`), that a replica was found down
+(`on_replica_down`) and that a task ended (`on_task_end`, which kvflow's workflow sends when it
+writes the task's ledger row). A policy ignores what its source system does not use.
 
 Every policy is built from one `PolicySetup` and sees the same calls: a `FleetRequest` whose
 `context` is the call's `TaskContext`, holding only what production would know when the call
@@ -198,6 +199,10 @@ class PlacementPolicy(Protocol):
         """A health check found `replica` down."""
         ...
 
+    def on_task_end(self, workflow_id: str) -> None:
+        """The task ended, whatever its outcome (every client knows when its task ends)."""
+        ...
+
 
 class RequestRouter:
     """Base of the anchor policies: no-op telemetry hooks, never asks for a later retry."""
@@ -219,6 +224,9 @@ class RequestRouter:
 
     def on_replica_down(self, replica: int) -> None:
         """Nothing to do: `fleet.up` says it."""
+
+    def on_task_end(self, workflow_id: str) -> None:
+        """Nothing to do: a request router keeps no state per task."""
 
 
 def prompt_blocks(request: FleetRequest, block_size: int) -> list[int]:

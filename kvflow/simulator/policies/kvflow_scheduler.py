@@ -144,12 +144,13 @@ with its default; `kvflow bench policies --ablate` runs kvflow with each flipped
   it spends and holds nothing) while the KV that the tasks already open will come back to,
   with its own prompt, exceeds `OPEN_TASK_KV` times the caches (`admission.
   open_task_kv_by_tier`); holding starts at `OPEN_TASK_KV_SLACK` times that and lasts until
-  five minutes pass without a task held. Where off, every task starts at once. On by
-  default: on long-agent at 2× capacity it keeps the fleet out of the collapse in which
-  returning conversations recompute and evict each other (seeds 0–4: 68% of prompt tokens
-  cached against 27%, $0.1013 a successful task against $0.2156, tier 1 97.6% against
-  88.6%); at 1× the figures are those without it, to the digit. Without the slack the same
-  multiples held lower tiers at capacity too (mean model time 216 s against 157 s)."""
+  five minutes pass without a task held. A task is open from its first call until it ends
+  (`on_task_end`, as the workflow worker's ledger write tells the scheduler in production).
+  Where off, every task starts at once. On by default: on long-agent at 2× capacity it
+  keeps the fleet out of the collapse in which returning conversations recompute and evict
+  each other (seeds 0–4: 73% of prompt tokens cached against 27%, $0.0899 a successful task
+  against $0.2156, tier 1 97.7% against 88.6%); at 1× the figures are those without it, to
+  the digit."""
 TIER_HEADROOM = (4.0, 2.0, 0.05, 0.04, 0.03)
 """`admission.saturation_by_tier` for the benchmark's fleet (256 slots per replica): tier 3
 waits above about 13 calls per replica, tier 4 above 10, tier 5 above 8, where a burst's
@@ -157,16 +158,16 @@ prefills start to stretch a tier-1 step past its 6 s. A deployment sets its own 
 batch at which its tier-1 steps slow; `--ablate` shows what the setting trades."""
 
 
-OPEN_TASK_KV = (2.5, 2.5, 2.0, 2.0, 2.0)
+OPEN_TASK_KV = (2.0, 2.0, 1.75, 1.75, 1.75)
 """`admission.open_task_kv_by_tier` for the benchmark's fleets: once holding, a new task of
 tier 3 or 5 waits while the open tasks' own KV (shared system prompts counted once) would
-pass 2× the caches, tier 1 2.5×. On long-agent the open conversations need about 2× the
+pass 1.75× the caches, tier 1 2×. On long-agent the open conversations need about 2× the
 caches at capacity, and past that the caches thrash: at 2× capacity (seeds 0–4) kvflow found
-27% of prompt tokens cached admitting every task, 66% holding at these multiples, 77% at (2,
-2, 1.75, …), 57% at (3, 3, 2, …). A deployment sets its own from where its hit rate falls;
-`kvflow bench policies --ablate` shows what it trades."""
-OPEN_TASK_KV_SLACK = 1.25
-"""`admission.open_task_kv_slack`: holding starts only past 1.25× `OPEN_TASK_KV`, which the
+27% of prompt tokens cached admitting every task, 73% holding at these multiples, 79% at
+(1.5, 1.5, 1.25, …) with fewer tasks served. A deployment sets its own from where its hit
+rate falls; `kvflow bench policies --ablate` shows what it trades."""
+OPEN_TASK_KV_SLACK = 1.5
+"""`admission.open_task_kv_slack`: holding starts only past 1.5× `OPEN_TASK_KV`, which the
 open tasks' KV does not reach at capacity (long-agent at 1×: every figure as without the
 lever), and at 2× reaches at once."""
 
@@ -433,3 +434,7 @@ class KvflowPolicy:
         """Its scrapes failed: the scheduler marks it down and drops its prefix entries."""
         self._down.add(replica)
         self.scheduler.set_replica_up(self.names[replica], False)
+
+    def on_task_end(self, workflow_id: str) -> None:
+        """The task's ledger row is written: its conversation stops counting as open."""
+        self.scheduler.end_task(workflow_id)
