@@ -8,6 +8,7 @@ from datetime import timedelta
 from pydantic import BaseModel, Field
 from temporalio import activity, workflow
 from temporalio.common import RetryPolicy
+from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from kvflow.activities.tools import tool_heartbeats, tool_idempotency_key
@@ -481,6 +482,31 @@ class SlowRefundThenReply:
             return reply.text
 
 
+@workflow.defn
+class AnswerThenGiveUp:
+    """One model call, then the task fails when it is told to give up (signal `give_up`)."""
+
+    def __init__(self) -> None:
+        self.giving_up = False
+
+    @workflow.signal
+    def give_up(self) -> None:
+        self.giving_up = True
+
+    @workflow.run
+    async def run(self, task: StepsInput) -> str:
+        agent = Agent(task.spec)
+        async with agent:
+            await agent.infer(
+                [ChatMessage(role="system", content=task.context)],
+                model=task.model,
+                max_tokens=task.max_tokens,
+                step="answer",
+            )
+            await workflow.wait_condition(lambda: self.giving_up)
+            raise ApplicationError("the user gave up", non_retryable=True)
+
+
 ALL_WORKFLOWS = [
     MultiStepAgent,
     SlowRefundThenReply,
@@ -495,6 +521,7 @@ ALL_WORKFLOWS = [
     OneCall,
     ToolLoop,
     RawActivityInBlock,
+    AnswerThenGiveUp,
 ]
 ALL_ACTIVITIES = [
     issue_refund,

@@ -172,8 +172,8 @@ class _NoScheduler:
     def settle(self) -> None:
         pass
 
-    def end_task(self, workflow_id: str) -> None:
-        pass
+    def end_task(self, workflow_id: str) -> bool:
+        return False
 
 
 # ---- a failed ledger write is retried, then spooled, never lost ------------------------------

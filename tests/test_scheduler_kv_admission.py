@@ -1,7 +1,7 @@
 """Admission before a KV collapse: new tasks wait while open tasks' KV outgrows the caches.
 
 With `AdmissionConfig.open_task_kv_by_tier` set, the scheduler counts the tasks it has placed
-and not yet seen end (`Scheduler.end_task` when its ledger row is written, or
+and not yet seen end (`Scheduler.end_task` when its workflow closes, or
 `open_task_idle_s` without a call), each at its last call's prompt and expected output: the
 KV that task's next call will come back to. A new task of tier t waits at its first step (`SATURATED`, retryable, `open_task_retry_after_s`)
 while that sum and its own prompt exceed the tier's multiple of the KV cache of the replicas

@@ -41,7 +41,9 @@ from kvflow.activities.context_store import (
     DirectoryContextStore,
     tenant_folder,
 )
+from kvflow.activities.control_plane import END_TASK_ACTIVITY
 from kvflow.activities.inference import INFER_ACTIVITY
+from kvflow.activities.tokenize import FleetTokenizers
 from kvflow.activities.wire import (
     AttemptProgress,
     Checkpoint,
@@ -51,7 +53,8 @@ from kvflow.activities.wire import (
     UnreadableDetails,
 )
 from kvflow.ledger.records import TaskOutcome
-from kvflow.scheduler.config import LatencyConfig, SchedulerConfig
+from kvflow.scheduler.axes import kv_capacity_blocks
+from kvflow.scheduler.config import AdmissionConfig, LatencyConfig, SchedulerConfig
 from kvflow.scheduler.core import Scheduler
 from kvflow.scheduler.fleet import Fleet, Pool, Tenant, TokenPrices, task_queue_for
 from kvflow.scheduler.placement import (
@@ -560,8 +563,8 @@ class SaturatedFor:
     def settle(self) -> None:
         self.scheduler.settle()
 
-    def end_task(self, workflow_id: str) -> None:
-        self.scheduler.end_task(workflow_id)
+    def end_task(self, workflow_id: str) -> bool:
+        return self.scheduler.end_task(workflow_id)
 
 
 async def test_step_waits_for_admission_when_the_fleet_is_saturated(
@@ -660,6 +663,96 @@ async def test_a_step_without_a_deadline_stops_waiting_for_admission_at_the_coun
         assert cause.type == errors.TaskErrorType.PLACEMENT_REFUSED
         assert "saturated" in cause.message
         assert _timer_waits(await handle.fetch_history()) == [0.05] * MAX_ADMISSION_WAITS
+
+
+class HeardEnds:
+    """The real scheduler, noting each task end it hears and the activity it came from."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.ends: list[tuple[str, str, bool, bool]] = []
+        """(workflow id, activity type, whether a local activity, whether it was counted)."""
+
+    def place(self, request: PlacementRequest) -> Placement | Refusal:
+        return self.scheduler.place(request)
+
+    def observe(self, observation: Observation) -> None:
+        self.scheduler.observe(observation)
+
+    def settle(self) -> None:
+        self.scheduler.settle()
+
+    def end_task(self, workflow_id: str) -> bool:
+        counted = self.scheduler.end_task(workflow_id)
+        info = activity.info()
+        self.ends.append((workflow_id, info.activity_type, info.is_local, counted))
+        return counted
+
+
+def _context(word: str, words: int = 600) -> str:
+    """A system prompt of `words` words that differs from every other from its first word."""
+    return " ".join(f"{word}{n % 17}" for n in range(words))
+
+
+async def test_a_task_that_fails_frees_its_kv_share_for_the_task_admission_held(
+    temporal_client: Client, tmp_path: Path
+):
+    pools = [PoolPlan("only")]
+    held_ctx, first_ctx = _context("waiting"), _context("failing")
+    tokenizer = FleetTokenizers(fleet_for(pools)).for_model(MODEL)
+    prompt = len(await tokenizer.encode_chat([{"role": "system", "content": first_ctx}]))
+    assert prompt > 500, prompt
+    block_size = 16
+    capacity = block_size * kv_capacity_blocks(
+        fleet_for(pools).pools[0], BUILTIN_MODELS[MODEL], block_size, SchedulerConfig()
+    )
+    # Tier 3 may open tasks up to 1.5 prompts' KV: one task at a time. (The scraped cache is
+    # within a few per cent of the estimate; the window is half a prompt wide either way.)
+    multiple = 1.5 * prompt / capacity
+    admission = AdmissionConfig(open_task_kv_by_tier=(multiple,) * 5, open_task_retry_after_s=0.2)
+    config = SchedulerConfig(admission=admission)
+    async with fleet_stack(temporal_client, tmp_path, pools, scheduler=config) as s:
+        heard = HeardEnds(s.control.scheduler)
+        s.control.activities.scheduler = heard
+        first = await s.start(
+            wf.AnswerThenGiveUp.run,
+            wf.StepsInput(
+                spec=task_spec(tenant="globex", expected_steps=3), model=MODEL, context=first_ctx
+            ),
+        )
+
+        async def answered() -> bool:
+            spend = await first.query(SPEND_QUERY, result_type=SpendBreakdown)
+            return bool(spend.steps) and spend.steps[0].outcome == "ok"
+
+        await eventually(answered, within=30, what="the first task's model call")
+        held = await s.start(
+            wf.MultiStepAgent.run,
+            wf.StepsInput(
+                spec=task_spec(tenant="globex", expected_steps=1, latency_budget_s=60),
+                model=MODEL,
+                steps=1,
+                context=held_ctx,
+            ),
+        )
+
+        async def waiting() -> bool:
+            spend = await held.query(SPEND_QUERY, result_type=SpendBreakdown)
+            return bool(spend.steps) and spend.steps[0].admission_waits >= 2
+
+        await eventually(waiting, within=30, what="admission holding the second task")
+        # The first task fails long before the held one's deadline: its end makes room.
+        await first.signal(wf.AnswerThenGiveUp.give_up)
+        with pytest.raises(WorkflowFailureError):
+            await asyncio.wait_for(first.result(), 30)
+        out = await asyncio.wait_for(held.result(), 60)
+        assert out.replicas == ["only/0"]
+        [step] = (await held.query(SPEND_QUERY, result_type=SpendBreakdown)).steps
+        assert step.outcome == "ok" and step.admission_waits >= 2
+        # The scheduler heard the end from the task's own worker (a local activity), first.
+        ends = [end for end in heard.ends if end[0] == first.id]
+        assert ends[0] == (first.id, END_TASK_ACTIVITY, True, True), heard.ends
+        await assert_replays(first)
 
 
 async def test_gpu_worker_that_shuts_down_mid_call_hands_it_back_and_it_is_replaced(

@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 PLACE_ACTIVITY = "kvflow.place"
 OBSERVE_ACTIVITY = "kvflow.observe"
 RECORD_TASK_ACTIVITY = "kvflow.record_task"
+END_TASK_ACTIVITY = "kvflow.end_task"
 CONTEXT_PUT_ACTIVITY = "kvflow.context_put"
 CONTEXT_GET_ACTIVITY = "kvflow.context_get"
 RECORD_LOST_ATTEMPT_ACTIVITY = "kvflow.record_lost_attempt"
@@ -136,8 +137,11 @@ class PlacementPolicy(Protocol):
         """Apply what answered placements changed; called right after each answer."""
         ...
 
-    def end_task(self, workflow_id: str) -> None:
-        """The task ended, whatever its outcome; its conversation will not come back."""
+    def end_task(self, workflow_id: str) -> bool:
+        """The task ended, whatever its outcome; its conversation will not come back.
+
+        True when this scheduler was counting it among its open tasks.
+        """
         ...
 
 
@@ -257,13 +261,26 @@ class ControlPlaneActivities:
             self.scheduler.observe(observation)
         return ObservationVerdict(control_plane_fault=observation.control_plane_fault)
 
+    @activity.defn(name=END_TASK_ACTIVITY)
+    async def end_task(self, workflow_id: str) -> bool:
+        """Tell the scheduler the task ended, whatever its outcome (a local activity).
+
+        The workflow runs it as it closes. A local activity runs in the process that runs the
+        workflow, whose scheduler placed the task's calls (`place` is local too), so that
+        scheduler is the one that stops counting the task (`Scheduler.end_task`), however
+        many workflow workers there are. True when it was counting it.
+        """
+        return self.scheduler.end_task(workflow_id)
+
     @activity.defn(name=RECORD_TASK_ACTIVITY)
     async def record_task(self, record: TaskRecord) -> bool:
         """Write the task's ledger row (idempotent); False if it was already there.
 
-        The row is written when the task ends, whatever its outcome, so this is where the
-        scheduler hears that the task's conversation will not come back
-        (`Scheduler.end_task`): first, so that a ledger that is down delays no new task.
+        It also ends the task in this process's scheduler (`Scheduler.end_task`, first, so
+        that a ledger that is down delays no new task): runs started before
+        `END_TASK_PATCH` end their tasks only here. With several workflow workers this
+        activity may run on another one than the task's, which is why the workflow ends the
+        task with the local `end_task`.
         """
         self.scheduler.end_task(record.workflow_id)
         if self.ledger is None:
@@ -358,6 +375,7 @@ class ControlPlaneActivities:
         return [
             self.place,
             self.observe,
+            self.end_task,
             self.record_task,
             self.record_lost_attempt,
             self.attempt_bill,

@@ -465,10 +465,10 @@ class AdmissionConfig(_Config):
             "waits). Past a multiple, conversations returning from their tools find their KV "
             "evicted, recompute it and evict each other's: tasks already running slow down "
             "and fail having spent. A task counts from its first call until it ends "
-            "(`Scheduler.end_task`, which the workflow worker calls as it writes the task's "
-            "ledger row) or places no call for `open_task_idle_s`, whatever steps it "
-            "declared. Each scheduler process counts the tasks it placed and hears the end "
-            "of those whose rows it writes. None: never"
+            "(`Scheduler.end_task`, which the workflow calls as it closes, by a local "
+            "activity on the worker that placed its calls) or places no call for "
+            "`open_task_idle_s`, whatever steps it declared. Each scheduler process counts "
+            "the tasks it placed. None: never"
         ),
     )
     open_task_kv_slack: float = Field(

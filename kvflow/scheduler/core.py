@@ -363,19 +363,22 @@ class Scheduler:
         with self._lock:
             self._settle()
 
-    def end_task(self, workflow_id: str) -> None:
+    def end_task(self, workflow_id: str) -> bool:
         """The task ended, whatever its outcome: its conversation will not come back.
 
         With `admission.open_task_kv_by_tier` it stops counting among the open tasks at once,
         not `open_task_idle_s` after its last call: a task that failed frees its share for a
-        new one. The workflow worker calls it as it writes the task's ledger row. A task
-        this scheduler did not place, or already ended, is ignored.
+        new one. The workflow calls it as it closes (the control plane's `end_task` local
+        activity). A task this scheduler did not place, or already ended, is ignored.
+        Returns whether the task was counted here.
         """
         with self._lock:
             self._settle()  # its last placement may still be unsettled
             task = self._open_tasks.pop(workflow_id, None)
-            if task is not None:
-                self._open_kv[task[0]] -= task[1]
+            if task is None:
+                return False
+            self._open_kv[task[0]] -= task[1]
+            return True
 
     def set_tenant_spend_today(self, tenant: str, micros: int) -> None:
         """Seed a tenant's spend for the current UTC day (e.g. from the ledger at start-up)."""

@@ -83,6 +83,7 @@ with workflow.unsafe.imports_passed_through():
     from kvflow.activities.control_plane import (
         CONTEXT_GET_ACTIVITY,
         CONTEXT_PUT_ACTIVITY,
+        END_TASK_ACTIVITY,
         OBSERVE_ACTIVITY,
         PLACE_ACTIVITY,
     )
@@ -154,6 +155,10 @@ ADMISSION_WAITS_TO_DEADLINE_PATCH = "kvflow-admission-waits-to-deadline"
 """`workflow.patched` id of the rule that a step with a deadline waits for admission until the
 deadline, its waits stretched past `MAX_ADMISSION_WAITS` (histories from before it failed the
 task at that many waits)."""
+END_TASK_PATCH = "kvflow-end-task-where-placed"
+"""`workflow.patched` id of the rule that a closing task tells its own worker's scheduler it
+ended, by a local activity (histories from before told it through the ledger's task row, which
+any workflow worker may write)."""
 MAX_ADMISSION_WAITS = 60
 """How many times one step waits for admission before it fails, without a deadline. With one,
 the step waits while the wait ends before the deadline, each wait past this many at least
@@ -1221,13 +1226,28 @@ class Agent:
         error, the attribute says so, and `kvflow ledger reconcile` writes the row from it.
         """
         self.outcome = outcome.value
-        closing = asyncio.ensure_future(self.spend.close(outcome, started_at=self._started_at))
+        closing = asyncio.ensure_future(self._end_and_record(outcome))
         try:
             await asyncio.shield(closing)
         except asyncio.CancelledError:
             # Cancelled while closing: the task's work is over and its outcome stands.
             await closing
         self._publish()
+
+    async def _end_and_record(self, outcome: TaskOutcome) -> None:
+        """Tell the scheduler the task ended, then write its row.
+
+        The scheduler first, so that a ledger that is down delays no new task that its
+        admission holds (`AdmissionConfig.open_task_kv_by_tier`). A local activity: it runs
+        on this worker, whose scheduler placed the task's calls. If it fails the task still
+        ends as `outcome`; that scheduler forgets it after `open_task_idle_s`.
+        """
+        if workflow.patched(END_TASK_PATCH):
+            try:
+                await bounded_local(END_TASK_ACTIVITY, workflow.info().workflow_id, bool)
+            except FailureError as err:
+                workflow.logger.warning("scheduler: the task's end was not heard: %s", err)
+        await self.spend.close(outcome, started_at=self._started_at)
 
 
 _CONTROL_PLANE_FIXES: dict[str, tuple[errors.TaskErrorType, str]] = {
