@@ -722,31 +722,8 @@ class Agent:
                 return answer.placement
             assert answer.refusal is not None
             refusal: Refusal = answer.refusal
-            wait = refusal.retry_after_s
-            many = record.admission_waits >= MAX_ADMISSION_WAITS
-            if (
-                many
-                and refusal.retryable
-                and wait is not None
-                and remaining is not None
-                and workflow.patched(ADMISSION_WAITS_TO_DEADLINE_PATCH)
-            ):
-                # A deadline bounds the wait, not a count: a task held by admission through
-                # a long overload starts when there is room, while it still can finish.
-                waited = (
-                    0.0
-                    if waiting_since is None
-                    else (workflow.now() - waiting_since).total_seconds()
-                )
-                if ADMISSION_WAIT_STRETCH * waited < remaining:
-                    wait = max(wait, ADMISSION_WAIT_STRETCH * waited)
-                many = False
-            if (
-                refusal.retryable
-                and wait is not None
-                and not many
-                and (remaining is None or wait < remaining)
-            ):
+            wait = self._admission_wait(refusal, remaining, record.admission_waits, waiting_since)
+            if wait is not None:
                 # Admission: under saturation low tiers wait before high tiers do. A durable
                 # timer, so a worker restart does not lose the place in line.
                 record.admission_waits += 1
@@ -778,6 +755,38 @@ class Agent:
             raise self._error(
                 error_type, record, refusal.message, refusal=refusal.model_dump(mode="json")
             )
+
+    def _admission_wait(
+        self,
+        refusal: Refusal,
+        remaining: float | None,
+        waits: int,
+        waiting_since: datetime | None,
+    ) -> float | None:
+        """How long a refused step waits before it asks again; None: it fails now.
+
+        It waits out a retryable refusal's `retry_after_s` while the wait ends before the
+        task's deadline (`remaining` s away). Without a deadline it waits at most
+        `MAX_ADMISSION_WAITS` times; with one, past that count each wait is at least
+        `ADMISSION_WAIT_STRETCH` times the step's wait so far (since `waiting_since`), so a
+        long hold adds few timers to the history.
+        """
+        wait = refusal.retry_after_s
+        if not refusal.retryable or wait is None:
+            return None
+        if waits >= MAX_ADMISSION_WAITS:
+            if remaining is None or not workflow.patched(ADMISSION_WAITS_TO_DEADLINE_PATCH):
+                return None
+            # A deadline bounds the wait, not a count: a task held by admission through a
+            # long overload starts when there is room, while it still can finish.
+            waited = (
+                0.0 if waiting_since is None else (workflow.now() - waiting_since).total_seconds()
+            )
+            if ADMISSION_WAIT_STRETCH * waited < remaining:
+                wait = max(wait, ADMISSION_WAIT_STRETCH * waited)
+        if remaining is not None and wait >= remaining:
+            return None
+        return wait
 
     async def _cancelled(
         self,

@@ -145,12 +145,10 @@ with its default; `kvflow bench policies --ablate` runs kvflow with each flipped
   with its own prompt, exceeds `OPEN_TASK_KV` times the caches (`admission.
   open_task_kv_by_tier`); holding starts at `OPEN_TASK_KV_SLACK` times that and lasts until
   five minutes pass without a task held. A task is open from its first call until it ends
-  (`on_task_end`, as the workflow worker's ledger write tells the scheduler in production).
-  Where off, every task starts at once. On by default: on long-agent at 2× capacity it
-  keeps the fleet out of the collapse in which returning conversations recompute and evict
-  each other (seeds 0–4: 73% of prompt tokens cached against 27%, $0.0899 a successful task
-  against $0.2156, tier 1 97.7% against 88.6%); at 1× the figures are those without it, to
-  the digit."""
+  (`on_task_end`, as the workflow's close tells the scheduler in production). Where off,
+  every task starts at once. On by default: past capacity it keeps the fleet out of the
+  collapse in which returning conversations recompute and evict each other; at capacity the
+  figures are those without it (benchmarks/README.md, "Admission before a KV collapse")."""
 TIER_HEADROOM = (4.0, 2.0, 0.05, 0.04, 0.03)
 """`admission.saturation_by_tier` for the benchmark's fleet (256 slots per replica): tier 3
 waits above about 13 calls per replica, tier 4 above 10, tier 5 above 8, where a burst's
@@ -162,10 +160,9 @@ OPEN_TASK_KV = (2.0, 2.0, 1.75, 1.75, 1.75)
 """`admission.open_task_kv_by_tier` for the benchmark's fleets: once holding, a new task of
 tier 3 or 5 waits while the open tasks' own KV (shared system prompts counted once) would
 pass 1.75× the caches, tier 1 2×. On long-agent the open conversations need about 2× the
-caches at capacity, and past that the caches thrash: at 2× capacity (seeds 0–4) kvflow found
-27% of prompt tokens cached admitting every task, 73% holding at these multiples, 79% at
-(1.5, 1.5, 1.25, …) with fewer tasks served. A deployment sets its own from where its hit
-rate falls; `kvflow bench policies --ablate` shows what it trades."""
+caches at capacity, and past that the caches thrash. Set from a calibration on long-agent
+(its table is in benchmarks/README.md); a deployment sets its own from where its hit rate
+falls, and `kvflow bench policies --ablate` shows what it trades."""
 OPEN_TASK_KV_SLACK = 1.5
 """`admission.open_task_kv_slack`: holding starts only past 1.5× `OPEN_TASK_KV`, which the
 open tasks' KV does not reach at capacity (long-agent at 1×: every figure as without the
@@ -214,12 +211,11 @@ def lever_config(config: SchedulerConfig, extra: Mapping[str, object]) -> Schedu
         part = getattr(config, section)
         given = getattr(part, name)
         if name in part.model_fields_set and given != value:
-            state = "on" if on(lever) else "off"
+            state, other = ("on", "off") if on(lever) else ("off", "on")
             raise ValueError(
                 f"scheduler_config sets {section}.{name} = {given!r}, but the {lever} lever "
-                f"({state}) sets it to {value!r}: switch the lever "
-                f"{'off' if on(lever) else 'on'} (extra {{{lever!r}: {not on(lever)}}}, "
-                f"`--levers {lever}={'off' if on(lever) else 'on'}`) or drop the field"
+                f"({state}) sets it to {value!r}: switch the lever {other} (extra "
+                f"{{{lever!r}: {state == 'off'}}}, `--levers {lever}={other}`) or drop the field"
             )
         sections.setdefault(section, {})[name] = value
     return config.model_copy(
