@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from kvflow.activities.control_plane import ControlPlaneActivities
 from kvflow.ledger import TaskOutcome
 from kvflow.scheduler.config import AdmissionConfig, SchedulerConfig
-from kvflow.scheduler.core import Scheduler
+from kvflow.scheduler.core import KV_CAPACITY_REUSE_S, Scheduler
 from kvflow.scheduler.placement import Placement, PlacementRequest, RefusalReason
 from kvflow.scheduler.state import ReplicaMetrics
 from tests.fixtures_ledger import task_record
@@ -181,6 +181,24 @@ def test_a_growing_conversation_counts_at_its_latest_size() -> None:
     scheduler.settle()
     # 4,200 + 3,200 + 3,200 open: a third tier-3 task would take it past 12,000.
     assert "10,600 tokens" in refused(scheduler.place(task_call(3))).message
+
+
+def test_a_cache_that_grows_is_counted_once_the_sum_is_a_second_old() -> None:
+    clock = Clock()
+    scheduler = make_scheduler(clock=clock)
+    open_tasks(scheduler, 2)
+    placed(scheduler.place(task_call(1)))
+    scheduler.settle()  # 9,600 open: a tier-3 task's 3,000 more pass 12,000
+    refused(scheduler.place(task_call(2)))
+    # The engines restart with caches twice the size: 24,000 tokens for tier 3.
+    for name in scheduler.replica_names():
+        scheduler.update_metrics(
+            name, ReplicaMetrics(running=0, waiting=0, block_size=BLOCK, num_gpu_blocks=2 * BLOCKS)
+        )
+    # The sum of the caches is reused for a second (it visits every replica), then redone.
+    refused(scheduler.place(task_call(2)))
+    clock.advance(KV_CAPACITY_REUSE_S)
+    placed(scheduler.place(task_call(2)))
 
 
 def test_off_by_default_every_task_starts() -> None:

@@ -88,6 +88,10 @@ Clock = Callable[[], float]
 
 __all__ = ["SECONDS_PER_DAY", "Clock", "Scheduler"]
 
+KV_CAPACITY_REUSE_S = 1.0
+"""How long KV admission reuses its sum of a model's KV caches (`Scheduler._kv_capacity_tokens`)
+before it visits the replicas again."""
+
 _NOTHING_EXCLUDED: frozenset[int] = frozenset()
 _NOTHING_LOADABLE: frozenset[str] = frozenset()
 
@@ -218,6 +222,9 @@ class Scheduler:
             for name, m in self._models.items()
         }  # fmt: skip
         """Model → KV-cache tokens a replica of each pool holds for it before a scrape says."""
+        self._kv_capacity: dict[str, tuple[float, int]] = {}
+        """Model → (when it was summed, the KV-cache tokens warm for it): `_kv_capacity_tokens`
+        sums every replica, so KV admission reuses the sum for `KV_CAPACITY_REUSE_S`."""
         self.policy = Policy(configured_axes(fleet, config), self._replicas)
         """The configured axes, run in order on every replica examined."""
         self._search = Search(self.policy, self._replicas, self._prices, list(fleet.models), config)
@@ -689,12 +696,18 @@ class Scheduler:
             del tasks[workflow_id]
             self._open_kv[model] -= tokens
 
-    def _kv_capacity_tokens(self, model: ModelSpec) -> int:
+    def _kv_capacity_tokens(self, model: ModelSpec, now: float) -> int:
         """The KV-cache tokens of the replicas warm for `model` that may take calls.
 
         Scraped: `num_gpu_blocks` · the engine's block size; before that, the estimate from
-        the GPU's memory and the model's weights (`kv_capacity_blocks`).
+        the GPU's memory and the model's weights (`kv_capacity_blocks`). The sum visits every
+        replica of the model, so it is reused for `KV_CAPACITY_REUSE_S`: the caches change
+        size only as replicas come, go or load weights, and a threshold a second late moves
+        no admission.
         """
+        cached = self._kv_capacity.get(model.name)
+        if cached is not None and now - cached[0] < KV_CAPACITY_REUSE_S:
+            return cached[1]
         total = 0
         estimates = self._kv_estimate_tokens[model.name]
         for rid, member in self._search.rankings[model.name].member.items():
@@ -705,6 +718,7 @@ class Scheduler:
                 total += state.num_gpu_blocks * (state.engine_block_size or self.block_size)
             else:
                 total += estimates[state.pool_position]
+        self._kv_capacity[model.name] = (now, total)
         return total
 
     def _open_task_refusal(self, ctx: Decision) -> Refusal | None:
@@ -740,7 +754,7 @@ class Scheduler:
         if ctx.now >= self._holding_until[ctx.model]:
             factor *= self._open_task_slack
         committed = self._open_kv[ctx.model]
-        capacity = self._kv_capacity_tokens(ctx.spec)
+        capacity = self._kv_capacity_tokens(ctx.spec, ctx.now)
         own = ctx.prompt - ctx.most_cached  # a prompt some cache holds is shared, not added
         if not capacity or committed + own <= factor * capacity:
             return None
