@@ -507,6 +507,31 @@ class AnswerThenGiveUp:
             raise ApplicationError("the user gave up", non_retryable=True)
 
 
+class ContinueInput(BaseModel):
+    spec: TaskSpec
+    model: str
+    runs_left: int = 1
+
+
+@workflow.defn
+class ContinueOnce:
+    """One model call a run; continues as new while runs are left, then returns its answer."""
+
+    @workflow.run
+    async def run(self, task: ContinueInput) -> str:
+        agent = Agent(task.spec)
+        async with agent:
+            answer = await agent.infer(
+                [ChatMessage(role="user", content=f"Runs left: {task.runs_left}.")],
+                model=task.model,
+                max_tokens=8,
+                step="answer",
+            )
+            if task.runs_left > 0:
+                workflow.continue_as_new(task.model_copy(update={"runs_left": task.runs_left - 1}))
+            return answer.text
+
+
 ALL_WORKFLOWS = [
     MultiStepAgent,
     SlowRefundThenReply,
@@ -522,6 +547,7 @@ ALL_WORKFLOWS = [
     ToolLoop,
     RawActivityInBlock,
     AnswerThenGiveUp,
+    ContinueOnce,
 ]
 ALL_ACTIVITIES = [
     issue_refund,

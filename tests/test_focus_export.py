@@ -303,3 +303,36 @@ def test_the_finops_foundations_validator_accepts_the_export(
     rows[3]["ServiceCategory"] = "GPUs"
     result = _validate(rows, tmp_path / "broken.csv")
     assert "ServiceCategory_Enum failed" in result.stdout, result.stdout + result.stderr
+
+
+def test_a_run_that_continued_as_new_is_its_tasks_spend_not_a_task_nor_waste(
+    ledger: Ledger,
+) -> None:
+    # Task C's first run continued as new after a failed attempt and its retry; the second
+    # run succeeded.
+    attempts = [
+        attempt_record("C", run_id="run-1", outcome=FAILED, prices=P1,
+                       prompt_tokens=1000, completion_tokens=10, started_at=DAY1),
+        attempt_record("C", run_id="run-1", attempt=2, prices=P1,
+                       prompt_tokens=1000, completion_tokens=100, started_at=DAY1),
+        attempt_record("C", run_id="run-2", activity_id="2", prices=P1,
+                       prompt_tokens=2000, completion_tokens=100, started_at=DAY1),
+    ]  # fmt: skip
+    for record in attempts:
+        assert ledger.record_attempt(record)
+    for run, outcome in (("run-1", TaskOutcome.CONTINUED_AS_NEW), ("run-2", TaskOutcome.SUCCEEDED)):
+        spend = sum(a.cost_micros for a in attempts if a.run_id == run)
+        ledger.record_task(
+            task_record("C", run_id=run, outcome=outcome, closed_at=DAY1, spend_micros=spend)
+        )
+    total, failed = sum(a.cost_micros for a in attempts), attempts[0].cost_micros
+    report = ledger.report(ReportQuery(group_by=()))
+    # One task, which succeeded and cost what both runs spent; waste is the failed attempt.
+    assert (report.totals.tasks, report.totals.succeeded) == (1, 1)
+    assert report.totals.spend_micros == total and report.totals.wasted_micros == failed > 0
+    assert report.unclosed_attempts == 0
+    rows, _ = _export(ledger)
+    assert _sum(rows, "BilledCost") == micros_to_usd(total)
+    assert _sum(rows, "x_WastedCost") == micros_to_usd(failed)
+    outcomes = {json.loads(row["Tags"])["kvflow:outcome"] for row in rows}
+    assert outcomes == {"continued_as_new", "succeeded"}

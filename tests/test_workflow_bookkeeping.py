@@ -158,6 +158,54 @@ async def test_task_row_that_cannot_be_written_leaves_a_succeeded_task_for_recon
         assert row.spend_micros == sum(a.cost_micros for a in attempts) > 0
 
 
+async def test_a_task_that_continues_as_new_books_every_run_in_its_cost(
+    temporal_client: Client, tmp_path: Path
+):
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
+        handle = await s.start(
+            wf.ContinueOnce.run, wf.ContinueInput(spec=_spec(), model=MODEL, runs_left=1)
+        )
+        await _result(handle)
+        first, last = handle.result_run_id or "", await _run_id(handle)
+        assert first and last and first != last
+        continued = await s.ledger.task(handle.id, first)
+        assert continued is not None and continued.outcome == TaskOutcome.CONTINUED_AS_NEW
+        final = await s.ledger.task(handle.id, last)
+        assert final is not None and final.outcome == TaskOutcome.SUCCEEDED
+        spends = [
+            sum(a.cost_micros for a in await s.ledger.attempts_for(handle.id, run))
+            for run in (first, last)
+        ]
+        assert continued.spend_micros == spends[0] > 0 and final.spend_micros == spends[1] > 0
+        # One task, which succeeded, costing what both runs spent; nothing left unclosed.
+        report = await s.ledger.report(ReportQuery(group_by=()))
+        totals = report.totals
+        assert (totals.tasks, totals.succeeded, totals.wasted_micros) == (1, 1, 0)
+        assert totals.spend_micros == sum(spends)
+        assert report.unclosed_attempts == 0 and report.unclosed_spend_micros == 0
+
+        # A continued run whose row the workflow could not write gets it from reconcile.
+        broken = TaskRowsFail(s.ledger, LedgerSchemaError("schema version 9"), times=100)
+        s.control.activities.ledger = broken
+        handle = await s.start(
+            wf.ContinueOnce.run, wf.ContinueInput(spec=_spec(), model=MODEL, runs_left=1)
+        )
+        await _result(handle)
+        first, last = handle.result_run_id or "", await _run_id(handle)
+        assert broken.calls == 2 and await s.ledger.task(handle.id, first) is None
+        written: dict[str, TaskOutcome] = {}
+        for _ in range(100):  # visibility lags about a second
+            result = await reconcile(s.ledger, temporal_client, query=f"WorkflowId = '{handle.id}'")
+            written.update((row.run_id, row.outcome) for row in result.written)
+            if len(written) == 2:
+                break
+            await asyncio.sleep(0.1)
+        assert written == {first: TaskOutcome.CONTINUED_AS_NEW, last: TaskOutcome.SUCCEEDED}
+        report = await s.ledger.report(ReportQuery(group_by=()))
+        assert (report.totals.tasks, report.totals.succeeded) == (2, 2)
+        assert report.unclosed_attempts == 0
+
+
 # ---- search attributes: what changed, at most every interval, exact at the close ----------------
 
 

@@ -261,7 +261,11 @@ def focus_export(
         task = by_key.get((attempt.workflow_id, attempt.run_id))
         if task is None:
             continue
-        wasted = task.outcome is not TaskOutcome.SUCCEEDED or attempt.outcome in _WASTED_ATTEMPTS
+        # As in the report: a run that continued as new wastes only its failed attempts.
+        wasted = (
+            task.outcome not in (TaskOutcome.SUCCEEDED, TaskOutcome.CONTINUED_AS_NEW)
+            or attempt.outcome in _WASTED_ATTEMPTS
+        )
         for part in attempt_parts(attempt):
             key = ChargeKey(
                 day=task.closed_at.astimezone(UTC).date(),

@@ -49,6 +49,15 @@ class TaskOutcome(StrEnum):
     """An operator or a parent terminated it; its own code did not run to the end."""
     TIMED_OUT = "timed_out"
     """Its workflow execution or run timeout expired."""
+    CONTINUED_AS_NEW = "continued_as_new"
+    """The run continued as new: its task goes on in the next run, under the same workflow
+    id. Its spend counts in the cost per successful task; the run is not a task of its own,
+    neither a success nor a failure (`kvflow.ledger.report`)."""
+
+    @property
+    def final(self) -> bool:
+        """Whether the task ended here (every outcome but `continued_as_new`)."""
+        return self is not TaskOutcome.CONTINUED_AS_NEW
 
 
 TaskSource = Literal["workflow", "reconcile"]

@@ -6,11 +6,15 @@ and pool (`AttemptTotals`). Every money figure is integer micro-dollars until it
 
 Definitions (per group of the report):
 
-- **tasks**: closed tasks (task rows) whose `closed_at` lies in `[since, until)`.
+- **tasks**: closed tasks (task rows) whose `closed_at` lies in `[since, until)`. A run that
+  continued as new (outcome `continued_as_new`) is no task of its own: its task goes on in
+  the next run. Its spend, attempts and tokens count in its groups as every spend does; it
+  is not in the per-task percentiles, and its wasted spend is its failed and cancelled
+  attempts, as in a task that succeeded.
 - **succeeded**: those whose outcome is `succeeded`. **success_rate** = succeeded / tasks.
 - **a task's spend** = the sum of `cost_micros` over its attempt rows (not the task row's own
   total), so the report's totals equal the sum of attempt rows to the micro-dollar.
-- **total_spend** = the sum of the tasks' spend.
+- **total_spend** = the sum of the tasks' spend and of the runs that continued as new.
 - **wasted_spend** = the spend of tasks that did not succeed (failed, compensated, cancelled,
   terminated, timed out; their compensations are attempts of theirs, so they are included)
   + the cost of `failed` and `cancelled` attempts within succeeded tasks. An attempt that was
@@ -367,12 +371,17 @@ def _group(
             if row is None:
                 row = rows[key] = ReportRow(keys={f.value: values[f] for f in group_by})
             spend = sum(m.spend_micros for m in members)
-            row.tasks += 1
             row.attempts += sum(m.attempts for m in members)
             row.spend_micros += spend
             row.prompt_tokens += sum(m.prompt_tokens for m in members)
             row.cached_tokens += sum(m.cached_tokens for m in members)
             row.reused_tokens += sum(m.reused_tokens for m in members)
+            if not task.outcome.final:
+                # Its task goes on in the next run: no task here, and of its spend only the
+                # failed and cancelled attempts are waste, as in a task that succeeded.
+                row.wasted_micros += sum(m.wasted_micros for m in members)
+                continue
+            row.tasks += 1
             if succeeded:
                 row.succeeded += 1
                 row.succeeded_spends.append(spend)

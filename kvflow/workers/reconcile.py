@@ -17,8 +17,9 @@ row, writes one from its attempt rows (`source = "reconcile"`):
 It also lists the tasks whose ledger spend moved after they closed (`Ledger.tasks_moved`):
 rows that arrived or changed since, which a figure read at the close does not show.
 
-Runs that continued as new are skipped: their task goes on in the next run. Running it twice
-writes nothing the second time.
+A run that continued as new gets the outcome `continued_as_new` (its task goes on in the next
+run): its spend counts, and it is no task of its own. Running it twice writes nothing the
+second time.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ _STATUS_OUTCOMES: dict[WorkflowExecutionStatus, TaskOutcome] = {
     WorkflowExecutionStatus.CANCELED: TaskOutcome.CANCELLED,
     WorkflowExecutionStatus.TERMINATED: TaskOutcome.TERMINATED,
     WorkflowExecutionStatus.TIMED_OUT: TaskOutcome.TIMED_OUT,
+    WorkflowExecutionStatus.CONTINUED_AS_NEW: TaskOutcome.CONTINUED_AS_NEW,
 }
 # Statuses whose own code ran to the end, so the outcome it set is trustworthy.
 _SELF_REPORTED = {WorkflowExecutionStatus.COMPLETED, WorkflowExecutionStatus.FAILED}
@@ -59,7 +61,7 @@ class ReconcileResult:
     already_recorded: int = 0
     """Runs that had a task row already."""
     skipped: int = 0
-    """Runs that are not kvflow tasks (no tenant, no attempts) or continued as new."""
+    """Runs that are not kvflow tasks (no tenant, no attempts)."""
     written: list[TaskRecord] = field(default_factory=list)
     """Task rows written by this pass."""
     moved: list[TaskBook] = field(default_factory=list)

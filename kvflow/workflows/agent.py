@@ -159,6 +159,9 @@ END_TASK_PATCH = "kvflow-end-task-where-placed"
 """`workflow.patched` id of the rule that a closing task tells its own worker's scheduler it
 ended, by a local activity (histories from before told it through the ledger's task row, which
 any workflow worker may write)."""
+CONTINUED_RUN_BOOKED_PATCH = "kvflow-continued-run-booked"
+"""`workflow.patched` id of the rule that a run continuing as new writes its row, outcome
+`continued_as_new` (histories from before wrote none: their spend stayed off every task)."""
 MAX_ADMISSION_WAITS = 60
 """How many times one step waits for admission before it fails, without a deadline. With one,
 the step waits while the wait ends before the deadline, each wait past this many at least
@@ -356,6 +359,13 @@ class Agent:
                 _CURRENT.reset(entered)
         if exc is None:
             await self._close(TaskOutcome.SUCCEEDED)
+            return
+        if isinstance(exc, workflow.ContinueAsNewError):
+            # The task goes on in the next run, under the same workflow id: this run's row
+            # books its spend (the report counts it in the task's cost), and the task stays
+            # open in the scheduler. Histories from before wrote no row for such a run.
+            if workflow.patched(CONTINUED_RUN_BOOKED_PATCH):
+                await self._book(TaskOutcome.CONTINUED_AS_NEW)
             return
         cancelled = _is_cancellation(exc)
         if not cancelled and not workflow.is_failure_exception(exc):
@@ -1235,23 +1245,27 @@ class Agent:
         error, the attribute says so, and `kvflow ledger reconcile` writes the row from it.
         """
         self.outcome = outcome.value
+        await self._book(outcome)
+        self._publish()
+
+    async def _book(self, outcome: TaskOutcome) -> None:
+        """End the task in the scheduler and write the run's row, cancelled or not."""
         closing = asyncio.ensure_future(self._end_and_record(outcome))
         try:
             await asyncio.shield(closing)
         except asyncio.CancelledError:
             # Cancelled while closing: the task's work is over and its outcome stands.
             await closing
-        self._publish()
 
     async def _end_and_record(self, outcome: TaskOutcome) -> None:
-        """Tell the scheduler the task ended, then write its row.
+        """Tell the scheduler the task ended, unless it goes on in a next run; write the row.
 
         The scheduler first, so that a ledger that is down delays no new task that its
         admission holds (`AdmissionConfig.open_task_kv_by_tier`). A local activity: it runs
         on this worker, whose scheduler placed the task's calls. If it fails the task still
         ends as `outcome`; that scheduler forgets it after `open_task_idle_s`.
         """
-        if workflow.patched(END_TASK_PATCH):
+        if outcome.final and workflow.patched(END_TASK_PATCH):
             try:
                 await bounded_local(END_TASK_ACTIVITY, workflow.info().workflow_id, bool)
             except FailureError as err:
