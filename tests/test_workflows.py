@@ -75,6 +75,7 @@ from kvflow.workflows.agent import (
     SPEND_QUERY,
     SpendBreakdown,
 )
+from kvflow.workflows.calls import LOCAL_RETRY
 from tests import agent_workflows as wf
 from tests.faulty_proxy import Fault, FaultyProxy
 from tests.history import wait_until_streaming
@@ -687,6 +688,33 @@ class HeardEnds:
         info = activity.info()
         self.ends.append((workflow_id, info.activity_type, info.is_local, counted))
         return counted
+
+
+class EndTaskBreaks(HeardEnds):
+    """The real scheduler, whose `end_task` fails every time it is called from the workflow."""
+
+    def end_task(self, workflow_id: str) -> bool:
+        counted = super().end_task(workflow_id)
+        if activity.info().is_local:
+            raise RuntimeError("the scheduler's state is broken")
+        return counted
+
+
+async def test_a_task_ends_with_its_outcome_and_row_when_the_scheduler_cannot_hear_it(
+    temporal_client: Client, tmp_path: Path
+):
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
+        broken = EndTaskBreaks(s.control.scheduler)
+        s.control.activities.scheduler = broken
+        task = wf.StepsInput(spec=task_spec(expected_steps=1), model=MODEL, steps=1)
+        handle = await s.start(wf.MultiStepAgent.run, task)
+        out = await asyncio.wait_for(handle.result(), 60)
+        assert out.replicas == ["only/0"]
+        # Every try of the local activity failed; the task still closed, row written.
+        local = [end for end in broken.ends if end[2]]
+        assert len(local) == LOCAL_RETRY.maximum_attempts, broken.ends
+        row, _ = await s.rows(handle)
+        assert row is not None and row.outcome == TaskOutcome.SUCCEEDED
 
 
 def _context(word: str, words: int = 600) -> str:
