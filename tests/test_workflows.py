@@ -537,11 +537,35 @@ async def test_long_conversation_keeps_history_small(temporal_client: Client, tm
     assert total < inline / 8
 
 
-class SaturatedFor:
+class HeardEnds:
+    """The real scheduler, noting each task end it hears and the activity it came from."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.ends: list[tuple[str, str, bool, bool]] = []
+        """(workflow id, activity type, whether a local activity, whether it was counted)."""
+
+    def place(self, request: PlacementRequest) -> Placement | Refusal:
+        return self.scheduler.place(request)
+
+    def observe(self, observation: Observation) -> None:
+        self.scheduler.observe(observation)
+
+    def settle(self) -> None:
+        self.scheduler.settle()
+
+    def end_task(self, workflow_id: str) -> bool:
+        counted = self.scheduler.end_task(workflow_id)
+        info = activity.info()
+        self.ends.append((workflow_id, info.activity_type, info.is_local, counted))
+        return counted
+
+
+class SaturatedFor(HeardEnds):
     """The real scheduler, behind an admission gate that says "saturated" `times` times."""
 
     def __init__(self, scheduler: Scheduler, times: int, retry_after_s: float = 0.2) -> None:
-        self.scheduler = scheduler
+        super().__init__(scheduler)
         self.refusals_left = times
         self.retry_after_s = retry_after_s
 
@@ -557,15 +581,6 @@ class SaturatedFor:
                 retryable=True,
             )
         return self.scheduler.place(request)
-
-    def observe(self, observation: Observation) -> None:
-        self.scheduler.observe(observation)
-
-    def settle(self) -> None:
-        self.scheduler.settle()
-
-    def end_task(self, workflow_id: str) -> bool:
-        return self.scheduler.end_task(workflow_id)
 
 
 async def test_step_waits_for_admission_when_the_fleet_is_saturated(
@@ -664,30 +679,6 @@ async def test_a_step_without_a_deadline_stops_waiting_for_admission_at_the_coun
         assert cause.type == errors.TaskErrorType.PLACEMENT_REFUSED
         assert "saturated" in cause.message
         assert _timer_waits(await handle.fetch_history()) == [0.05] * MAX_ADMISSION_WAITS
-
-
-class HeardEnds:
-    """The real scheduler, noting each task end it hears and the activity it came from."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-        self.ends: list[tuple[str, str, bool, bool]] = []
-        """(workflow id, activity type, whether a local activity, whether it was counted)."""
-
-    def place(self, request: PlacementRequest) -> Placement | Refusal:
-        return self.scheduler.place(request)
-
-    def observe(self, observation: Observation) -> None:
-        self.scheduler.observe(observation)
-
-    def settle(self) -> None:
-        self.scheduler.settle()
-
-    def end_task(self, workflow_id: str) -> bool:
-        counted = self.scheduler.end_task(workflow_id)
-        info = activity.info()
-        self.ends.append((workflow_id, info.activity_type, info.is_local, counted))
-        return counted
 
 
 class EndTaskBreaks(HeardEnds):
