@@ -266,7 +266,7 @@ def _print_reconcile(result: ReconcileResult) -> None:
     out.print(
         f"{result.examined} closed run(s) examined: {len(result.written)} task row(s) written, "
         f"{result.already_recorded} already recorded, {result.skipped} skipped "
-        "(not kvflow tasks, or continued as new)",
+        "(not kvflow tasks)",
         highlight=False,
     )
 
