@@ -31,10 +31,10 @@ add up to `kvflow report --group-by day`, and the whole file to the report's tot
 - `Tags` (a JSON object): `kvflow:workflow_type` and `kvflow:outcome` (the task's outcome).
 - kvflow's own columns (FOCUS's `x_` prefix): `x_Model`, `x_TokenType`, `x_WastedCost` (the
   row's part of the report's wasted spend: every cost of a task that did not succeed, and
-  the failed and cancelled attempts of one that did), and `x_CostPerSuccessfulTask`: the
-  report's cost per successful task for the row's day, tenant, workflow type, pool and
-  model, all outcomes together (the same on each of that group's rows; empty where none
-  succeeded).
+  the failed and cancelled attempts of one that did or of a run that continued as new), and
+  `x_CostPerSuccessfulTask`: the report's cost per successful task for the row's day,
+  tenant, workflow type, pool and model, all outcomes together (the same on each of that
+  group's rows; empty where none succeeded).
 
 Money and quantities are Decimals written in fixed point, never floats, and always with a
 decimal point (`12.0`): tools that infer a CSV's column types (pandas, DuckDB, Spark) then
