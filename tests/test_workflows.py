@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import uuid
 from datetime import UTC, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -68,6 +69,8 @@ from kvflow.scheduler.state import ReplicaMetrics
 from kvflow.simulator import BUILTIN_MODELS, EngineConfig, ServerSettings, SimServer
 from kvflow.simulator.faults import FaultDice, FaultSpec
 from kvflow.workers.config import load_fleet
+from kvflow.workers.control_plane import ControlPlane
+from kvflow.workers.workflow_worker import workflow_worker
 from kvflow.workflows import errors, search_attributes
 from kvflow.workflows.agent import (
     ADMISSION_WAIT_STRETCH,
@@ -679,6 +682,62 @@ async def test_a_step_without_a_deadline_stops_waiting_for_admission_at_the_coun
         assert cause.type == errors.TaskErrorType.PLACEMENT_REFUSED
         assert "saturated" in cause.message
         assert _timer_waits(await handle.fetch_history()) == [0.05] * MAX_ADMISSION_WAITS
+
+
+async def test_the_scheduler_that_placed_a_task_hears_its_end_whoever_writes_its_row(
+    temporal_client: Client, tmp_path: Path
+):
+    # Two workflow workers' processes on one queue: the tasks run on the first, whose
+    # scheduler places their calls and counts them; the ledger rows may be written by either
+    # (a normal activity goes to any worker that polls for it).
+    counting = SchedulerConfig(admission=AdmissionConfig(open_task_kv_by_tier=(100.0,) * 5))
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
+        placing = ControlPlane(
+            s.fleet,
+            endpoints={name: sim.base_url for name, sim in s.embedded.sims.items()},
+            ledger=s.ledger,
+            store=DirectoryContextStore(s.context_dir),
+            config=counting,
+        )
+        queue = f"agents-{uuid.uuid4()}"
+        # Eager execution runs a workflow's activity on its own worker when that worker has
+        # a free slot, which is no promise (a retry goes through the queue): off here, and
+        # one slot for activities, so that most rows are written by the other process.
+        runs = await workflow_worker(
+            s.client,
+            placing,
+            workflows=[wf.MultiStepAgent],
+            task_queue=queue,
+            disable_eager_activity_execution=True,
+            max_concurrent_activities=1,
+        )
+        # Another process: its own connection (one client takes one worker per queue).
+        elsewhere = await Client.connect(
+            s.client.service_client.config.target_host,
+            namespace=s.client.namespace,
+            data_converter=s.client.data_converter,
+        )
+        rows_elsewhere = Worker(
+            elsewhere, task_queue=queue, activities=[s.control.activities.record_task]
+        )
+        async with placing, runs, rows_elsewhere:
+            handles = [
+                await s.client.start_workflow(
+                    wf.MultiStepAgent.run,
+                    wf.StepsInput(spec=task_spec(expected_steps=2), model=MODEL, steps=2),
+                    id=f"task-{uuid.uuid4()}",
+                    task_queue=queue,
+                )
+                for _ in range(8)
+            ]
+            for handle in handles:
+                await asyncio.wait_for(handle.result(), 60)
+                row, _ = await s.rows(handle)
+                assert row is not None and row.outcome == TaskOutcome.SUCCEEDED
+            # The placing scheduler counted each task and heard each end: none is left open.
+            # (Heard only with the ledger row, most would still count here.)
+            still_open = [h.id for h in handles if placing.scheduler.end_task(h.id)]
+            assert still_open == []
 
 
 class EndTaskBreaks(HeardEnds):
