@@ -1,14 +1,36 @@
-"""A vLLM V1 scheduler that pauses less urgent work while a call with a deadline would miss it.
+"""vLLM V1 schedulers that know kvflow's tasks: a finished task's KV goes first; deadlines pause.
 
-Load it into a vLLM server (0.32) with the options `--scheduling-policy priority
---scheduler-cls kvflow_vllm.scheduler.DeadlinePauseScheduler`
-(`DeadlinePauseAsyncScheduler` where vLLM schedules asynchronously, its default on GPUs; the CPU
-build always schedules synchronously). The engine process must be able to import this package:
-put a directory that holds `kvflow_vllm` (and nothing else of kvflow's environment) on the
-server's `PYTHONPATH`.
+Two behaviours, each a scheduler class to load into a vLLM server (0.32) with
+`--scheduler-cls` (the `...Async...` variant where vLLM schedules asynchronously, its default
+on GPUs; the CPU build always schedules synchronously):
+
+- `TaskEndScheduler`: when kvflow says a task has ended, the engine reuses that task's own
+  KV-cache blocks before any other cached block.
+- `DeadlinePauseScheduler` (with `--scheduling-policy priority`): the same, and it pauses less
+  urgent work while a call with a deadline would miss it.
+
+The engine process must be able to import this package: put a directory that holds
+`kvflow_vllm` (and nothing else of kvflow's environment) on the server's `PYTHONPATH`.
 
 A call opts in with its sampling parameters' `extra_args`, which the OpenAI-compatible server
-fills from the request body's `vllm_xargs` object:
+fills from the request body's `vllm_xargs` object.
+
+**A finished task's KV first.** vLLM keeps the blocks of finished requests cached and reuses
+the least recently used first. A conversation whose task has ended will never be asked for
+again, yet LRU evicts a paused conversation that is older before it. kvflow tags each call
+with its task (`kvflow_task`: the workflow id); the scheduler notes which cached blocks each
+task's calls held. When the task ends, kvflow's control plane sends the engine that served its
+last call a one-token request carrying `kvflow_release` (the same id): vLLM has no request
+that evicts chosen blocks, so the release rides on the smallest request there is. On its
+arrival the scheduler takes the task's blocks that no other open task has used (a shared
+system prompt stays) and that no running request holds, drops them from the prefix cache
+(vLLM emits its `BlockRemoved` KV events for them) and puts them at the front of the free
+queue, where the next allocation takes them. Nothing else changes: the blocks were free
+already, so the engine's KV usage is the same. Tagged tasks are remembered up to
+`MAX_TRACKED_TASKS`, the least recently finished forgotten first (a task that never ends is
+forgotten, its blocks left to LRU).
+
+**Deadline pause.** A call with a deadline carries:
 
 - `kvflow_deadline`: when the call must be finished, in POSIX seconds (a float);
 - `kvflow_priority_span` (default 1): the width of a priority band. The priorities
@@ -33,10 +55,13 @@ from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
 from vllm.logger import init_logger
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
@@ -46,8 +71,12 @@ from vllm.v1.request import Request
 __all__ = [
     "DEADLINE_KEY",
     "PRIORITY_SPAN_KEY",
+    "RELEASE_KEY",
+    "TASK_KEY",
     "DeadlinePauseAsyncScheduler",
     "DeadlinePauseScheduler",
+    "TaskEndAsyncScheduler",
+    "TaskEndScheduler",
 ]
 
 # Under the `vllm` logger hierarchy, so that vLLM's logging configuration (its handler and
@@ -58,6 +87,15 @@ DEADLINE_KEY = "kvflow_deadline"
 """`extra_args` key (`vllm_xargs` in the request body): the deadline, POSIX seconds."""
 PRIORITY_SPAN_KEY = "kvflow_priority_span"
 """`extra_args` key: the width of a priority band (a positive integer, default 1)."""
+
+TASK_KEY = "kvflow_task"
+"""`extra_args` key: the task the call belongs to (kvflow sends its workflow id)."""
+RELEASE_KEY = "kvflow_release"
+"""`extra_args` key: the task that has ended; its own cached blocks are reused first."""
+MAX_TRACKED_TASKS = 100_000
+"""Tasks whose blocks are remembered; past it the least recently finished is forgotten. A
+task's entry holds one block id and hash per block its calls held (a 100k-token conversation
+in 16-token blocks: about 6,000)."""
 
 PACE_SMOOTHING = 0.3
 """Weight of the newest step interval in the pace's exponential moving average."""
@@ -103,12 +141,119 @@ class _Pause:
     span: int
 
 
-class DeadlinePauseScheduler(Scheduler):
+def _text_arg(request: Request, key: str) -> str | None:
+    """The request's `extra_args[key]` when it is a non-empty string, else None."""
+    params = request.sampling_params
+    extra_args: dict[str, Any] | None = params.extra_args if params is not None else None
+    if not extra_args:
+        return None
+    value = extra_args.get(key)
+    return value if isinstance(value, str) and value else None
+
+
+class TaskEndScheduler(Scheduler):
+    """vLLM's V1 scheduler, reusing an ended task's own KV blocks before any other cached block.
+
+    See the module's documentation for the request parameters (`kvflow_task` on every call,
+    `kvflow_release` once the task has ended). Without prefix caching there is nothing to
+    release, and requests without these parameters are scheduled exactly as by vLLM.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._task_blocks: OrderedDict[str, dict[int, Hashable]] = OrderedDict()
+        """Task → the cached blocks its finished calls held (block id → the block's hash then),
+        least recently finished first."""
+        self._block_tasks: dict[Hashable, set[str]] = {}
+        """Block hash → the remembered tasks whose calls held it (more than one: shared)."""
+        self.released_blocks = 0
+        """Blocks moved to the front of the free queue by releases since the engine started."""
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; one carrying `kvflow_release` first releases that task's blocks."""
+        task = _text_arg(request, RELEASE_KEY)
+        if task is not None:
+            released = self.release_task(task)
+            logger.debug("task %s ended: %d of its KV blocks go first", task, released)
+        super().add_request(request)
+
+    def _free_request_blocks(self, request: Request) -> None:
+        # The one place every finished request's blocks pass through (finished, aborted or
+        # deferred while a GPU step may still write them): note them before they are freed.
+        task = _text_arg(request, TASK_KEY)
+        if task is not None:
+            self._note_blocks(task, request)
+        super()._free_request_blocks(request)
+
+    def _note_blocks(self, task: str, request: Request) -> None:
+        """Remember the cached blocks the request held as its task's."""
+        held = self._task_blocks.pop(task, None)
+        if held is None:
+            held = {}
+        for group in self.kv_cache_manager.get_blocks(request.request_id).blocks:
+            for block in group:
+                block_hash = block.block_hash
+                if block_hash is None or block.is_null:
+                    continue  # never found by a prefix lookup: LRU has nothing to keep
+                if held.get(block.block_id) != block_hash:
+                    held[block.block_id] = block_hash
+                    self._block_tasks.setdefault(block_hash, set()).add(task)
+        self._task_blocks[task] = held  # now the most recently finished
+        while len(self._task_blocks) > MAX_TRACKED_TASKS:
+            oldest, blocks = self._task_blocks.popitem(last=False)
+            self._forget(oldest, blocks)
+
+    def _forget(self, task: str, blocks: dict[int, Hashable]) -> None:
+        """Drop the task from every block's holders."""
+        for block_hash in blocks.values():
+            holders = self._block_tasks.get(block_hash)
+            if holders is not None:
+                holders.discard(task)
+                if not holders:
+                    del self._block_tasks[block_hash]
+
+    def release_task(self, task: str) -> int:
+        """The task has ended: its own free cached blocks go first. Returns how many moved.
+
+        A block is the task's own when no other remembered task's calls held it. Only free
+        blocks (no running request holds them) that still hold what the task's calls left
+        there move: a block reused since then belongs to someone else now.
+        """
+        blocks = self._task_blocks.pop(task, None)
+        if not blocks:
+            return 0
+        pool = self.kv_cache_manager.block_pool
+        own: list[KVCacheBlock] = []
+        for block_id, block_hash in blocks.items():
+            holders = self._block_tasks.get(block_hash)
+            if holders is not None and holders != {task}:
+                continue  # shared with an open task (a system prompt): it stays
+            block = pool.blocks[block_id]
+            if block.ref_cnt == 0 and block.block_hash == block_hash:
+                own.append(block)
+        self._forget(task, blocks)
+        if not own:
+            return 0
+        # Out of the prefix cache (vLLM emits `BlockRemoved` for each, so an index fed by
+        # its KV events forgets them), then from their place in the free queue to its front.
+        pool.evict_blocks({block.block_id for block in own})
+        for block in own:
+            pool.free_block_queue.remove(block)
+        pool.free_block_queue.prepend_n(own)
+        self.released_blocks += len(own)
+        return len(own)
+
+
+class TaskEndAsyncScheduler(TaskEndScheduler, AsyncScheduler):
+    """`TaskEndScheduler` on vLLM's asynchronous scheduler (`--async-scheduling`)."""
+
+
+class DeadlinePauseScheduler(TaskEndScheduler):
     """vLLM's V1 scheduler, pausing greater priority bands while a deadline is at risk.
 
     Needs `--scheduling-policy priority` (it refuses to start otherwise: under fcfs vLLM
-    ignores priorities, so there would be no bands to pause). See the module's documentation
-    for the request parameters.
+    ignores priorities, so there would be no bands to pause). It releases ended tasks' blocks
+    as `TaskEndScheduler` does. See the module's documentation for the request parameters.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

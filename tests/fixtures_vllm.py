@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,9 @@ from kvflow.workers.vllm_server import (
     VllmInstall,
     VllmServer,
     VllmServerError,
+    kvflow_vllm_path,
     stop_servers,
+    vllm_environment,
     vllm_install,
 )
 from tests.servers import ServedModel
@@ -88,6 +91,36 @@ def skip_or_fail(message: str) -> None:
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(message, pytrace=False)
     pytest.skip(message)
+
+
+def installed_vllm() -> VllmInstall:
+    """vLLM's environment, or the test skipped (failed under CI) where it is missing."""
+    install = vllm_install()
+    missing = install.missing()
+    if missing is not None:
+        skip_or_fail(missing)
+    return install
+
+
+def in_vllm(tmp_path: Path, *args: str) -> str:
+    """Run vLLM's python with only `kvflow_vllm` on its path; its standard output.
+
+    As a server would load kvflow's engine side: nothing of kvflow's own environment is
+    importable there. `KVFLOW_TINY_MODEL` names the tiny model's folder.
+    """
+    install = installed_vllm()
+    env = vllm_environment(kvflow_vllm_path(tmp_path / "python"))
+    env["KVFLOW_TINY_MODEL"] = str(install.model_dir)
+    ran = subprocess.run(
+        [str(install.python), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    return ran.stdout
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -16,20 +16,13 @@ machine can run it.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvflow.scheduler.placement import TIER_PRIORITY_SPAN
-from kvflow.workers.vllm_server import (
-    VllmInstall,
-    kvflow_vllm_path,
-    vllm_environment,
-    vllm_install,
-)
-from tests.fixtures_vllm import skip_or_fail
+from tests.fixtures_vllm import in_vllm
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,32 +32,6 @@ LOW = {f"low-{i}" for i in range(4)}
 PAUSE_LINE = f"pausing priority bands above 1 (span {TIER_PRIORITY_SPAN})"
 
 Scene = dict[str, Any]
-
-
-def installed() -> VllmInstall:
-    """vLLM's environment, or the test skipped (failed under CI) where it is missing."""
-    install = vllm_install()
-    missing = install.missing()
-    if missing is not None:
-        skip_or_fail(missing)
-    return install
-
-
-def in_vllm(tmp_path: Path, *args: str) -> str:
-    """Run vLLM's python with only `kvflow_vllm` on its path; its standard output."""
-    install = installed()
-    env = vllm_environment(kvflow_vllm_path(tmp_path / "python"))
-    env["KVFLOW_TINY_MODEL"] = str(install.model_dir)
-    ran = subprocess.run(
-        [str(install.python), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert ran.returncode == 0, ran.stderr[-3000:]
-    return ran.stdout
 
 
 @pytest.fixture(scope="module")
