@@ -37,10 +37,18 @@ from kvflow.activities.wire import (
     InferenceRequest,
     InferenceResult,
 )
-from kvflow.scheduler.fleet import Pool, TokenPrices
-from kvflow.scheduler.placement import TIER_PRIORITY_SPAN, engine_priority
+from kvflow.scheduler.fleet import Fleet, Pool, TokenPrices
+from kvflow.scheduler.placement import (
+    TIER_PRIORITY_SPAN,
+    Placement,
+    PlacementRequest,
+    engine_priority,
+)
+from kvflow.scheduler.task_end import ReleaseTarget, TaskEndRelease
 from kvflow.workers.config import FleetConfigError, load_fleet
+from kvflow.workers.control_plane import ControlPlane
 from kvflow.workers.devserver import free_port
+from tests.fleets import one_pool_fleet
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -90,12 +98,17 @@ class RecordingEngine:
         self.received: list[Received] = []
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        app = Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"])])
+        app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                Route("/v1/completions", self._completion, methods=["POST"]),
+            ]
+        )
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 
-    async def _chat(self, request: Request) -> Response:
+    async def _record(self, request: Request) -> None:
         self.received.append(
             Received(
                 path=request.url.path,
@@ -103,7 +116,16 @@ class RecordingEngine:
                 body=json.loads(await request.body()),
             )
         )
+
+    async def _chat(self, request: Request) -> Response:
+        await self._record(request)
         return StreamingResponse(_answer(), media_type="text/event-stream")
+
+    async def _completion(self, request: Request) -> Response:
+        await self._record(request)
+        usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+        answer = {"id": "r1", "choices": [{"index": 0, "text": "o"}], "usage": usage}
+        return Response(json.dumps(answer), media_type="application/json")
 
     def start(self) -> RecordingEngine:
         self._thread.start()
@@ -245,6 +267,90 @@ async def test_deadline_pause_sends_the_steps_deadline_for_kvflows_vllm_schedule
     )
 
 
+async def test_task_end_release_names_the_task_in_every_call(
+    engine: RecordingEngine, tmp_path: Path
+) -> None:
+    # What kvflow_vllm.scheduler.TaskEndScheduler reads to note the task's KV blocks.
+    releasing = pool(task_end_release=True)
+    received = await sent(engine, releasing, request(), tmp_path)
+    assert received.body == {**BASE_BODY, "vllm_xargs": {"kvflow_task": WORKFLOW_ID}}
+    # Beside a step's deadline, in the same object; a pool without it names no task.
+    step_deadline = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    both = pool(task_end_release=True, priority_scheduling=True, deadline_pause=True)
+    received = await sent(engine, both, request(step_deadline=step_deadline), tmp_path)
+    assert received.body["vllm_xargs"] == {
+        "kvflow_deadline": step_deadline.timestamp(),
+        "kvflow_priority_span": TIER_PRIORITY_SPAN,
+        "kvflow_task": WORKFLOW_ID,
+    }
+    assert "vllm_xargs" not in (await sent(engine, pool(), request(), tmp_path)).body
+
+
+async def _no_scrape() -> None:
+    """The recording engines serve no metrics; placement needs none."""
+
+
+async def test_a_tasks_end_is_released_on_the_engine_of_its_last_call(
+    engine: RecordingEngine,
+) -> None:
+    """The control plane's `end_task` sends the release to the replica that served the task."""
+    other = RecordingEngine().start()
+    try:
+        fleet = one_pool_fleet(MODEL, replicas=2).model_dump()
+        fleet["pools"][0]["task_end_release"] = True
+        control = ControlPlane(
+            Fleet.model_validate(fleet),
+            endpoints={"cpu/0": other.base_url, "cpu/1": engine.base_url},
+        )
+        control.scraper.scrape_once = _no_scrape  # type: ignore[method-assign,assignment]
+        async with control:
+            call = PlacementRequest(
+                model=MODEL,
+                prompt_tokens=100,
+                max_output_tokens=10,
+                tenant="acme",
+                workflow_id=WORKFLOW_ID,
+                exclude=["cpu/0"],
+            )
+            placed = control.scheduler.place(call)
+            assert isinstance(placed, Placement) and placed.replica == "cpu/1"
+            before = len(engine.received)
+            await control.activities.end_task(WORKFLOW_ID)
+            # A task this scheduler never placed is no one's to release.
+            await control.activities.end_task("never-placed")
+            await control.releases.drain()
+            [release] = engine.received[before:]
+            assert release.path == "/v1/completions"
+            assert release.body == {
+                "model": MODEL,
+                "prompt": [0],
+                "max_tokens": 1,
+                "vllm_xargs": {"kvflow_release": WORKFLOW_ID},
+            }
+            assert other.received == []
+            assert (control.releases.sent, control.releases.failed) == (1, 0)
+    finally:
+        other.stop()
+
+
+async def test_a_release_the_engine_cannot_take_is_logged_and_dropped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An engine that is down costs the release, not the task: one warning, no exception."""
+    releases = TaskEndRelease({"cpu/0": ReleaseTarget(f"http://127.0.0.1:{free_port()}", MODEL)})
+    assert releases.release(WORKFLOW_ID, "cpu/0")
+    assert not releases.release(WORKFLOW_ID, "cpu/9")  # takes no releases
+    await releases.aclose()
+    assert (releases.sent, releases.failed) == (0, 1)
+    assert f"could not tell cpu/0 that task {WORKFLOW_ID} ended" in caplog.text
+
+
+def test_a_pool_without_task_end_release_sends_nothing_at_a_tasks_end() -> None:
+    control = ControlPlane(one_pool_fleet(MODEL), endpoints={"cpu/0": "http://127.0.0.1:9"})
+    assert control.releases.targets == {}
+    assert control.activities.on_task_end is None
+
+
 async def test_dynamo_gets_agent_hints_and_the_session_header(
     engine: RecordingEngine, tmp_path: Path
 ) -> None:
@@ -374,6 +480,10 @@ def test_the_fleet_file_names_the_endpoint_kind_and_what_it_takes(tmp_path: Path
             "set priority_scheduling = true",
         ),
         ('inference_objectives = ["a", "b", "c", "d", "e"]\n', "only to an llm-d gateway"),
+        (
+            'endpoint_kind = "llm-d"\ntask_end_release = true\n',
+            "task_end_release needs each replica's own vLLM server",
+        ),
         (
             'endpoint_kind = "llm-d"\ninference_objectives = ["a", "b"]\n',
             "at least 5 items",

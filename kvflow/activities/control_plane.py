@@ -192,8 +192,12 @@ class ControlPlaneActivities:
         store: ContextStore | None = None,
         tokenizers: FleetTokenizers | None = None,
         triage: FailureTriage | None = None,
+        on_task_end: Callable[[str], None] | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.on_task_end = on_task_end
+        """Called with the workflow id after the scheduler hears a task's end (`end_task`):
+        the control plane tells the engines (`kvflow.scheduler.task_end`)."""
         self.triage = triage
         """Sees each failed call first (the `ControlPlane`); None: the scheduler alone."""
         self.fleet = fleet
@@ -270,7 +274,10 @@ class ControlPlaneActivities:
         scheduler is the one that stops counting the task (`Scheduler.end_task`), however
         many workflow workers there are. True when it was counting it.
         """
-        return self.scheduler.end_task(workflow_id)
+        counted = self.scheduler.end_task(workflow_id)
+        if self.on_task_end is not None:
+            self.on_task_end(workflow_id)
+        return counted
 
     @activity.defn(name=RECORD_TASK_ACTIVITY)
     async def record_task(self, record: TaskRecord) -> bool:

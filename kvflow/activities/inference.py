@@ -662,6 +662,9 @@ class EngineHints:
     headers: dict[str, str] = field(default_factory=dict)
 
 
+TASK_XARG = "kvflow_task"
+"""`vllm_xargs` key naming a call's task (`kvflow_vllm.scheduler.TASK_KEY`)."""
+
 DYNAMO_SESSION_HEADER = "x-dynamo-session-id"
 """The session a Dynamo request belongs to (Dynamo's docs/agents/session-ids.md; the constant
 `HEADER_DYNAMO_SESSION_ID` of lib/llm/src/protocols/agents.rs). Dynamo takes session identity
@@ -716,19 +719,26 @@ def engine_hints(
     `kvflow_vllm.scheduler.DeadlinePauseScheduler` pauses lower tiers while the call would miss
     it. The engine compares the deadline with its own clock.
 
+    With `task_end_release` (vllm endpoints), every call of a task also sends `vllm_xargs`
+    {"kvflow_task": its workflow id}: `kvflow_vllm.scheduler.TaskEndScheduler` notes the task's
+    KV blocks, to reuse them first once the control plane says the task ended.
+
     A call placed without a priority (`request.priority` None) carries no priority, tier or
     objective; the endpoint then applies its default.
     """
     hints = EngineHints()
     priority = request.priority
     kind = pool.endpoint_kind
+    xargs: dict[str, str | float | int] = {}
     if kind in ("vllm", "llm-d") and pool.priority_scheduling and priority is not None:
         hints.body["priority"] = priority
         if pool.deadline_pause and request.step_deadline is not None:
-            hints.body["vllm_xargs"] = {
-                "kvflow_deadline": request.step_deadline.timestamp(),
-                "kvflow_priority_span": TIER_PRIORITY_SPAN,
-            }
+            xargs["kvflow_deadline"] = request.step_deadline.timestamp()
+            xargs["kvflow_priority_span"] = TIER_PRIORITY_SPAN
+    if kind == "vllm" and pool.task_end_release and session_id:
+        xargs[TASK_XARG] = session_id
+    if xargs:
+        hints.body["vllm_xargs"] = xargs
     if kind == "dynamo":
         agent_hints: dict[str, int] = {}
         if priority is not None:

@@ -387,6 +387,16 @@ class Scheduler:
             self._open_kv[task[0]] -= task[1]
             return True
 
+    def last_replica(self, workflow_id: str) -> str | None:
+        """The replica this scheduler placed the task's latest call on; None if it forgot.
+
+        Remembered for the most recent workflows only (`SchedulerConfig`'s bound on them).
+        """
+        with self._lock:
+            self._settle()  # the latest placement may still be unsettled
+            index = self._last_replica.get(workflow_id)
+            return None if index is None else self._replicas[index].name
+
     def set_tenant_spend_today(self, tenant: str, micros: int) -> None:
         """Seed a tenant's spend for the current UTC day (e.g. from the ledger at start-up)."""
         with self._lock:

@@ -266,6 +266,17 @@ class Pool(_Strict):
             "pauses the calls of lower tiers"
         ),
     )
+    task_end_release: bool = Field(
+        default=False,
+        description=(
+            "the vLLM engines run kvflow's engine scheduler (`--scheduler-cls "
+            "kvflow_vllm.scheduler.TaskEndScheduler`, or DeadlinePauseScheduler): each call "
+            "names its task in the body's `vllm_xargs`, and when the task ends the control "
+            "plane sends the engine that served its last call a one-token release request, "
+            "after which the engine reuses that task's own KV blocks before any other cached "
+            "block"
+        ),
+    )
     inference_objectives: list[ObjectiveName] = Field(
         default_factory=default_objectives,
         min_length=TIERS,
@@ -292,6 +303,12 @@ class Pool(_Strict):
                 "llm-d endpoint: set priority_scheduling = true (and run the engines with "
                 "--scheduling-policy priority --scheduler-cls "
                 "kvflow_vllm.scheduler.DeadlinePauseScheduler), or remove it"
+            )
+        if self.task_end_release and self.endpoint_kind != "vllm":
+            raise ValueError(
+                "task_end_release needs each replica's own vLLM server as its endpoint "
+                '(endpoint_kind = "vllm"): the release must reach the engine that holds the '
+                "task's KV, which a gateway or frontend would route anywhere; remove it"
             )
         # Compared with the default rather than asked whether it was given, so that a dumped
         # pool (which writes the default out) validates again.

@@ -49,6 +49,7 @@ from kvflow.scheduler.reliability import (
     QueueView,
     WorkerLiveness,
 )
+from kvflow.scheduler.task_end import ReleaseTarget, TaskEndRelease
 from kvflow.scheduler.telemetry import MetricsScraper, fleet_endpoints
 
 log = logging.getLogger(__name__)
@@ -228,6 +229,16 @@ class ControlPlane:
         self.spend_refresh_s = spend_refresh_s
         self._refreshing: asyncio.Task[None] | None = None
         self.endpoints = {**fleet_endpoints(fleet), **(endpoints or {})}
+        self.releases = TaskEndRelease(
+            {
+                name: ReleaseTarget(self.endpoints[name], pool.warm_models[0])
+                for pool in fleet.pools
+                if pool.task_end_release
+                for name in pool.replica_names()
+                if name in self.endpoints
+            }
+        )
+        """Tells engines running `kvflow_vllm`'s scheduler that a task ended."""
         self.activities = ControlPlaneActivities(
             self.scheduler,
             fleet=fleet,
@@ -235,6 +246,7 @@ class ControlPlane:
             ledger=ledger,
             store=store,
             triage=self,
+            on_task_end=self._release_task if self.releases.targets else None,
         )
         for name in self.scheduler.replica_names():
             if name not in self.endpoints:
@@ -308,6 +320,12 @@ class ControlPlane:
             self._start_watching()
         self._entered = True
         return self
+
+    def _release_task(self, workflow_id: str) -> None:
+        """The task ended: the engine of its latest call may reuse its KV first (a hint)."""
+        replica = self.scheduler.last_replica(workflow_id)
+        if replica is not None:
+            self.releases.release(workflow_id, replica)
 
     def triage(self, observation: Observation) -> Observation:
         """A call failed: whose fault was it? Look at its replica now if it was the replica's.
@@ -388,4 +406,5 @@ class ControlPlane:
         if self._scraping is not None:
             await asyncio.gather(self._scraping, return_exceptions=True)
         await self.scraper.aclose()
+        await self.releases.aclose()
         await self.activities.tokenizers.aclose()
