@@ -172,6 +172,7 @@ def tiny_server(
     extra_args: Sequence[str] = (),
     extra_env: Mapping[str, str] | None = None,
     deadline_pause: bool = False,
+    task_end: bool = False,
     max_model_len: int = MAX_MODEL_LEN,
 ) -> _VllmServerWithArgs:
     """A server of the tests' tiny model, logging to `log_dir/vllm-server.log` (not started)."""
@@ -191,6 +192,7 @@ def tiny_server(
         ready_timeout_s=READY_TIMEOUT_S,
         stop_timeout_s=STOP_TIMEOUT_S,
         deadline_pause=deadline_pause,
+        task_end=task_end,
     )
 
 

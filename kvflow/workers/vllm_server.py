@@ -40,6 +40,8 @@ STARTING_STOP_TIMEOUT_S = 3.0
 """Grace for a server that is still loading (it does not act on SIGTERM yet)."""
 DEADLINE_PAUSE_SCHEDULER = "kvflow_vllm.scheduler.DeadlinePauseScheduler"
 """kvflow's engine-side scheduler for vLLM (`VllmServer(deadline_pause=True)`)."""
+TASK_END_SCHEDULER = "kvflow_vllm.scheduler.TaskEndScheduler"
+"""kvflow's engine-side scheduler without the deadline pause (`VllmServer(task_end=True)`)."""
 
 
 class Engine(StrEnum):
@@ -156,6 +158,7 @@ class VllmServer:
         stop_timeout_s: float = STOP_TIMEOUT_S,
         tool_call_parser: str | None = "hermes",
         deadline_pause: bool = False,
+        task_end: bool = False,
     ) -> None:
         if not served_model_names:
             raise ValueError("served_model_names needs at least one name")
@@ -176,7 +179,11 @@ class VllmServer:
         then refuses it with 400, while "required" and a named tool work without one)."""
         self.deadline_pause = deadline_pause
         """Schedule with `kvflow_vllm.scheduler.DeadlinePauseScheduler` (priority policy): a
-        call at risk of the deadline it sends in `vllm_xargs` pauses lower tiers' calls."""
+        call at risk of the deadline it sends in `vllm_xargs` pauses lower tiers' calls. It
+        releases ended tasks' KV blocks as well."""
+        self.task_end = task_end
+        """Schedule with `kvflow_vllm.scheduler.TaskEndScheduler` (any policy): an ended task's
+        own KV blocks are reused first once kvflow releases it (`Pool.task_end_release`)."""
         self._python_dir: Path | None = None
         self.kv_events_endpoint: str | None = None
         """ZMQ PUB socket (`ipc://...`) of `[topic, sequence, msgpack batch]` messages."""
@@ -254,6 +261,8 @@ class VllmServer:
                 "--scheduler-cls",
                 DEADLINE_PAUSE_SCHEDULER,
             ]
+        elif self.task_end:
+            command += ["--scheduler-cls", TASK_END_SCHEDULER]
         return command
 
     def environment(self) -> dict[str, str]:
@@ -271,7 +280,7 @@ class VllmServer:
             self._socket_dir = Path(tempfile.mkdtemp(prefix="kvflow-vllm-"))
             self.kv_events_endpoint = f"ipc://{self._socket_dir}/kv-events.sock"
             self.kv_replay_endpoint = f"ipc://{self._socket_dir}/kv-replay.sock"
-        if self.deadline_pause:
+        if self.deadline_pause or self.task_end:
             self._python_dir = kvflow_vllm_path(Path(tempfile.mkdtemp(prefix="kvflow-vllm-py-")))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info(
