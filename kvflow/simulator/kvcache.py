@@ -586,3 +586,48 @@ class RetentionBlockPool(BlockPool):
             taken.append(block)
             need -= 1
         return need
+
+
+class TaskBlocks:
+    """Which block hashes only one task has asked for: what its end may evict first.
+
+    The engine's side of a task's end (`kvflow_vllm.scheduler.TaskEndScheduler` in vLLM; the
+    benchmark's `task-end` mechanism): every call notes its blocks under its task, and when
+    the task ends, `end` returns the hashes no other task asked for. A block another task
+    asked for first (a system prompt) is shared, and so is one a task asks for after its
+    first user ended (it was named already), so a hash is given out at most once.
+    """
+
+    __slots__ = ("_blocks", "_owner")
+
+    def __init__(self) -> None:
+        self._owner: dict[int, object] = {}
+        """Block hash → the one task that asked for it, or `_SHARED`."""
+        self._blocks: dict[object, set[int]] = {}
+        """Task → every hash its calls asked for."""
+
+    def note(self, task: object, block_hashes: Sequence[int]) -> None:
+        """The task's call asks for `block_hashes` (its whole prompt, a conversation grows)."""
+        seen = self._blocks.setdefault(task, set())
+        fresh = set(block_hashes) - seen
+        owner = self._owner
+        for value in fresh:
+            first = owner.setdefault(value, task)
+            if first != task and first is not _SHARED:
+                owner[value] = _SHARED
+        seen |= fresh
+
+    def end(self, task: object) -> list[int]:
+        """The task ended: the hashes only it asked for (none the second time)."""
+        blocks = self._blocks.pop(task, None)
+        if not blocks:
+            return []
+        owner = self._owner
+        own = [value for value in blocks if owner.get(value) == task]
+        for value in own:
+            owner[value] = _SHARED
+        return own
+
+
+_SHARED = object()
+"""`TaskBlocks`' owner of a hash that more than one task asked for."""

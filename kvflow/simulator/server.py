@@ -26,6 +26,12 @@ of the arguments (`[{"index": 0, "function": {"arguments"}}]`), and a last chunk
 adds `choices[0].logprobs.content` (one entry per output token, end of sequence included, from
 `generation.TokenLogprobs`), per chunk when streaming.
 
+kvflow's engine scheduler for vLLM is built in: a call whose `vllm_xargs` names its task
+(`kvflow_task`) notes its prompt's blocks under it, and a request carrying `kvflow_release`
+puts the blocks only that task asked for at the head of the eviction order before it runs
+(`kvflow_vllm.scheduler.TaskEndScheduler`; `kvcache.TaskBlocks`). Other requests see plain
+vLLM.
+
 Time: the engine runs on a clock that advances `time_scale` simulated seconds per real second,
 so a step the performance model prices at 20 ms takes 20 ms at `time_scale` 1 and 2 ms at
 `time_scale` 10. Reported times (metrics) are simulated seconds. Very large time scales are
@@ -94,6 +100,7 @@ from kvflow.simulator.generation import (
     splitmix64,
 )
 from kvflow.simulator.kv_events import ZmqEventPublisher
+from kvflow.simulator.kvcache import TaskBlocks
 from kvflow.simulator.metrics import CONTENT_TYPE, VllmMetrics
 from kvflow.simulator.protocol import (
     MAX_TOP_LOGPROBS,
@@ -325,6 +332,10 @@ class SimulatedVllm:
         self._on_crash = on_crash
         self.crashed = False
         self._jobs: dict[str, _Job] = {}
+        self._task_blocks: dict[str, TaskBlocks] = {}
+        """Model → the blocks each task's calls asked for there (`kvflow_task`)."""
+        self.released_blocks = 0
+        """Blocks `kvflow_release` requests moved to the head of the eviction order."""
         self._loop: _EngineLoop | None = None
         self.publisher: ZmqEventPublisher | None = None
         self.created = int(time.time())
@@ -826,7 +837,14 @@ class SimulatedVllm:
             await asyncio.sleep(faults.latency_ms / 1000)
         if self.crashed:
             raise ConnectionDrop
+        task, released = _task_xargs(body)
+        blocks = self._task_blocks.setdefault(engine.model.name, TaskBlocks())
+        if released is not None:
+            # As TaskEndScheduler does on the release's arrival, before the request runs.
+            self.released_blocks += engine.evict_first(blocks.end(released))
         self._submit(job)
+        if task is not None and job.request.block_hashes:
+            blocks.note(task, job.request.block_hashes)
         created = int(time.time())
         if body.stream:
             options = body.stream_options
@@ -1143,6 +1161,18 @@ class SimulatedVllm:
             yield "data: [DONE]\n\n"
         finally:
             self._release(job)
+
+
+def _task_xargs(body: SamplingBody) -> tuple[str | None, str | None]:
+    """The task a call names (`kvflow_task`) and the task it releases (`kvflow_release`)."""
+    xargs = (body.model_extra or {}).get("vllm_xargs")
+    if not isinstance(xargs, dict):
+        return None, None
+    task, released = xargs.get("kvflow_task"), xargs.get("kvflow_release")
+    return (
+        task if isinstance(task, str) and task else None,
+        released if isinstance(released, str) and released else None,
+    )
 
 
 async def _json(request: Request) -> Any:

@@ -45,6 +45,7 @@ from kvflow.scheduler.fleet import ExactPrices, Fleet
 from kvflow.scheduler.placement import engine_priority
 from kvflow.simulator.des import DiscreteEventFleet, FleetRequest, FleetView, RequestRecord
 from kvflow.simulator.engine import SimReplica, SimRequest, StepResult
+from kvflow.simulator.kvcache import TaskBlocks
 from kvflow.simulator.policies.base import (
     DEFAULT_MECHANISMS,
     ENGINE_PRIORITY,
@@ -64,8 +65,6 @@ RETRY_BUDGET = 3
 DEFAULT_MODEL = "llama-3.1-8b"
 KV_SAMPLES = 50
 """Samples of the open conversations' KV demand over the window."""
-_SHARED = -1
-"""Owner of a block more than one task used (`TaskRunner._block_owner`)."""
 
 
 def _call_id(request_id: str) -> str:
@@ -146,8 +145,6 @@ class _TaskState:
     step_deadline_at: float | None = None
     context_tokens: int = 0
     """The conversation's tokens so far (its last issued prompt)."""
-    blocks: set[int] = field(default_factory=set)
-    """Hashes of every block its calls asked for (`TASK_END` only)."""
     inflight: dict[str, tuple[int, FleetRequest]] = field(default_factory=dict)
     placed: dict[str, tuple[int, int, float]] = field(default_factory=dict)
     """Call with a step deadline → (its replica's load, the least, the mean) when placed."""
@@ -265,8 +262,8 @@ class TaskRunner:
         self.prices = prices
         self.gpus = gpus
         self.queue = RouterQueue() if ROUTER_QUEUE in mechanisms else None
-        self._block_owner: dict[int, int] | None = {} if TASK_END in mechanisms else None
-        """Block hash → the one task that used it, or `_SHARED` (`TASK_END` only)."""
+        self._task_blocks = TaskBlocks() if TASK_END in mechanisms else None
+        """The blocks each task alone asked for (`TASK_END` only)."""
         self.decisions: list[Decision] | None = [] if record_decisions else None
         self.late_steps: list[LateStep] = []
         """Every counted call cut by its step's deadline, and the loads around it."""
@@ -368,8 +365,9 @@ class TaskRunner:
             )
         step = task.steps[state.step]
         state.pending = len(step.calls)
-        if self._block_owner is not None:
-            self._own_blocks(state, [call.block_hashes for call in step.calls])
+        if self._task_blocks is not None:
+            for call in step.calls:
+                self._task_blocks.note(state.task.index, call.block_hashes)
         context = step.calls[0].prompt_tokens
         self._open_context += context - state.context_tokens
         state.context_tokens = context
@@ -532,36 +530,14 @@ class TaskRunner:
         if self._closed and self._open_counted == 0:
             self.sim.stop()
 
-    def _own_blocks(self, state: _TaskState, chains: list[list[int]]) -> None:
-        """Note which blocks of this step's `chains` only this task has used (`TASK_END`).
-
-        A block another task asked for first (a system prompt) is shared; so is one that a
-        task asks for after its first user ended (it was named already).
-        """
-        owner = self._block_owner
-        assert owner is not None
-        index = state.task.index
-        for chain in chains:
-            fresh = set(chain) - state.blocks  # a set difference: a conversation grows
-            for value in fresh:
-                first = owner.setdefault(value, index)
-                if first != index and first != _SHARED:
-                    owner[value] = _SHARED
-            state.blocks |= fresh
-
     def _conversation_over(self, state: _TaskState) -> None:
         """The task ended and none of its calls runs: its own blocks go first (`TASK_END`).
 
         Every engine evicts them before any other cached block; once per task.
         """
-        owner = self._block_owner
-        if owner is None or not state.done or state.inflight or not state.blocks:
+        if self._task_blocks is None or not state.done or state.inflight:
             return
-        index = state.task.index
-        own = [value for value in state.blocks if owner.get(value) == index]
-        state.blocks = set()
-        for value in own:
-            owner[value] = _SHARED
+        own = self._task_blocks.end(state.task.index)
         if not own:
             return
         for replica in self.sim.replicas:
