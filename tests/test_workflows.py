@@ -740,6 +740,27 @@ async def test_the_scheduler_that_placed_a_task_hears_its_end_whoever_writes_its
             assert still_open == []
 
 
+async def test_a_tasks_end_releases_its_kv_on_the_engine_that_served_it(
+    temporal_client: Client, tmp_path: Path
+):
+    # A pool whose engines run kvflow's engine scheduler (the simulator honours it as vLLM
+    # with TaskEndScheduler does): the workflow's close reaches the engine of its last call.
+    fleet = fleet_for([PoolPlan("only")]).model_dump()
+    fleet["pools"][0]["task_end_release"] = True
+    async with fleet_stack(
+        temporal_client, tmp_path, [PoolPlan("only")], fleet=Fleet.model_validate(fleet)
+    ) as s:
+        task = wf.StepsInput(spec=task_spec(expected_steps=2), model=MODEL, steps=2)
+        handle = await s.start(wf.MultiStepAgent.run, task)
+        await asyncio.wait_for(handle.result(), 60)
+        await asyncio.wait_for(s.control.releases.drain(), 30)
+        assert (s.control.releases.sent, s.control.releases.failed) == (1, 0)
+        server = s.embedded.sims["only/0"]
+        assert isinstance(server, SimServer) and server.sim is not None
+        # Every block the task's calls filled was its own, and free once they ended.
+        assert server.sim.released_blocks > 0
+
+
 class EndTaskBreaks(HeardEnds):
     """The real scheduler, whose `end_task` fails every time it is called from the workflow."""
 
