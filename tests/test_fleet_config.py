@@ -63,6 +63,12 @@ BROKEN: dict[str, tuple[str, str, str]] = {
         "pools[2].max_concurency",
         "unknown key",
     ),
+    # A key with a character the terminal would not show is named in Python's escapes.
+    "invisible_character_in_key": (
+        'max_concurrency = 6 => "max_concurrency\\f" = 6',
+        "pools[2].'max_concurrency\\x0c'",
+        "unknown key",
+    ),
     "missing_prices": (
         '[pools.token_prices]\ninput_per_mtok_usd = "0.10" => [pools.token_price]\n'
         'input_per_mtok_usd = "0.10"',

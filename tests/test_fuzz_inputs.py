@@ -118,6 +118,7 @@ FLEET_KEYS: dict[type[Any], set[str]] = {
         "endpoint_kind",
         "priority_scheduling",
         "deadline_pause",
+        "task_end_release",
         "inference_objectives",
     },
     TokenPrices: {"input_per_mtok_usd", "cached_input_per_mtok_usd", "output_per_mtok_usd"},
@@ -175,6 +176,7 @@ def valid_fleets(draw: st.DrawFn) -> dict[str, Any]:
             "endpoints": st.sampled_from(["simulated", urls]),
             "max_concurrency": st.integers(min_value=1, max_value=4096),
             "kv_events_topic": st.text(max_size=8),
+            "task_end_release": st.booleans(),  # the default endpoint kind, vllm, takes it
         }
         if len(warm) == 1:
             optional["kv_events"] = st.just([f"ipc:///tmp/kv-{i}.sock" for i in range(replicas)])
@@ -304,7 +306,10 @@ def mutated_fleets(draw: st.DrawFn) -> tuple[dict[str, Any], list[Path_]]:
 
 
 def _key_path(at: Path_) -> str:
-    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in at).lstrip(".")
+    """The key path as kvflow names it: a key a terminal would not show in Python's escapes."""
+    return "".join(
+        f"[{p}]" if isinstance(p, int) else f".{p if p.isprintable() else repr(p)}" for p in at
+    ).lstrip(".")
 
 
 def _related(a: str, b: str) -> bool:

@@ -107,7 +107,11 @@ def _key_path(loc: tuple[int | str, ...]) -> str:
             # the user only wrote the key.
             continue
         else:
-            path += f".{part}" if path else part
+            # A key with a character a terminal would not show (a form feed, a private-use
+            # code point) is named in Python's escapes, so that the message shows what is
+            # wrong with it instead of a key that looks right.
+            name = part if part.isprintable() else repr(part)
+            path += f".{name}" if path else name
     return path
 
 
