@@ -17,11 +17,13 @@ starts them itself only when that did not happen or did not succeed.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -121,6 +123,16 @@ def in_vllm(tmp_path: Path, *args: str) -> str:
     )
     assert ran.returncode == 0, ran.stderr[-3000:]
     return ran.stdout
+
+
+def vllm_scenes(tmp_path: Path, script: Path) -> dict[str, dict[str, Any]]:
+    """Run a step-driving script in vLLM's interpreter (`in_vllm`); its scenes by name.
+
+    Such a script prints one JSON object per scene, with the scene's name under "scene".
+    """
+    out = in_vllm(tmp_path, str(script))
+    found = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return {scene["scene"]: scene for scene in found}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

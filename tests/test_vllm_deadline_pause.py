@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from kvflow.scheduler.placement import TIER_PRIORITY_SPAN
-from tests.fixtures_vllm import in_vllm
+from tests.fixtures_vllm import in_vllm, vllm_scenes
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,9 +37,7 @@ Scene = dict[str, Any]
 @pytest.fixture(scope="module")
 def scenes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Scene]:
     """Every scene of the script, by name (one interpreter: vLLM takes seconds to import)."""
-    out = in_vllm(tmp_path_factory.mktemp("steps"), str(STEPS_SCRIPT))
-    found = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    return {scene["scene"]: scene for scene in found}
+    return vllm_scenes(tmp_path_factory.mktemp("steps"), STEPS_SCRIPT)
 
 
 def ran_alone(scene: Scene, request_id: str) -> int:

@@ -9,13 +9,12 @@ task ends, an unrelated call needs room, and A comes back.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.fixtures_vllm import in_vllm
+from tests.fixtures_vllm import vllm_scenes
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -30,9 +29,7 @@ Scene = dict[str, Any]
 @pytest.fixture(scope="module")
 def scenes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Scene]:
     """Every scene of the script, by name (one interpreter: vLLM takes seconds to import)."""
-    out = in_vllm(tmp_path_factory.mktemp("task-end"), str(STEPS_SCRIPT))
-    found = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    return {scene["scene"]: scene for scene in found}
+    return vllm_scenes(tmp_path_factory.mktemp("task-end"), STEPS_SCRIPT)
 
 
 def test_under_lru_the_older_open_conversation_is_evicted(scenes: dict[str, Scene]) -> None:
