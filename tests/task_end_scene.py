@@ -43,8 +43,14 @@ async def cached(
     return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
-async def returning_task_finds(server: ServedModel, *, release: bool) -> int:
-    """Run the scene on an engine whose cache holds nothing yet; what A's return found."""
+async def returning_task_finds(
+    server: ServedModel, *, release: bool, release_model: str | None = None
+) -> int:
+    """Run the scene on an engine whose cache holds nothing yet; what A's return found.
+
+    The release names `release_model` (default: the served model), as the control plane
+    names its pool's first model whichever model the task used.
+    """
     size = server.block_size
     async with httpx.AsyncClient(timeout=120) as http:
         system = tokens(1, 1, size)
@@ -54,7 +60,8 @@ async def returning_task_finds(server: ServedModel, *, release: bool) -> int:
         assert await cached(http, server, prompt_b, "task-b") == size  # the system prompt
         if release:
             releases = TaskEndRelease(
-                {"replica": ReleaseTarget(server.base_url, server.model)}, client=http
+                {"replica": ReleaseTarget(server.base_url, release_model or server.model)},
+                client=http,
             )
             assert releases.release("task-b", "replica")
             await releases.drain()

@@ -838,13 +838,17 @@ class SimulatedVllm:
         if self.crashed:
             raise ConnectionDrop
         task, released = _task_xargs(body)
-        blocks = self._task_blocks.setdefault(engine.model.name, TaskBlocks())
         if released is not None:
-            # As TaskEndScheduler does on the release's arrival, before the request runs.
-            self.released_blocks += engine.evict_first(blocks.end(released))
+            # As TaskEndScheduler does on the release's arrival, before the request runs. The
+            # client names the pool's first model, whichever model the task used: every
+            # engine of this replica drops the task's own blocks.
+            for model, blocks in self._task_blocks.items():
+                ended = blocks.end(released)
+                self.released_blocks += self.replica.engines[model].evict_first(ended)
         self._submit(job)
         if task is not None and job.request.block_hashes:
-            blocks.note(task, job.request.block_hashes)
+            tracked = self._task_blocks.setdefault(engine.model.name, TaskBlocks())
+            tracked.note(task, job.request.block_hashes)
         created = int(time.time())
         if body.stream:
             options = body.stream_options
