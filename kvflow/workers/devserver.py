@@ -40,6 +40,10 @@ DYNAMIC_CONFIG: dict[str, str] = {
     "matching.numTaskqueueWritePartitions": "1",
     # Without this, fairness keys and weights are ignored and each queue is plain FIFO.
     "matching.enableFairness": "true",
+    # A new timer fires no earlier than this after it is read (1 s by default), so a 50 ms
+    # admission wait took a second; at 10 ms a short wait and a retry's backoff take what they
+    # say.
+    "history.timerProcessorMaxTimeShift": '"10ms"',
 }
 
 _CLI_TYPE_NAMES = {
