@@ -333,6 +333,34 @@ async def test_a_tasks_end_is_released_on_the_engine_of_its_last_call(
         other.stop()
 
 
+async def test_a_task_whose_replica_is_down_sends_no_release(engine: RecordingEngine) -> None:
+    """A replica marked down lost its cache with it: there is nothing left to release."""
+    fleet = one_pool_fleet(MODEL, replicas=1).model_dump()
+    fleet["pools"][0]["task_end_release"] = True
+    control = ControlPlane(Fleet.model_validate(fleet), endpoints={"cpu/0": engine.base_url})
+    control.scraper.scrape_once = _no_scrape  # type: ignore[method-assign,assignment]
+    async with control:
+        for workflow_id in ("ends-while-down", "ends-when-back"):
+            call = PlacementRequest(
+                model=MODEL,
+                prompt_tokens=100,
+                max_output_tokens=10,
+                tenant="acme",
+                workflow_id=workflow_id,
+            )
+            assert isinstance(control.scheduler.place(call), Placement)
+        before = len(engine.received)
+        control.scheduler.set_replica_up("cpu/0", False)
+        await control.activities.end_task("ends-while-down")
+        await control.releases.drain()
+        assert engine.received[before:] == []
+        control.scheduler.set_replica_up("cpu/0", True)
+        await control.activities.end_task("ends-when-back")
+        await control.releases.drain()
+        assert len(engine.received[before:]) == 1
+        assert (control.releases.sent, control.releases.failed) == (1, 0)
+
+
 async def test_a_release_the_engine_cannot_take_is_logged_and_dropped(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -388,14 +388,17 @@ class Scheduler:
             return True
 
     def last_replica(self, workflow_id: str) -> str | None:
-        """The replica this scheduler placed the task's latest call on; None if it forgot.
+        """The replica this scheduler placed the task's latest call on, while it is up.
 
-        Remembered for the most recent workflows only (`SchedulerConfig`'s bound on them).
+        None if it forgot (only the most recent workflows are remembered, `SchedulerConfig`'s
+        bound on them) or the replica is down: its cache went with it.
         """
         with self._lock:
             self._settle()  # the latest placement may still be unsettled
             index = self._last_replica.get(workflow_id)
-            return None if index is None else self._replicas[index].name
+            if index is None or not self._replicas[index].up:
+                return None
+            return self._replicas[index].name
 
     def set_tenant_spend_today(self, tenant: str, micros: int) -> None:
         """Seed a tenant's spend for the current UTC day (e.g. from the ledger at start-up)."""
