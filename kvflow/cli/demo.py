@@ -236,7 +236,11 @@ def demo(
                 for server in servers:
                     server.wait_ready()
                 urls = [server.base_url for server in servers]
-                config = fleet_on_endpoints(config, check_endpoints(urls, sample_models(loaded)))
+                config = fleet_on_endpoints(
+                    config,
+                    check_endpoints(urls, sample_models(loaded)),
+                    task_end_release=True,
+                )
                 out.print(
                     f"vLLM servers ready at {', '.join(urls)} after "
                     f"{time.monotonic() - started:.0f} s",

@@ -346,11 +346,15 @@ def check_endpoints(
     return served
 
 
-def fleet_on_endpoints(fleet: FleetT, served: Mapping[str, Sequence[str]]) -> FleetT:
+def fleet_on_endpoints(
+    fleet: FleetT, served: Mapping[str, Sequence[str]], *, task_end_release: bool = False
+) -> FleetT:
     """`fleet` with its pools replaced by one pool `vllm`: a replica per URL of `served`.
 
     The pool takes the GPU generation, GPUs per replica, prices and concurrency of the
     fleet's first pool; its warm models are the fleet's models that every server serves.
+    `task_end_release`: the servers run kvflow's engine scheduler (`VllmServer(task_end=True)`),
+    so a task's end is sent to them (`Pool.task_end_release`).
     """
     first = fleet.pools[0]
     warm = [m.name for m in fleet.models if all(m.name in names for names in served.values())]
@@ -370,6 +374,7 @@ def fleet_on_endpoints(fleet: FleetT, served: Mapping[str, Sequence[str]]) -> Fl
         token_prices=first.token_prices,
         warm_models=warm,
         max_concurrency=first.max_concurrency,
+        task_end_release=task_end_release,
     )
     data = fleet.model_dump()
     data["pools"] = [pool.model_dump()]
@@ -389,7 +394,9 @@ def local_vllm_servers(
     """Start `replicas` vLLM servers on `model_dir` (all at once), stop them all on exit.
 
     The servers are started but not waited for: call `wait_ready()` on each (they load in
-    parallel meanwhile). Each logs to `log_dir/vllm-<i>.log`.
+    parallel meanwhile). Each logs to `log_dir/vllm-<i>.log`. They schedule with kvflow's
+    `TaskEndScheduler`, so an ended task's KV is reused first (`fleet_on_endpoints(...,
+    task_end_release=True)` sends the ends).
     """
     servers: list[VllmServer] = []
     try:
@@ -400,6 +407,7 @@ def local_vllm_servers(
                 served_model_names=served_model_names,
                 max_model_len=max_model_len,
                 log_path=log_dir / f"vllm-{index}.log",
+                task_end=True,
             )
             servers.append(server)
             server.start()
