@@ -35,9 +35,11 @@ vllm-env:
 
 # Lint and the compiled scheduler's build (each about 30-50 s of one core) run side by side;
 # the build works on a copy of the source, so the two never see each other's files.
+# The suite waits on its servers (Temporal, vLLM, simulators) about as much as it computes, so
+# it runs in two processes; each takes whole test files, so a file's servers start once.
 test: $(STAMP) vllm-env
 	$(MAKE) -j2 lint compiled
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2 --dist loadfile
 
 # Tests judged on the pace of a real vLLM engine beside this process (the deadline pause on
 # real vLLM): on a loaded 2-core machine the API server's delays of seconds spoil their rounds,

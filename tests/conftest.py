@@ -23,6 +23,11 @@ pytest_plugins: list[str] = [
     "tests.timeouts",
 ]
 
+# Command output is read at 200 columns unless a test sets its own width: at the default 80,
+# a long temporary path (a parallel worker's, a long user name's) wraps mid-word and splits
+# the very text a test looks for.
+os.environ.setdefault("COLUMNS", "200")
+
 # Property tests are judged by what they find, not by how fast this shared machine runs them
 # (no deadline); under CI they draw the same examples every run, so a red run reproduces.
 settings.register_profile(
