@@ -11,7 +11,8 @@ own, e.g. with another chat template or other engine arguments.
 A module whose servers differ from the session's registers them with `early_vllm` when it is
 imported; `vllm_servers` then hands its fixture servers that began loading in the background
 while earlier tests ran (one group at a time, at most `EARLY_UNCLAIMED` servers ahead), and
-starts them itself only when that did not happen or did not succeed.
+starts them itself only when that did not happen or did not succeed. Under pytest-xdist
+(`make test`) nothing starts early: a worker does not know which files it will be given.
 """
 
 from __future__ import annotations
@@ -399,7 +400,11 @@ def _vllm_early_starts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Non
     """Loads the planned servers in the background for the whole session (when vLLM is set up)."""
     global _early_starts
     install = vllm_install()
-    if not _PLANNED or install.missing() is not None:
+    # A pytest-xdist worker is handed its files one at a time, so it cannot know which
+    # servers it will need: planned from the whole collection, it would load the other
+    # worker's servers too, for nothing. There the other worker overlaps a server's load.
+    in_xdist_worker = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+    if not _PLANNED or in_xdist_worker or install.missing() is not None:
         yield
         return
     _early_starts = _EarlyStarts(install, tmp_path_factory, list(_PLANNED))
