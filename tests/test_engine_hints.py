@@ -290,30 +290,39 @@ async def _no_scrape() -> None:
     """The recording engines serve no metrics; placement needs none."""
 
 
+def releasing_control_plane(endpoints: dict[str, str]) -> ControlPlane:
+    """A control plane over one pool of `endpoints` with `task_end_release`, never scraping."""
+    fleet = one_pool_fleet(MODEL, replicas=len(endpoints)).model_dump()
+    fleet["pools"][0]["task_end_release"] = True
+    control = ControlPlane(Fleet.model_validate(fleet), endpoints=endpoints)
+    control.scraper.scrape_once = _no_scrape  # type: ignore[method-assign,assignment]
+    return control
+
+
+def place_task(control: ControlPlane, workflow_id: str, exclude: list[str] | None = None) -> str:
+    """Place one call of the task `workflow_id`; the replica it went to."""
+    call = PlacementRequest(
+        model=MODEL,
+        prompt_tokens=100,
+        max_output_tokens=10,
+        tenant="acme",
+        workflow_id=workflow_id,
+        exclude=exclude or [],
+    )
+    placed = control.scheduler.place(call)
+    assert isinstance(placed, Placement), placed
+    return placed.replica
+
+
 async def test_a_tasks_end_is_released_on_the_engine_of_its_last_call(
     engine: RecordingEngine,
 ) -> None:
     """The control plane's `end_task` sends the release to the replica that served the task."""
     other = RecordingEngine().start()
     try:
-        fleet = one_pool_fleet(MODEL, replicas=2).model_dump()
-        fleet["pools"][0]["task_end_release"] = True
-        control = ControlPlane(
-            Fleet.model_validate(fleet),
-            endpoints={"cpu/0": other.base_url, "cpu/1": engine.base_url},
-        )
-        control.scraper.scrape_once = _no_scrape  # type: ignore[method-assign,assignment]
+        control = releasing_control_plane({"cpu/0": other.base_url, "cpu/1": engine.base_url})
         async with control:
-            call = PlacementRequest(
-                model=MODEL,
-                prompt_tokens=100,
-                max_output_tokens=10,
-                tenant="acme",
-                workflow_id=WORKFLOW_ID,
-                exclude=["cpu/0"],
-            )
-            placed = control.scheduler.place(call)
-            assert isinstance(placed, Placement) and placed.replica == "cpu/1"
+            assert place_task(control, WORKFLOW_ID, exclude=["cpu/0"]) == "cpu/1"
             before = len(engine.received)
             await control.activities.end_task(WORKFLOW_ID)
             # A task this scheduler never placed is no one's to release.
@@ -335,20 +344,10 @@ async def test_a_tasks_end_is_released_on_the_engine_of_its_last_call(
 
 async def test_a_task_whose_replica_is_down_sends_no_release(engine: RecordingEngine) -> None:
     """A replica marked down lost its cache with it: there is nothing left to release."""
-    fleet = one_pool_fleet(MODEL, replicas=1).model_dump()
-    fleet["pools"][0]["task_end_release"] = True
-    control = ControlPlane(Fleet.model_validate(fleet), endpoints={"cpu/0": engine.base_url})
-    control.scraper.scrape_once = _no_scrape  # type: ignore[method-assign,assignment]
+    control = releasing_control_plane({"cpu/0": engine.base_url})
     async with control:
         for workflow_id in ("ends-while-down", "ends-when-back"):
-            call = PlacementRequest(
-                model=MODEL,
-                prompt_tokens=100,
-                max_output_tokens=10,
-                tenant="acme",
-                workflow_id=workflow_id,
-            )
-            assert isinstance(control.scheduler.place(call), Placement)
+            place_task(control, workflow_id)
         before = len(engine.received)
         control.scheduler.set_replica_up("cpu/0", False)
         await control.activities.end_task("ends-while-down")
