@@ -108,8 +108,10 @@ class TaskEndRelease:
             await asyncio.gather(*self._pending, return_exceptions=True)
 
     async def aclose(self) -> None:
-        """Finish the releases under way and close the HTTP client this object opened."""
+        """Finish the releases under way, log how many went, close the HTTP client it opened."""
         await self.drain()
+        if self.targets:
+            log.info("task-end releases: %d sent, %d failed", self.sent, self.failed)
         if self._own_client and self._client is not None:
             await self._client.aclose()
         self._client = None
