@@ -54,6 +54,7 @@ from tests.test_exactly_once import (
     _pools,
     ledger_stack,
 )
+from tests.test_ledger_reconcile import _wait_until_closed_in_visibility
 from tests.waiting import eventually
 
 __all__ = ["OUTCOMES", "assert_books_balance"]  # what other suites take from here
@@ -114,7 +115,9 @@ async def test_every_way_a_task_ends_leaves_the_ledger_exact(
         handles = [normal, slow_ledger, cut, cancelled, timed_out]
         await asyncio.gather(*(settled(h) for h in handles))
 
-        # The timed-out run never ran its own close: reconcile writes its row.
+        # The timed-out run never ran its own close: reconcile writes its row, once visibility
+        # (which it reads, a second or more behind) lists the run as closed.
+        await _wait_until_closed_in_visibility(s.client, f"WorkflowId = '{timed_out.id}'", 1)
         result = await reconcile(s.ledger, s.client, query=f"WorkflowId = '{timed_out.id}'")
         assert [row.workflow_id for row in result.written] == [timed_out.id], result
 
