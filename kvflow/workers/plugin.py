@@ -28,6 +28,7 @@ import sys
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
+from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -229,6 +230,8 @@ class KvflowPlugin(SimplePlugin):
             # `Worker` passes every option, unset ones as None: setdefault would keep the None.
             if config.get("max_concurrent_activities") is None:
                 config["max_concurrent_activities"] = self.inference.replica.pool.max_concurrency
+            if config.get("max_heartbeat_throttle_interval") in (None, _SDK_MAX_THROTTLE):
+                config["max_heartbeat_throttle_interval"] = GPU_HEARTBEAT_THROTTLE
         return super().configure_worker(config)
 
     @asynccontextmanager
@@ -263,6 +266,20 @@ class KvflowPlugin(SimplePlugin):
         finally:
             if self._owned_ledger is not None:
                 await self._owned_ledger.close()
+
+
+GPU_HEARTBEAT_THROTTLE = timedelta(seconds=1)
+"""How often a GPU worker sends its calls' heartbeats to Temporal, at most.
+
+The SDK sends a heartbeat at most every min(0.8 x the heartbeat timeout, this option). Model
+calls run with a 2 s heartbeat timeout (`kvflow.workflows.agent.HEARTBEAT_TIMEOUT`), so by
+default a send is due every 1.6 s and a worker 0.4 s late (a GC pause, a busy host) times its
+call out: the call is re-placed and the attempt's spend is lost. At 1 s a send may be 1 s late.
+The price is one heartbeat RPC a second per running call instead of one per 1.6 s. A worker
+given its own `max_heartbeat_throttle_interval` keeps it."""
+
+_SDK_MAX_THROTTLE = timedelta(seconds=60)
+"""`Worker`'s default `max_heartbeat_throttle_interval`: the value that says "not set"."""
 
 
 def role_worker(client: Client, plugin: KvflowPlugin, **options: Any) -> Worker:
