@@ -158,6 +158,17 @@ async def test_task_row_that_cannot_be_written_leaves_a_succeeded_task_for_recon
         assert row.spend_micros == sum(a.cost_micros for a in attempts) > 0
 
 
+async def _started_search_attributes(
+    client: Client, workflow_id: str, run_id: str
+) -> dict[str, Any]:
+    """The search attributes a run started with (its first event), by name."""
+    history = await client.get_workflow_handle(workflow_id, run_id=run_id).fetch_history()
+    first = history.events[0]
+    assert first.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED
+    fields = first.workflow_execution_started_event_attributes.search_attributes.indexed_fields
+    return {name: json.loads(payload.data) for name, payload in fields.items()}
+
+
 async def test_a_task_that_continues_as_new_books_every_run_in_its_cost(
     temporal_client: Client, tmp_path: Path
 ):
@@ -177,6 +188,18 @@ async def test_a_task_that_continues_as_new_books_every_run_in_its_cost(
             for run in (first, last)
         ]
         assert continued.spend_micros == spends[0] > 0 and final.spend_micros == spends[1] > 0
+        # In the Temporal UI the closed run says why it closed, with its exact spend; the next
+        # run started as running, with none of the closed run's figures.
+        closed = await s.client.get_workflow_handle(handle.id, run_id=first).describe()
+        assert closed.typed_search_attributes.get(search_attributes.OUTCOME) == "continued_as_new"
+        assert closed.typed_search_attributes.get(search_attributes.SPEND_MICROS) == spends[0]
+        started = await _started_search_attributes(s.client, handle.id, last)
+        assert started == {
+            search_attributes.TENANT.name: _spec().tenant,
+            search_attributes.OUTCOME.name: "running",
+        }
+        live = await s.client.get_workflow_handle(handle.id, run_id=last).describe()
+        assert live.typed_search_attributes.get(search_attributes.OUTCOME) == "succeeded"
         # One task, which succeeded, costing what both runs spent; nothing left unclosed.
         report = await s.ledger.report(ReportQuery(group_by=()))
         totals = report.totals

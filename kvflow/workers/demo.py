@@ -663,7 +663,10 @@ def failed_tasks(runs: Sequence[TaskRun]) -> Table | None:
 
 def failed_tasks_url(ui_url: str) -> str:
     """A Temporal UI link listing the demo's tasks that did not succeed."""
-    query = "KvflowOutcome != 'succeeded' AND KvflowOutcome != 'running'"
+    query = (
+        "KvflowOutcome != 'succeeded' AND KvflowOutcome != 'running' "
+        "AND KvflowOutcome != 'continued_as_new'"
+    )
     return f"{ui_url}/namespaces/default/workflows?query={urllib.parse.quote(query)}"
 
 

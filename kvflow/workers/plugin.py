@@ -58,6 +58,7 @@ from kvflow.workers.config import FleetConfig, load_fleet
 from kvflow.workers.control_plane import ControlPlane
 from kvflow.workers.replica import check_endpoint, resolve_replica
 from kvflow.workers.search_attributes import ensure_search_attributes
+from kvflow.workflows.continued_run import ContinuedRunInterceptor
 from kvflow.workflows.deadline import TaskDeadlineInterceptor
 
 log = logging.getLogger(__name__)
@@ -191,8 +192,13 @@ class KvflowPlugin(SimplePlugin):
             data_converter=claim_check_converter(store, claim_check_bytes),
             interceptors=[
                 *([TracingInterceptor()] if tracing else []),
-                # Workflow workers: activities a task starts end by its deadline.
-                *([TaskDeadlineInterceptor()] if self.control_plane is not None else []),
+                # Workflow workers: activities a task starts end by its deadline, and a task
+                # that continues as new starts its next run as `running`.
+                *(
+                    [TaskDeadlineInterceptor(), ContinuedRunInterceptor()]
+                    if self.control_plane is not None
+                    else []
+                ),
             ]
             or None,
             activities=activities,

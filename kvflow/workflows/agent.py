@@ -162,6 +162,10 @@ any workflow worker may write)."""
 CONTINUED_RUN_BOOKED_PATCH = "kvflow-continued-run-booked"
 """`workflow.patched` id of the rule that a run continuing as new writes its row, outcome
 `continued_as_new` (histories from before wrote none: their spend stayed off every task)."""
+CONTINUED_RUN_OUTCOME_PATCH = "kvflow-continued-run-outcome"
+"""`workflow.patched` id of the rule that a run continuing as new publishes `KvflowOutcome =
+'continued_as_new'` and its exact spend, and its next run starts as `running`
+(`kvflow.workflows.continued_run`; histories from before left the closed run `running`)."""
 MAX_ADMISSION_WAITS = 60
 """How many times one step waits for admission before it fails, without a deadline. With one,
 the step waits while the wait ends before the deadline, each wait past this many at least
@@ -366,6 +370,11 @@ class Agent:
             # open in the scheduler. Histories from before wrote no row for such a run.
             if workflow.patched(CONTINUED_RUN_BOOKED_PATCH):
                 await self._book(TaskOutcome.CONTINUED_AS_NEW)
+            if workflow.patched(CONTINUED_RUN_OUTCOME_PATCH):
+                # The closed run says why it closed; the next run gets its own attributes
+                # (`ContinuedRunInterceptor`), so this does not reach the live task.
+                self.outcome = TaskOutcome.CONTINUED_AS_NEW.value
+                self._publish()
             return
         cancelled = _is_cancellation(exc)
         if not cancelled and not workflow.is_failure_exception(exc):
