@@ -106,8 +106,10 @@ def task_record(
     steps: int = 1,
     attempts: int = 1,
     spend_micros: int = 0,
+    chain_run_id: str | None = None,
 ) -> TaskRecord:
-    """A task row as a workflow writes it when it closes."""
+    """A task row as a workflow writes it when it closes (`chain_run_id`: the first run of a
+    task that continued as new, on its later runs)."""
     return TaskRecord(
         workflow_id=workflow_id,
         run_id=run_id,
@@ -119,6 +121,7 @@ def task_record(
         steps=steps,
         attempts=attempts,
         spend_micros=spend_micros,
+        chain_run_id=chain_run_id,
     )
 
 

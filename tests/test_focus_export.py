@@ -39,6 +39,7 @@ from typer.testing import CliRunner
 from kvflow.cli.main import app
 from kvflow.ledger import AttemptOutcome, AttemptRecord, Ledger, ReportQuery, TaskOutcome
 from kvflow.ledger.focus import COLUMNS, FOCUS_COLUMNS, attempt_parts
+from kvflow.ledger.report import GroupField
 from kvflow.scheduler.fleet import TokenPrices, micros_to_usd
 from tests.fixtures_ledger import attempt_record, task_record
 
@@ -322,9 +323,11 @@ def test_a_run_that_continued_as_new_is_its_tasks_spend_not_a_task_nor_waste(
         assert ledger.record_attempt(record)
     for run, outcome in (("run-1", TaskOutcome.CONTINUED_AS_NEW), ("run-2", TaskOutcome.SUCCEEDED)):
         spend = sum(a.cost_micros for a in attempts if a.run_id == run)
+        chain = "run-1" if run == "run-2" else None
         ledger.record_task(
-            task_record("C", run_id=run, outcome=outcome, closed_at=DAY1, spend_micros=spend)
-        )
+            task_record("C", run_id=run, outcome=outcome, closed_at=DAY1, spend_micros=spend,
+                        chain_run_id=chain)
+        )  # fmt: skip
     total, failed = sum(a.cost_micros for a in attempts), attempts[0].cost_micros
     report = ledger.report(ReportQuery(group_by=()))
     # One task, which succeeded and cost what both runs spent; waste is the failed attempt.
@@ -336,3 +339,81 @@ def test_a_run_that_continued_as_new_is_its_tasks_spend_not_a_task_nor_waste(
     assert _sum(rows, "x_WastedCost") == micros_to_usd(failed)
     outcomes = {json.loads(row["Tags"])["kvflow:outcome"] for row in rows}
     assert outcomes == {"continued_as_new", "succeeded"}
+
+
+def _two_run_task(
+    ledger: Ledger, workflow_id: str, last: TaskOutcome | None, *, chained: bool = True
+) -> tuple[int, int, int]:
+    """A task whose first run (closed DAY1: a failed attempt, its retry) continued as new and
+    whose second run (closed DAY2, one attempt) ended as `last` (None: it runs still, no row).
+    The runs' spends and the failed attempt's cost; `chained=False` writes the second row as
+    rows from before the chain key were written."""
+    attempts = [
+        attempt_record(workflow_id, run_id="run-1", outcome=FAILED, prices=P1,
+                       prompt_tokens=1000, completion_tokens=10, started_at=DAY1),
+        attempt_record(workflow_id, run_id="run-1", attempt=2, prices=P1,
+                       prompt_tokens=1000, completion_tokens=100, started_at=DAY1),
+        attempt_record(workflow_id, run_id="run-2", activity_id="2", prices=P1,
+                       prompt_tokens=2000, completion_tokens=100, started_at=DAY2),
+    ]  # fmt: skip
+    for record in attempts:
+        assert ledger.record_attempt(record)
+    spends = [sum(a.cost_micros for a in attempts if a.run_id == run) for run in ("run-1", "run-2")]
+    ledger.record_task(
+        task_record(workflow_id, run_id="run-1", outcome=TaskOutcome.CONTINUED_AS_NEW,
+                    closed_at=DAY1, spend_micros=spends[0])
+    )  # fmt: skip
+    if last is not None:
+        ledger.record_task(
+            task_record(workflow_id, run_id="run-2", outcome=last, closed_at=DAY2,
+                        spend_micros=spends[1], chain_run_id="run-1" if chained else None)
+        )  # fmt: skip
+    return spends[0], spends[1], attempts[0].cost_micros
+
+
+def test_a_task_that_fails_after_continuing_as_new_wastes_what_every_run_spent(
+    ledger: Ledger,
+) -> None:
+    first, second, failed = _two_run_task(ledger, "F", TaskOutcome.FAILED)
+    by_day = ledger.report(ReportQuery(group_by=(GroupField.DAY,)))
+    day1, day2 = by_day.rows
+    # Each run's spend stays on the day it closed; all of it is waste, as the task failed.
+    assert (day1.tasks, day1.spend_micros, day1.wasted_micros) == (0, first, first)
+    assert (day2.tasks, day2.succeeded, day2.wasted_micros) == (1, 0, second)
+    assert by_day.totals.wasted_micros == first + second > first > failed
+    # Read for the first day alone, after the task failed on the second: the same waste.
+    day_one = ledger.report(ReportQuery(group_by=(), until=DAY1 + timedelta(hours=1)))
+    assert (day_one.totals.tasks, day_one.totals.wasted_micros) == (0, first)
+    rows, _ = _export(ledger)
+    assert _sum(rows, "x_WastedCost") == micros_to_usd(first + second)
+
+
+def test_a_continued_run_wastes_only_its_failed_attempts_while_its_task_goes_on(
+    ledger: Ledger,
+) -> None:
+    _, _, failed = _two_run_task(ledger, "R", None)
+    report = ledger.report(ReportQuery(group_by=()))
+    assert (report.totals.tasks, report.totals.wasted_micros) == (0, failed)
+    assert report.unclosed_attempts == 1
+
+
+def test_rows_from_before_the_chain_key_keep_a_continued_runs_waste_to_its_failed_attempts(
+    ledger: Ledger,
+) -> None:
+    _, second, failed = _two_run_task(ledger, "O", TaskOutcome.FAILED, chained=False)
+    report = ledger.report(ReportQuery(group_by=()))
+    assert report.totals.wasted_micros == failed + second
+
+
+def test_a_task_that_continued_as_new_costs_all_its_runs_in_the_percentiles(
+    ledger: Ledger,
+) -> None:
+    first, second, _ = _two_run_task(ledger, "C", TaskOutcome.SUCCEEDED)
+    # Only the last run closed in range: the task still costs what both runs spent.
+    report = ledger.report(ReportQuery(group_by=(), since=DAY2 - timedelta(hours=1)))
+    totals = report.totals
+    assert (totals.tasks, totals.succeeded, totals.spend_micros) == (1, 1, second)
+    assert totals.p50_micros == totals.p95_micros == first + second
+    by_pool = ledger.report(ReportQuery(group_by=(GroupField.POOL,)))
+    [h100] = by_pool.rows
+    assert h100.p50_micros == first + second

@@ -23,6 +23,7 @@ from kvflow.ledger import (
     LedgerNotFound,
     LedgerSchemaError,
     LedgerUrlError,
+    ReportQuery,
     TaskOutcome,
     TaskRecord,
     connect_ledger,
@@ -247,6 +248,47 @@ def test_old_schema_is_refused_with_the_migrate_command(ledger_url: str) -> None
         open_ledger(ledger_url)
     assert "schema version 1" in str(error.value)
     assert "kvflow ledger migrate --db" in str(error.value)
+
+
+def test_task_rows_from_before_the_chain_key_are_chains_of_their_own_run(
+    ledger_url: str,
+) -> None:
+    with connect_ledger(ledger_url, create=True) as ledger:
+        ledger.migrate(to_version=4)
+        for run, outcome in (("run-1", "continued_as_new"), ("run-2", "failed")):
+            values = (
+                "wf-old",
+                run,
+                "acme",
+                "ResearchAgent",
+                ledger._time_in(T0),
+                ledger._time_in(T0),
+                outcome,
+                1,
+                1,
+                2000,
+                0,
+                "workflow",
+                ledger._time_in(T0),
+            )
+            with ledger._write_transaction():
+                ledger._execute(
+                    "INSERT INTO tasks (workflow_id, run_id, tenant, workflow_type, started_at, "
+                    "closed_at, outcome, steps, attempts_at_close, spend_at_close_micros, "
+                    "compensation_micros, source, recorded_at) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    values,
+                )  # fmt: skip
+            assert ledger.record_attempt(attempt_record("wf-old", run_id=run))
+        assert ledger.migrate() == [5]
+        _, chains = ledger._execute("SELECT run_id, chain_run_id FROM tasks ORDER BY run_id")
+        assert [tuple(row) for row in chains] == [("run-1", "run-1"), ("run-2", "run-2")]
+        book = ledger.task("wf-old", "run-2")
+        assert book is not None and book.chain_run_id is None and book.chain == "run-2"
+        # Nothing says the runs are one task: the continued run's spend is not made waste.
+        report = ledger.report(ReportQuery(group_by=()))
+        spend = attempt_record("wf-old").cost_micros
+        assert (report.totals.tasks, report.totals.wasted_micros) == (1, spend)
 
 
 def test_empty_database_is_refused_with_the_migrate_command(ledger_url: str) -> None:

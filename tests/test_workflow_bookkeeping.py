@@ -206,6 +206,9 @@ async def test_a_task_that_continues_as_new_books_every_run_in_its_cost(
         assert (totals.tasks, totals.succeeded, totals.wasted_micros) == (1, 1, 0)
         assert totals.spend_micros == sum(spends)
         assert report.unclosed_attempts == 0 and report.unclosed_spend_micros == 0
+        # The runs form one chain, so the task costs what both spent, in its percentiles too.
+        assert (continued.chain_run_id, final.chain_run_id) == (None, first)
+        assert totals.p50_micros == sum(spends)
 
         # A continued run whose row the workflow could not write gets it from reconcile.
         broken = TaskRowsFail(s.ledger, LedgerSchemaError("schema version 9"), times=100)
@@ -216,14 +219,18 @@ async def test_a_task_that_continues_as_new_books_every_run_in_its_cost(
         await _result(handle)
         first, last = handle.result_run_id or "", await _run_id(handle)
         assert broken.calls == 2 and await s.ledger.task(handle.id, first) is None
-        written: dict[str, TaskOutcome] = {}
+        written: dict[str, tuple[TaskOutcome, str | None]] = {}
         for _ in range(100):  # visibility lags about a second
             result = await reconcile(s.ledger, temporal_client, query=f"WorkflowId = '{handle.id}'")
-            written.update((row.run_id, row.outcome) for row in result.written)
+            written.update((row.run_id, (row.outcome, row.chain_run_id)) for row in result.written)
             if len(written) == 2:
                 break
             await asyncio.sleep(0.1)
-        assert written == {first: TaskOutcome.CONTINUED_AS_NEW, last: TaskOutcome.SUCCEEDED}
+        # Visibility names each run's chain, as the workflow does.
+        assert written == {
+            first: (TaskOutcome.CONTINUED_AS_NEW, None),
+            last: (TaskOutcome.SUCCEEDED, first),
+        }
         report = await s.ledger.report(ReportQuery(group_by=()))
         assert (report.totals.tasks, report.totals.succeeded) == (2, 2)
         assert report.unclosed_attempts == 0

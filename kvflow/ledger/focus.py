@@ -30,8 +30,9 @@ add up to `kvflow report --group-by day`, and the whole file to the report's tot
   exact, and the sum of `BilledCost` is the ledger's spend to the micro-dollar.
 - `Tags` (a JSON object): `kvflow:workflow_type` and `kvflow:outcome` (the task's outcome).
 - kvflow's own columns (FOCUS's `x_` prefix): `x_Model`, `x_TokenType`, `x_WastedCost` (the
-  row's part of the report's wasted spend: every cost of a task that did not succeed, and
-  the failed and cancelled attempts of one that did or of a run that continued as new), and
+  row's part of the report's wasted spend: every cost of a task that did not succeed, the
+  runs it continued as new from included, and the failed and cancelled attempts of one that
+  did or still runs), and
   `x_CostPerSuccessfulTask`: the report's cost per successful task for the row's day,
   tenant, workflow type, pool and model, all outcomes together (the same on each of that
   group's rows; empty where none succeeded).
@@ -261,11 +262,9 @@ def focus_export(
         task = by_key.get((attempt.workflow_id, attempt.run_id))
         if task is None:
             continue
-        # As in the report: a run that continued as new wastes only its failed attempts.
-        wasted = (
-            task.outcome not in (TaskOutcome.SUCCEEDED, TaskOutcome.CONTINUED_AS_NEW)
-            or attempt.outcome in _WASTED_ATTEMPTS
-        )
+        # As in the report: all of a task's spend is waste once it ended unsucceeded (a run
+        # it continued as new from too); else its failed and cancelled attempts.
+        wasted = task.all_wasted or attempt.outcome in _WASTED_ATTEMPTS
         for part in attempt_parts(attempt):
             key = ChargeKey(
                 day=task.closed_at.astimezone(UTC).date(),

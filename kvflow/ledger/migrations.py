@@ -126,6 +126,17 @@ MIGRATIONS: tuple[Migration, ...] = (
             """,
         ),
     ),
+    Migration(
+        5,
+        "the chain of runs a task continued as new through",
+        (
+            # The first run of the task's chain (`workflow.info().first_execution_run_id`).
+            # Rows from before did not say: each is taken as a chain of its own run.
+            "ALTER TABLE tasks ADD COLUMN chain_run_id TEXT",
+            "UPDATE tasks SET chain_run_id = run_id",
+            "CREATE INDEX tasks_by_chain ON tasks (chain_run_id)",
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

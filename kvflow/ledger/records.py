@@ -157,6 +157,14 @@ class TaskRecord(_Record):
     spend_micros: int = Field(ge=0)
     compensation_micros: int = Field(default=0, ge=0)
     source: TaskSource = "workflow"
+    chain_run_id: str | None = Field(
+        default=None,
+        min_length=1,
+        description="the first run of the task's chain of runs, when it is not this run "
+        "(every run of a task that continues as new names the same one: "
+        "`workflow.info().first_execution_run_id`); None: this run is the first (or it is not "
+        "known, in rows from before)",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -170,6 +178,11 @@ class TaskRecord(_Record):
     def key(self) -> tuple[str, str]:
         """The idempotency key `(workflow_id, run_id)`."""
         return (self.workflow_id, self.run_id)
+
+    @property
+    def chain(self) -> str:
+        """The first run of the task's chain of runs (its own when not known)."""
+        return self.chain_run_id or self.run_id
 
 
 class TaskBook(TaskRecord):
@@ -209,6 +222,11 @@ class TaskBook(TaskRecord):
         )
         values.update(spend_micros=self.spend_at_close_micros, attempts=self.attempts_at_close)
         return TaskRecord.model_validate(values)
+
+
+def chain_run_id(run_id: str, first_run_id: str | None) -> str | None:
+    """`TaskRecord.chain_run_id` of a run: its chain's first run, None when that is this run."""
+    return first_run_id if first_run_id and first_run_id != run_id else None
 
 
 def utc(moment: datetime) -> datetime:

@@ -8,9 +8,9 @@ Definitions (per group of the report):
 
 - **tasks**: closed tasks (task rows) whose `closed_at` lies in `[since, until)`. A run that
   continued as new (outcome `continued_as_new`) is no task of its own: its task goes on in
-  the next run. Its spend, attempts and tokens count in its groups as every spend does; it
-  is not in the per-task percentiles, and its wasted spend is its failed and cancelled
-  attempts, as in a task that succeeded.
+  the next run, and the runs of one task form a chain (`chain_run_id`, the chain's first
+  run). A continued run's spend, attempts and tokens count in its own groups (its tenant,
+  workflow type and day of close) as every spend does; it is not a task there.
 - **succeeded**: those whose outcome is `succeeded`. **success_rate** = succeeded / tasks.
 - **a task's spend** = the sum of `cost_micros` over its attempt rows (not the task row's own
   total), so the report's totals equal the sum of attempt rows to the micro-dollar.
@@ -19,12 +19,19 @@ Definitions (per group of the report):
   terminated, timed out; their compensations are attempts of theirs, so they are included)
   + the cost of `failed` and `cancelled` attempts within succeeded tasks. An attempt that was
   `resumed_elsewhere` is not waste: its partial output was carried into the next attempt.
+  A continued run is judged by its chain's end as the ledger knows it when the report is
+  read: all its spend is waste once a later run of its task ended without success, and only
+  its failed and cancelled attempts while the task succeeded or still runs. So a report of a
+  past period grows the waste of a task that failed since, as it grows for a row that arrived
+  late.
 - **cost_per_successful_task** = total_spend / succeeded, rounded half up to the micro-dollar;
   null when nothing succeeded. This is the figure finance asks for: every failure and retry on
   the way is in the numerator, only successes are in the denominator.
 - **p50 / p95 cost per succeeded task**: nearest-rank percentiles of the spend of the succeeded
   tasks (the value at rank `ceil(p/100 × n)` of the sorted spends), so each is the real cost of
-  one task; null when nothing succeeded.
+  one task; null when nothing succeeded. A task that continued as new costs what all its runs
+  spent, whenever they closed (grouped by model or pool: what they spent on that model or
+  pool, in the groups its last run touched).
 - **cached_token_share** = cached prompt tokens / prompt tokens over the group's attempts.
 - **tokens_saved_by_resume** = the sum of the attempts' `reused_tokens`: output tokens that a
   resumed attempt did not have to decode again.
@@ -204,11 +211,30 @@ class TaskFacts:
     outcome: TaskOutcome
     spend_at_close_micros: int = 0
     """What the task row's writer saw the task spend when it closed."""
+    chain_outcome: TaskOutcome | None = None
+    """For a run that continued as new: how its task ended in a later run (None: not yet)."""
+    earlier_spend: tuple[SpendSlice, ...] = ()
+    """For the last run of a task that continued as new: what its earlier runs spent."""
 
     @property
     def key(self) -> tuple[str, str]:
         """`(workflow_id, run_id)`."""
         return (self.workflow_id, self.run_id)
+
+    @property
+    def all_wasted(self) -> bool:
+        """Whether all this run's spend is waste: its task ended, here or later, unsucceeded."""
+        ended = self.outcome if self.outcome.final else self.chain_outcome
+        return ended is not None and ended is not TaskOutcome.SUCCEEDED
+
+
+@dataclass(frozen=True, slots=True)
+class SpendSlice:
+    """What some runs spent on one model and pool."""
+
+    model: str | None
+    pool: str | None
+    spend_micros: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,18 +402,21 @@ def _group(
             row.prompt_tokens += sum(m.prompt_tokens for m in members)
             row.cached_tokens += sum(m.cached_tokens for m in members)
             row.reused_tokens += sum(m.reused_tokens for m in members)
-            if not task.outcome.final:
-                # Its task goes on in the next run: no task here, and of its spend only the
-                # failed and cancelled attempts are waste, as in a task that succeeded.
+            if task.all_wasted:
+                row.wasted_micros += spend
+            else:
                 row.wasted_micros += sum(m.wasted_micros for m in members)
-                continue
+            if not task.outcome.final:
+                continue  # its task goes on in the next run: no task here
             row.tasks += 1
             if succeeded:
                 row.succeeded += 1
-                row.succeeded_spends.append(spend)
-                row.wasted_micros += sum(m.wasted_micros for m in members)
-            else:
-                row.wasted_micros += spend
+                earlier = sum(
+                    e.spend_micros
+                    for e in task.earlier_spend
+                    if (e.model if by_model else None, e.pool if by_pool else None) == (model, pool)
+                )
+                row.succeeded_spends.append(spend + earlier)
     for row in rows.values():
         row.succeeded_spends.sort()
     # Nulls (tasks without attempts, grouped by model or pool) sort last.

@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 from abc import ABC, abstractmethod
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from datetime import UTC, datetime
@@ -36,8 +37,16 @@ from kvflow.ledger.records import (
     TaskBook,
     TaskOutcome,
     TaskRecord,
+    chain_run_id,
 )
-from kvflow.ledger.report import AttemptTotals, Report, ReportQuery, TaskFacts, build_report
+from kvflow.ledger.report import (
+    AttemptTotals,
+    Report,
+    ReportQuery,
+    SpendSlice,
+    TaskFacts,
+    build_report,
+)
 from kvflow.scheduler.fleet import TokenPrices
 from kvflow.scheduler.redact import encode_password, redact_url
 
@@ -90,6 +99,7 @@ _TASK_COLUMNS = (
     "spend_micros",
     "compensation_micros",
     "source",
+    "chain_run_id",
 )
 # How each TaskRecord field is stored: the writer's figures are kept as what it saw at close.
 _TASK_STORED_COLUMNS = tuple(
@@ -361,6 +371,7 @@ class Ledger(ABC):
             record.spend_micros,
             record.compensation_micros,
             record.source,
+            record.chain,
         )
         with self._lock, self._write_transaction():
             written = self._insert("tasks", _TASK_STORED_COLUMNS, values, "workflow_id, run_id")
@@ -500,6 +511,8 @@ class Ledger(ABC):
         values = dict(zip(_TASK_STORED_COLUMNS, row[:stored], strict=True))
         values["started_at"] = self._time_out(values["started_at"])
         values["closed_at"] = self._time_out(values["closed_at"])
+        # Stored for every row (the chain's key); a record names it only for a later run.
+        values["chain_run_id"] = chain_run_id(str(values["run_id"]), values["chain_run_id"])
         # PostgreSQL sums BIGINT as NUMERIC (Decimal); int() makes both backends alike.
         attempts, spend, wasted = (int(value) for value in row[stored:])
         return TaskBook.model_validate(
@@ -530,8 +543,27 @@ class Ledger(ABC):
         with self._lock, self._snapshot():
             _, task_rows = self._execute(
                 "SELECT t.workflow_id, t.run_id, t.tenant, t.workflow_type, t.closed_at, "
-                f"t.outcome, t.spend_at_close_micros FROM tasks t WHERE {task_filter}",
+                f"t.outcome, t.spend_at_close_micros, t.chain_run_id FROM tasks t "
+                f"WHERE {task_filter}",
                 params,
+            )
+            # Tasks that continued as new: how the chains of the continued runs in range
+            # ended (in range or not), and what the earlier runs of the chains that ended in
+            # range spent (see `kvflow.ledger.report`).
+            continued = TaskOutcome.CONTINUED_AS_NEW.value
+            _, chain_ends = self._execute(
+                "SELECT c.chain_run_id, c.outcome FROM tasks c WHERE c.outcome <> ? "
+                "AND c.chain_run_id IN (SELECT t.chain_run_id FROM tasks t "
+                f"WHERE t.outcome = ? AND {task_filter})",
+                (continued, continued, *params),
+            )
+            _, earlier_rows = self._execute(
+                "SELECT c.chain_run_id, a.model, a.pool, SUM(a.cost_micros) FROM attempts a "
+                "JOIN tasks c ON a.workflow_id = c.workflow_id AND a.run_id = c.run_id "
+                "WHERE c.outcome = ? AND c.chain_run_id IN (SELECT t.chain_run_id FROM tasks t "
+                f"WHERE t.outcome <> ? AND {task_filter}) "
+                "GROUP BY c.chain_run_id, a.model, a.pool",
+                (continued, continued, *params),
             )
             _, attempt_rows = self._execute(
                 "SELECT a.workflow_id, a.run_id, a.model, a.pool, COUNT(*), SUM(a.cost_micros), "
@@ -548,18 +580,27 @@ class Ledger(ABC):
                 f"WHERE t.workflow_id IS NULL AND {unclosed_filter}",
                 unclosed_params,
             )
-        tasks = [
-            TaskFacts(
-                workflow_id=str(r[0]),
-                run_id=str(r[1]),
-                tenant=str(r[2]),
-                workflow_type=str(r[3]),
-                closed_at=self._time_out(r[4]),
-                outcome=TaskOutcome(r[5]),
-                spend_at_close_micros=int(r[6]),
+        ended = {str(chain): TaskOutcome(outcome) for chain, outcome in chain_ends}
+        earlier: dict[str, list[SpendSlice]] = defaultdict(list)
+        for chain, model, pool, spend in earlier_rows:
+            earlier[str(chain)].append(SpendSlice(str(model), str(pool), int(spend)))
+        tasks = []
+        for r in task_rows:
+            outcome = TaskOutcome(r[5])
+            chain = str(r[7] or r[1])
+            tasks.append(
+                TaskFacts(
+                    workflow_id=str(r[0]),
+                    run_id=str(r[1]),
+                    tenant=str(r[2]),
+                    workflow_type=str(r[3]),
+                    closed_at=self._time_out(r[4]),
+                    outcome=outcome,
+                    spend_at_close_micros=int(r[6]),
+                    chain_outcome=None if outcome.final else ended.get(chain),
+                    earlier_spend=tuple(earlier.get(chain, ())) if outcome.final else (),
+                )
             )
-            for r in task_rows
-        ]
         # PostgreSQL sums BIGINT as NUMERIC (Decimal); int() makes both backends alike.
         attempts = [
             AttemptTotals(

@@ -12,7 +12,10 @@ row, writes one from its attempt rows (`source = "reconcile"`):
   neither is not a kvflow task and is skipped;
 - steps: the `KvflowSteps` search attribute, else the number of activities with an `ok` attempt;
 - attempts and spend: counted and summed from its attempt rows (the ledger sums them again on
-  every read, so an attempt that ends after the pass counts too).
+  every read, so an attempt that ends after the pass counts too);
+- chain: the first run of the task's chain of runs, from visibility or the run's description
+  (`TaskRecord.chain_run_id`), so a task that continued as new and was then terminated
+  makes all its runs' spend waste.
 
 It also lists the tasks whose ledger spend moved after they closed (`Ledger.tasks_moved`):
 rows that arrived or changed since, which a figure read at the close does not show.
@@ -30,7 +33,13 @@ from datetime import UTC, datetime
 
 from temporalio.client import Client, WorkflowExecution, WorkflowExecutionStatus
 
-from kvflow.ledger.records import AttemptOutcome, TaskBook, TaskOutcome, TaskRecord
+from kvflow.ledger.records import (
+    AttemptOutcome,
+    TaskBook,
+    TaskOutcome,
+    TaskRecord,
+    chain_run_id,
+)
 from kvflow.ledger.store import AsyncLedger
 from kvflow.workflows import search_attributes
 
@@ -94,7 +103,21 @@ def outcome_for(execution: WorkflowExecution) -> TaskOutcome | None:
     return _STATUS_OUTCOMES[status]
 
 
-async def _task_for(ledger: AsyncLedger, execution: WorkflowExecution) -> TaskRecord | None:
+async def _first_run_id(client: Client, execution: WorkflowExecution) -> str | None:
+    """The first run of the execution's chain of runs (`TaskRecord.chain_run_id`).
+
+    Visibility's list may leave it out (the dev server's does); a run's description has it.
+    """
+    if execution.raw_info.first_run_id:
+        return execution.raw_info.first_run_id
+    handle = client.get_workflow_handle(execution.id, run_id=execution.run_id)
+    description = await handle.describe()
+    return description.raw_description.workflow_execution_info.first_run_id or None
+
+
+async def _task_for(
+    ledger: AsyncLedger, client: Client, execution: WorkflowExecution
+) -> TaskRecord | None:
     outcome = outcome_for(execution)
     if outcome is None:
         return None
@@ -120,6 +143,7 @@ async def _task_for(ledger: AsyncLedger, execution: WorkflowExecution) -> TaskRe
         attempts=len(attempts),
         spend_micros=sum(a.cost_micros for a in attempts),
         source="reconcile",
+        chain_run_id=chain_run_id(execution.run_id or "", await _first_run_id(client, execution)),
     )
 
 
@@ -145,7 +169,7 @@ async def reconcile(
             if (execution.id, execution.run_id or "") not in missing:
                 result.already_recorded += 1
                 continue
-            task = await _task_for(ledger, execution)
+            task = await _task_for(ledger, client, execution)
             if task is None:
                 result.skipped += 1
                 continue

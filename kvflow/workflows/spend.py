@@ -41,7 +41,7 @@ with workflow.unsafe.imports_passed_through():
         RECORD_TASK_ACTIVITY,
     )
     from kvflow.activities.wire import AttemptBill, AttemptKey, LostAttempt, ResumedAttempts
-    from kvflow.ledger.records import TaskOutcome, TaskRecord
+    from kvflow.ledger.records import TaskOutcome, TaskRecord, chain_run_id
 
 LOST_ATTEMPT_PATCH = "kvflow-lost-attempt-billed-from-ledger"
 """The patch under which a lost attempt is billed at its ledger row's figures: runs started
@@ -234,6 +234,7 @@ class TaskSpend:
             spend_micros=self.spend_micros,
             compensation_micros=sum(s.cost_micros for s in self.steps if s.kind == "compensation"),
             source="workflow",
+            chain_run_id=chain_run_id(info.run_id, info.first_execution_run_id),
         )
         await self.write(RECORD_TASK_ACTIVITY, record, f"ledger: task {outcome.value}")
 
