@@ -20,19 +20,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
+from vllm_scheduler_setup import scheduler_args  # this folder: see its docstring
 
 import kvflow_vllm.scheduler as pause_module
 from kvflow_vllm.scheduler import DEADLINE_KEY, PRIORITY_SPAN_KEY, DeadlinePauseScheduler
@@ -85,38 +81,15 @@ class Lines(logging.Handler):
 
 def scheduler(policy: str = "priority") -> DeadlinePauseScheduler:
     """kvflow's scheduler over vLLM's, configured as a server with the tiny model would be."""
-    model = ModelConfig(model=os.environ["KVFLOW_TINY_MODEL"], max_model_len=MAX_MODEL_LEN)
-    blocks = 1024
-    config = VllmConfig(
-        model_config=model,
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=16,
-            max_num_batched_tokens=MAX_MODEL_LEN,
-            max_model_len=MAX_MODEL_LEN,
-            policy=policy,
-            is_encoder_decoder=False,
-        ),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False),
-    )
-    config.cache_config.num_gpu_blocks = blocks
-    kv_cache = KVCacheConfig(
-        num_blocks=blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["layer"],
-                FullAttentionSpec(
-                    block_size=BLOCK_SIZE, num_kv_heads=1, head_size=16, dtype=torch.float32
-                ),
-            )
-        ],
-    )
     return DeadlinePauseScheduler(
-        vllm_config=config,
-        kv_cache_config=kv_cache,
-        structured_output_manager=StructuredOutputManager(config),
-        block_size=BLOCK_SIZE,
-        log_stats=True,
+        **scheduler_args(
+            block_size=BLOCK_SIZE,
+            blocks=1024,
+            max_model_len=MAX_MODEL_LEN,
+            max_num_seqs=16,
+            prefix_caching=False,
+            policy=policy,
+        )
     )
 
 

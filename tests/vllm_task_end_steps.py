@@ -16,19 +16,15 @@ and which blocks the unrelated call was given.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Any
 
-import torch
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
+from vllm_scheduler_setup import scheduler_args  # this folder: see its docstring
 
 from kvflow_vllm.scheduler import RELEASE_KEY, TASK_KEY, TaskEndScheduler
 
@@ -46,36 +42,14 @@ FILLER = 5 * BLOCK_SIZE
 
 def engine() -> TaskEndScheduler:
     """kvflow's scheduler over vLLM's, prefix caching on, with `BLOCKS` KV blocks."""
-    model = ModelConfig(model=os.environ["KVFLOW_TINY_MODEL"], max_model_len=MAX_MODEL_LEN)
-    config = VllmConfig(
-        model_config=model,
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=4,
-            max_num_batched_tokens=MAX_MODEL_LEN,
-            max_model_len=MAX_MODEL_LEN,
-            is_encoder_decoder=False,
-        ),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
-    )
-    config.cache_config.num_gpu_blocks = BLOCKS
-    kv_cache = KVCacheConfig(
-        num_blocks=BLOCKS,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["layer"],
-                FullAttentionSpec(
-                    block_size=BLOCK_SIZE, num_kv_heads=1, head_size=16, dtype=torch.float32
-                ),
-            )
-        ],
-    )
     return TaskEndScheduler(
-        vllm_config=config,
-        kv_cache_config=kv_cache,
-        structured_output_manager=StructuredOutputManager(config),
-        block_size=BLOCK_SIZE,
-        log_stats=True,
+        **scheduler_args(
+            block_size=BLOCK_SIZE,
+            blocks=BLOCKS,
+            max_model_len=MAX_MODEL_LEN,
+            max_num_seqs=4,
+            prefix_caching=True,
+        )
     )
 
 
