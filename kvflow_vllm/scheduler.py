@@ -22,8 +22,9 @@ with its task (`kvflow_task`: the workflow id); the scheduler notes which cached
 task's calls held. When the task ends, kvflow's control plane sends the engine that served its
 last call a one-token request carrying `kvflow_release` (the same id): vLLM has no request
 that evicts chosen blocks, so the release rides on the smallest request there is. On its
-arrival the scheduler takes the task's blocks that no other open task has used (a shared
-system prompt stays) and that no running request holds, drops them from the prefix cache
+arrival the scheduler takes the task's blocks that no other task has used (a shared system
+prompt stays, also when the tasks that used it before have ended) and that no running request
+holds, drops them from the prefix cache
 (vLLM emits its `BlockRemoved` KV events for them) and puts them at the front of the free
 queue, where the next allocation takes them. Nothing else changes: the blocks were free
 already, so the engine's KV usage is the same. Tagged tasks are remembered up to
@@ -96,6 +97,10 @@ MAX_TRACKED_TASKS = 100_000
 """Tasks whose blocks are remembered; past it the least recently finished is forgotten. A
 task's entry holds one block id and hash per block its calls held (a 100k-token conversation
 in 16-token blocks: about 6,000)."""
+GIVEN_OUT_PER_BLOCK = 2
+"""Hashes of ended tasks' blocks remembered, per block of the KV cache: a hash older than
+that many newer ones has most likely left the cache, and forgetting it costs at most one more
+release of a block that a later task will compute again."""
 
 PACE_SMOOTHING = 0.3
 """Weight of the newest step interval in the pace's exponential moving average."""
@@ -166,6 +171,10 @@ class TaskEndScheduler(Scheduler):
         least recently finished first."""
         self._block_tasks: dict[Hashable, set[str]] = {}
         """Block hash → the remembered tasks whose calls held it (more than one: shared)."""
+        self._given_out: OrderedDict[Hashable, None] = OrderedDict()
+        """Hashes of the blocks of tasks that ended or were forgotten, oldest first: a later
+        task that holds one shares it with them (a system prompt its first user released),
+        so its end does not release it again. At most `GIVEN_OUT_PER_BLOCK` per KV block."""
         self.released_blocks = 0
         """Blocks moved to the front of the free queue by releases since the engine started."""
 
@@ -204,18 +213,25 @@ class TaskEndScheduler(Scheduler):
             self._forget(oldest, blocks)
 
     def _forget(self, task: str, blocks: dict[int, Hashable]) -> None:
-        """Drop the task from every block's holders."""
+        """Drop the task from every block's holders; its hashes count as given out."""
+        given_out = self._given_out
         for block_hash in blocks.values():
             holders = self._block_tasks.get(block_hash)
             if holders is not None:
                 holders.discard(task)
                 if not holders:
                     del self._block_tasks[block_hash]
+            given_out[block_hash] = None
+            given_out.move_to_end(block_hash)
+        limit = GIVEN_OUT_PER_BLOCK * self.kv_cache_manager.block_pool.num_gpu_blocks
+        while len(given_out) > limit:
+            given_out.popitem(last=False)
 
     def release_task(self, task: str) -> int:
         """The task has ended: its own free cached blocks go first. Returns how many moved.
 
-        A block is the task's own when no other remembered task's calls held it. Only free
+        A block is the task's own when no other task's calls held it: no other remembered
+        task, and no task that ended or was forgotten before (`_given_out`). Only free
         blocks (no running request holds them) that still hold what the task's calls left
         there move: a block reused since then belongs to someone else now.
         """
@@ -226,8 +242,8 @@ class TaskEndScheduler(Scheduler):
         own: list[KVCacheBlock] = []
         for block_id, block_hash in blocks.items():
             holders = self._block_tasks.get(block_hash)
-            if holders is not None and holders != {task}:
-                continue  # shared with an open task (a system prompt): it stays
+            if (holders is not None and holders != {task}) or block_hash in self._given_out:
+                continue  # shared with another task (a system prompt): it stays
             block = pool.blocks[block_id]
             if block.ref_cnt == 0 and block.block_hash == block_hash:
                 own.append(block)

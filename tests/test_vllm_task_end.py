@@ -64,3 +64,15 @@ def test_a_release_for_untagged_calls_changes_nothing(scenes: dict[str, Scene]) 
     assert untagged["released_blocks"] == 0
     assert untagged["filler_given"] == lru["filler_given"]
     assert untagged["a_found"] == lru["a_found"]
+
+
+def test_a_system_prompt_released_by_its_first_user_stays_for_those_after(
+    scenes: dict[str, Scene],
+) -> None:
+    """A's end releases the prompt with A's own blocks (no one else had used it); B computes it
+    again, and B's end releases only B's own: C, the third task, finds the prompt cached."""
+    second = scenes["second_user"]
+    assert second["released"] == [4, 3, 3]
+    assert second["found"] == [0, 0, BLOCK_SIZE]
+    # Ended tasks' hashes are remembered up to twice the engine's blocks (11), no more.
+    assert second["given_out"] == 2 * 11

@@ -5,12 +5,13 @@ Run by `tests/test_vllm_task_end.py` with vLLM's python (`make vllm-env`) and on
 cache, free queue and LRU eviction) under kvflow's subclass; only the model runner is
 scripted (each step "samples" one token for every request that finished its prompt).
 
-The scene: two tasks, A and B, share a one-block system prompt and each has three blocks of
+The main scene: two tasks, A and B, share a one-block system prompt and each has three blocks of
 its own. A's call finishes, then B's, so LRU would evict A's blocks first. Then B's task
 ends (a `kvflow_release` request, or none in the LRU scene), an unrelated call needs three
 cached blocks' worth of room, and A comes back with its whole conversation. The scene
 prints how many of A's prompt tokens the engine found cached, the blocks the release moved
-and which blocks the unrelated call was given.
+and which blocks the unrelated call was given. A second scene (`second_user`) runs three tasks
+with the same system prompt one after another: only the first one's end releases the prompt.
 """
 
 from __future__ import annotations
@@ -124,7 +125,36 @@ def scene(name: str, *, release: bool, tag: bool = True) -> None:
     )
 
 
+def second_user(name: str) -> None:
+    """A runs alone and ends; then B, with the same system prompt, runs alone and ends; C
+    comes with it too. The prompt is A's own at A's end, and not B's: A used it first."""
+    sched = engine()
+    released = []
+    found = []
+    for task, base in (("task-a", 100), ("task-b", 300), ("task-c", 500)):
+        prompt = SYSTEM + list(range(base, base + OWN))
+        found.append(run(sched, call(f"{task}-1", prompt, {TASK_KEY: task}))["found"])
+        before = sched.released_blocks
+        run(sched, call(f"{task}-end", [9], {RELEASE_KEY: task}))
+        released.append(sched.released_blocks - before)
+    for index in range(8):  # more ended tasks' hashes than the engine remembers
+        prompt = list(range(1000 + 100 * index, 1000 + 100 * index + OWN))
+        run(sched, call(f"more-{index}", prompt, {TASK_KEY: f"more-{index}"}))
+        run(sched, call(f"more-{index}-end", [9], {RELEASE_KEY: f"more-{index}"}))
+    print(
+        json.dumps(
+            {
+                "scene": name,
+                "found": found,
+                "released": released,
+                "given_out": len(sched._given_out),
+            }
+        )
+    )
+
+
 SCENES = {
+    "second_user": lambda: second_user("second_user"),
     "lru": lambda: scene("lru", release=False),
     "release": lambda: scene("release", release=True),
     "untagged": lambda: scene("untagged", release=True, tag=False),
