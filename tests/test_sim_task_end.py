@@ -14,6 +14,7 @@ from kvflow.bench.policies.fleet import bench_fleet
 from kvflow.bench.policies.runs import run_policy
 from kvflow.scheduler.blocks import block_hashes
 from kvflow.simulator import BUILTIN_MODELS, EngineConfig, EngineCore, SimRequest
+from kvflow.simulator.kvcache import TaskBlocks
 from kvflow.simulator.policies.base import DEFAULT_MECHANISMS, TASK_END
 from kvflow.simulator.workloads import WORKLOADS
 
@@ -137,3 +138,54 @@ def test_the_harness_names_only_the_ended_tasks_own_blocks() -> None:
         pool.allocate(1)
     assert not any(pool.is_cached(h) for h in ended)
     assert all(pool.is_cached(h) for h in shared)
+
+
+# ---- which blocks are a task's own (`TaskBlocks`, as `TaskEndScheduler` in vLLM) ----------------
+
+SYSTEM_HASHES = [1, 2]
+
+
+def test_a_block_is_given_out_once_by_its_first_user_alone() -> None:
+    tracked = TaskBlocks()
+    tracked.note("a", [*SYSTEM_HASHES, 10, 11])
+    assert sorted(tracked.end("a")) == [1, 2, 10, 11]  # no one else asked for the prompt
+    tracked.note("b", [*SYSTEM_HASHES, 20])
+    assert tracked.end("b") == [20]  # the prompt was given out: A used it first
+    assert tracked.end("b") == []  # ended already
+
+
+def test_a_block_two_open_tasks_asked_for_is_neither_ones_own() -> None:
+    tracked = TaskBlocks()
+    tracked.note("a", [*SYSTEM_HASHES, 10])
+    tracked.note("b", [*SYSTEM_HASHES, 20])
+    tracked.note("a", [*SYSTEM_HASHES, 10, 12])  # the conversation grows
+    assert sorted(tracked.end("a")) == [10, 12]
+    assert tracked.end("b") == [20]
+
+
+def test_a_bounded_memory_gives_a_long_forgotten_block_out_again() -> None:
+    tracked = TaskBlocks(max_shared=2)
+    tracked.note("a", [1, 2])
+    assert sorted(tracked.end("a")) == [1, 2]
+    tracked.note("c", [30, 31])
+    assert sorted(tracked.end("c")) == [30, 31]  # 1 and 2 are the oldest remembered: gone
+    tracked.note("b", [1, 2])
+    assert sorted(tracked.end("b")) == [1, 2]
+    unbounded = TaskBlocks()
+    for task, hashes in (("a", [1, 2]), ("c", [30, 31]), ("b", [1, 2])):
+        unbounded.note(task, hashes)
+        ended = unbounded.end(task)
+    assert ended == []
+
+
+def test_past_its_task_bound_the_least_recently_noted_task_is_forgotten() -> None:
+    tracked = TaskBlocks(max_tasks=2)
+    tracked.note("a", [10])
+    tracked.note("b", [20])
+    tracked.note("a", [10, 11])  # A is now the most recently noted
+    tracked.note("c", [30])  # three open tasks: B is forgotten, its blocks given out
+    assert tracked.end("b") == []
+    assert sorted(tracked.end("a")) == [10, 11]
+    tracked.note("d", [20])
+    assert tracked.end("d") == []  # B asked for it first
+    assert tracked.end("c") == [30]

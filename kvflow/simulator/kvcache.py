@@ -588,6 +588,11 @@ class RetentionBlockPool(BlockPool):
         return need
 
 
+GIVEN_OUT_PER_BLOCK = 2
+"""Shared hashes a simulated server's `TaskBlocks` remembers per block of its engine's cache,
+as `kvflow_vllm.scheduler.GIVEN_OUT_PER_BLOCK`."""
+
+
 class TaskBlocks:
     """Which block hashes only one task has asked for: what its end may evict first.
 
@@ -595,39 +600,70 @@ class TaskBlocks:
     benchmark's `task-end` mechanism): every call notes its blocks under its task, and when
     the task ends, `end` returns the hashes no other task asked for. A block another task
     asked for first (a system prompt) is shared, and so is one a task asks for after its
-    first user ended (it was named already), so a hash is given out at most once.
+    first user ended (it was given out already), so a hash is given out at most once.
+
+    Memory is bounded as in vLLM's: at most `max_tasks` tasks are tracked (the least recently
+    noted forgotten first; its blocks are then given out, to no one), and at most `max_shared`
+    shared hashes are remembered, oldest first forgotten (None: no bound, as the benchmark's
+    runs are finite; a simulated server bounds it by its cache, as vLLM's scheduler does).
     """
 
-    __slots__ = ("_blocks", "_owner")
+    __slots__ = ("_blocks", "_owner", "_shared", "max_shared", "max_tasks")
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_shared: int | None = None, max_tasks: int = 100_000) -> None:
+        self.max_shared = max_shared
+        self.max_tasks = max_tasks
         self._owner: dict[int, object] = {}
-        """Block hash → the one task that asked for it, or `_SHARED`."""
-        self._blocks: dict[object, set[int]] = {}
-        """Task → every hash its calls asked for."""
+        """Block hash → the one open task that asked for it, while no other did."""
+        self._shared: OrderedDict[int, None] = OrderedDict()
+        """Hashes more than one task asked for, or an ended task did: least recently seen first."""
+        self._blocks: OrderedDict[object, set[int]] = OrderedDict()
+        """Open task → every hash its calls asked for; least recently noted first."""
 
     def note(self, task: object, block_hashes: Sequence[int]) -> None:
         """The task's call asks for `block_hashes` (its whole prompt, a conversation grows)."""
-        seen = self._blocks.setdefault(task, set())
+        seen = self._blocks.pop(task, None)
+        if seen is None:
+            seen = set()
+        self._blocks[task] = seen  # now the most recently noted
         fresh = set(block_hashes) - seen
-        owner = self._owner
+        owner, shared = self._owner, self._shared
         for value in fresh:
+            if value in shared:
+                shared.move_to_end(value)
+                continue
             first = owner.setdefault(value, task)
-            if first != task and first is not _SHARED:
-                owner[value] = _SHARED
+            if first != task:
+                del owner[value]
+                shared[value] = None
         seen |= fresh
+        self._trim()
 
     def end(self, task: object) -> list[int]:
         """The task ended: the hashes only it asked for (none the second time)."""
         blocks = self._blocks.pop(task, None)
         if not blocks:
             return []
-        owner = self._owner
-        own = [value for value in blocks if owner.get(value) == task]
-        for value in own:
-            owner[value] = _SHARED
+        own = self._give_out(task, blocks)
+        self._trim()
         return own
 
+    def _give_out(self, task: object, blocks: set[int]) -> list[int]:
+        """Forget the task: its own hashes (returned) and all it asked for become shared."""
+        owner, shared = self._owner, self._shared
+        own = [value for value in blocks if owner.get(value) == task]
+        for value in own:
+            del owner[value]
+        for value in blocks:
+            if value not in owner:  # a later task's own (its first asker forgotten) stays
+                shared[value] = None
+                shared.move_to_end(value)
+        return own
 
-_SHARED = object()
-"""`TaskBlocks`' owner of a hash that more than one task asked for."""
+    def _trim(self) -> None:
+        while len(self._blocks) > self.max_tasks:
+            task, blocks = self._blocks.popitem(last=False)
+            self._give_out(task, blocks)
+        if self.max_shared is not None:
+            while len(self._shared) > self.max_shared:
+                self._shared.popitem(last=False)

@@ -100,7 +100,7 @@ from kvflow.simulator.generation import (
     splitmix64,
 )
 from kvflow.simulator.kv_events import ZmqEventPublisher
-from kvflow.simulator.kvcache import TaskBlocks
+from kvflow.simulator.kvcache import GIVEN_OUT_PER_BLOCK, TaskBlocks
 from kvflow.simulator.metrics import CONTENT_TYPE, VllmMetrics
 from kvflow.simulator.protocol import (
     MAX_TOP_LOGPROBS,
@@ -847,7 +847,10 @@ class SimulatedVllm:
                 self.released_blocks += self.replica.engines[model].evict_first(ended)
         self._submit(job)
         if task is not None and job.request.block_hashes:
-            tracked = self._task_blocks.setdefault(engine.model.name, TaskBlocks())
+            tracked = self._task_blocks.get(engine.model.name)
+            if tracked is None:
+                limit = GIVEN_OUT_PER_BLOCK * engine.pool.num_blocks
+                tracked = self._task_blocks[engine.model.name] = TaskBlocks(max_shared=limit)
             tracked.note(task, job.request.block_hashes)
         created = int(time.time())
         if body.stream:
