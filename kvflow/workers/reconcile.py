@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from temporalio.client import Client, WorkflowExecution, WorkflowExecutionStatus
+from temporalio.service import RPCError
 
 from kvflow.ledger.records import (
     AttemptOutcome,
@@ -111,7 +112,12 @@ async def _first_run_id(client: Client, execution: WorkflowExecution) -> str | N
     if execution.raw_info.first_run_id:
         return execution.raw_info.first_run_id
     handle = client.get_workflow_handle(execution.id, run_id=execution.run_id)
-    description = await handle.describe()
+    try:
+        description = await handle.describe()
+    except RPCError as err:
+        # Gone since it was listed (retention): the row is still worth writing, unchained.
+        log.warning("%s/%s: no chain of runs read: %s", execution.id, execution.run_id, err)
+        return None
     return description.raw_description.workflow_execution_info.first_run_id or None
 
 
