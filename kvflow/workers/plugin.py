@@ -11,12 +11,15 @@ One plugin class plays three roles, chosen by what it is given:
   activities (placement, observation, ledger task rows, the context store), runs the fleet's
   scheduler with its telemetry for as long as the worker runs, makes sure kvflow's search
   attributes exist before the first task, lets workflow code import `kvflow` inside the
-  sandbox, and holds every activity a task starts to the task's deadline
-  (`kvflow.workflows.deadline`). The worker hosts any number of the user's workflows.
+  sandbox, holds every activity a task starts to the task's deadline
+  (`kvflow.workflows.deadline`), and starts the next run of a task that continues as new
+  with its own search attributes (`kvflow.workflows.continued_run`). The worker hosts any
+  number of the user's workflows.
 - **GPU worker** (`KvflowPlugin(fleet, replica="h100/0")`): on a `Worker` polling that replica's
   task queue (`kvflow.gpu.<pool>.<index>`, see `task_queue_for`) it registers the inference
-  activity bound to the replica's vLLM server and checks that the server answers before the
-  worker polls.
+  activity bound to the replica's vLLM server, checks that the server answers before the
+  worker polls, and sends its calls' heartbeats at least every second
+  (`GPU_HEARTBEAT_THROTTLE`).
 
 Both worker roles also apply the client role when the client was connected without it.
 """
