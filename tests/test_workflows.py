@@ -740,6 +740,48 @@ async def test_the_scheduler_that_placed_a_task_hears_its_end_whoever_writes_its
             assert still_open == []
 
 
+async def test_a_terminated_task_stops_counting_open_at_the_next_check(
+    temporal_client: Client, tmp_path: Path
+):
+    # A terminated workflow runs no code, so its end never reaches the scheduler that counts
+    # it open for KV admission; Temporal's visibility says it stopped running.
+    watchful = SchedulerConfig(
+        admission=AdmissionConfig(open_task_kv_by_tier=(100.0,) * 5, open_task_check_s=0.2)
+    )
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only")], scheduler=watchful) as s:
+        task = wf.StepsInput(spec=task_spec(expected_steps=2), model=MODEL, steps=1)
+        waiting = await s.start(wf.AnswerThenGiveUp.run, task)
+        terminated = await s.start(wf.AnswerThenGiveUp.run, task)
+        scheduler = s.control.scheduler
+
+        def counted() -> set[str]:
+            return set(scheduler.idle_open_tasks(0.0))
+
+        await eventually(
+            lambda: counted() == {waiting.id, terminated.id},
+            within=30,
+            what="both tasks' first calls placed and counted open",
+        )
+        await terminated.terminate("an operator stopped it")
+        await eventually(
+            lambda: counted() == {waiting.id},
+            within=30,
+            what="the terminated task no longer counted open",
+        )
+        watch = s.control.open_task_watch
+        assert watch is not None and watch.ended == 1
+        # The task that still runs is looked up again and again, and stays counted.
+        looked_up = watch.lookups
+        await eventually(
+            lambda: watch.lookups >= looked_up + 3, within=30, what="three more lookups"
+        )
+        assert counted() == {waiting.id} and watch.ended == 1
+        await waiting.signal(wf.AnswerThenGiveUp.give_up)
+        with contextlib.suppress(WorkflowFailureError):
+            await asyncio.wait_for(waiting.result(), 60)
+        assert counted() == set()  # its own end reached the scheduler
+
+
 async def test_a_tasks_end_releases_its_kv_on_the_engine_that_served_it(
     temporal_client: Client, tmp_path: Path
 ):

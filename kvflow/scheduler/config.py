@@ -504,6 +504,17 @@ class AdmissionConfig(_Config):
             "(another workflow worker wrote its ledger row), or its KV is evicted by now"
         ),
     )
+    open_task_check_s: float = Field(
+        default=10.0,
+        gt=0,
+        description=(
+            "how often the control plane asks Temporal whether the tasks counted open "
+            "(`open_task_kv_by_tier`) that placed no call for this long still run: one "
+            "terminated, timed out or ended on another workflow worker stops counting then, "
+            "not `open_task_idle_s` after its last call (`kvflow.workers.control_plane."
+            "OpenTaskWatch`)"
+        ),
+    )
 
     def admission_tier(self, tier: int, steps_done: int) -> int:
         """The tier a call is admitted as: `running_task_tiers` better once its task ran."""

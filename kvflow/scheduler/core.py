@@ -387,6 +387,21 @@ class Scheduler:
             self._open_kv[task[0]] -= task[1]
             return True
 
+    def idle_open_tasks(self, idle_s: float) -> list[str]:
+        """The tasks counted open that placed no call for `idle_s` seconds, oldest first.
+
+        Counted open: with `admission.open_task_kv_by_tier` (`OpenTaskWatch` looks them up).
+        """
+        with self._lock:
+            self._settle()
+            horizon = self._clock() - idle_s
+            idle = []
+            for workflow_id, task in self._open_tasks.items():
+                if task[2] > horizon:
+                    break  # ordered by their latest placement
+                idle.append(workflow_id)
+            return idle
+
     def last_replica(self, workflow_id: str) -> str | None:
         """The replica this scheduler placed the task's latest call on, while it is up.
 

@@ -159,6 +159,64 @@ class WorkerWatch:
         await asyncio.gather(*self._checks, return_exceptions=True)
 
 
+class OpenTaskWatch:
+    """Ends the tasks counted open whose workflow is not running any more, as Temporal says.
+
+    KV admission (`AdmissionConfig.open_task_kv_by_tier`) counts a task open in the
+    scheduler that placed its calls until the workflow's `kvflow.end_task` reaches that
+    scheduler. Some ends never do: a workflow terminated or timed out runs no code, and one
+    that moved to another workflow worker (evicted from this worker's cache) ends there.
+    Every `open_task_check_s`, the tasks that placed no call for that long are looked up in
+    visibility (`ExecutionStatus = 'Running' AND WorkflowId IN (...)`, `BATCH` at a time);
+    those not running stop counting then, not `open_task_idle_s` after their last call. A
+    task that continued as new runs still. A lookup that fails ends nothing; an id with a
+    quote or backslash is left to `open_task_idle_s`, not put in a query.
+    """
+
+    BATCH = 100
+
+    def __init__(self, client: Client, scheduler: Scheduler, check_s: float) -> None:
+        self.client = client
+        self.scheduler = scheduler
+        self.check_s = check_s
+        self.ended = 0
+        """Tasks this watch ended."""
+        self.lookups = 0
+        """Visibility queries answered."""
+
+    async def check_once(self) -> int:
+        """Look the idle open tasks up once; end those not running. Returns how many ended."""
+        idle = [
+            w
+            for w in self.scheduler.idle_open_tasks(self.check_s)
+            if "'" not in w and "\\" not in w
+        ]
+        ended = 0
+        for start in range(0, len(idle), self.BATCH):
+            batch = idle[start : start + self.BATCH]
+            ids = ", ".join(f"'{w}'" for w in batch)
+            query = f"ExecutionStatus = 'Running' AND WorkflowId IN ({ids})"
+            try:
+                running = {e.id async for e in self.client.list_workflows(query)}
+            except RPCError as exc:
+                log.debug("could not list the running tasks: %s", exc)
+                continue
+            self.lookups += 1
+            for workflow_id in batch:
+                if workflow_id not in running and self.scheduler.end_task(workflow_id):
+                    ended += 1
+        if ended:
+            log.info("%d open task(s) no longer running: they stop counting for admission", ended)
+        self.ended += ended
+        return ended
+
+    async def run(self) -> None:
+        """Check every `check_s`, until cancelled."""
+        while True:
+            await asyncio.sleep(self.check_s)
+            await self.check_once()
+
+
 class ServerProbe:
     """Checks every `server_probe_interval_s` that Temporal answers; records its outages.
 
@@ -272,6 +330,8 @@ class ControlPlane:
         self.worker_watch: WorkerWatch | None = None
         """Whether each replica's GPU worker polls its queue; None until `watch` is called."""
         self.server_probe: ServerProbe | None = None
+        self.open_task_watch: OpenTaskWatch | None = None
+        """Ends the open tasks whose workflow stopped running (with KV admission on)."""
         self._watching: list[asyncio.Task[None]] = []
         self._entered = False
         if client is not None:
@@ -293,6 +353,11 @@ class ControlPlane:
             if name in self.endpoints
         }
         self.worker_watch = WorkerWatch(client, queues, self.scraper, liveness)
+        admission = self.scheduler.config.admission
+        if admission.open_task_kv_by_tier is not None:
+            self.open_task_watch = OpenTaskWatch(
+                client, self.scheduler, admission.open_task_check_s
+            )
         if self._entered:
             self._start_watching()
 
@@ -302,6 +367,8 @@ class ControlPlane:
             asyncio.create_task(self.server_probe.run()),
             asyncio.create_task(self.worker_watch.run()),
         ]
+        if self.open_task_watch is not None:
+            self._watching.append(asyncio.create_task(self.open_task_watch.run()))
 
     async def __aenter__(self) -> ControlPlane:
         # Precise prefix index: the engines' KV-cache events, where the fleet lists them.
