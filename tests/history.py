@@ -11,6 +11,7 @@ from google.protobuf.message import Message
 from temporalio.api.common.v1 import Payload
 from temporalio.client import WorkflowHandle
 
+from kvflow.activities.claim_check import CLAIM_CHECK_ENCODING
 from kvflow.activities.wire import AttemptProgress
 
 
@@ -31,11 +32,18 @@ def payloads_in(message: Message) -> Iterator[Payload]:
 
 
 async def wait_until_streaming(handle: WorkflowHandle[Any, Any], timeout_s: float = 20) -> None:
-    """Return once the task's pending call has heartbeated some output (or after `timeout_s`)."""
+    """Return once the task's pending call has heartbeated some output (or after `timeout_s`).
+
+    A heartbeat over the claim-check limit travels as a reference to the context store (its
+    encoding says so): one that large carries output already.
+    """
     for _ in range(int(timeout_s / 0.05)):
         pending = (await handle.describe()).raw_description.pending_activities
         if pending and pending[0].heartbeat_details.payloads:
-            beat = json.loads(pending[0].heartbeat_details.payloads[0].data)
+            payload = pending[0].heartbeat_details.payloads[0]
+            if payload.metadata.get("encoding") == CLAIM_CHECK_ENCODING:
+                return
+            beat = json.loads(payload.data)
             if AttemptProgress.model_validate(beat).completion_tokens:
                 return
         await asyncio.sleep(0.05)

@@ -10,6 +10,7 @@ replayer of its own.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,12 +21,15 @@ from temporalio.client import Client
 from typer.testing import CliRunner
 
 from kvflow.activities.claim_check import is_claim_check
+from kvflow.activities.inference import InferenceActivities, ReplicaBinding, default_http_client
 from kvflow.activities.wire import INLINE_LIMIT_BYTES
 from kvflow.cli.main import app
+from kvflow.scheduler.fleet import task_queue_for
 from kvflow.workers.demo import connect_local
-from kvflow.workers.plugin import KvflowPlugin
+from kvflow.workers.plugin import KvflowPlugin, role_worker
 from samples.starter import connect as sample_connect
 from tests import agent_workflows as wf
+from tests.fleets import one_pool_fleet
 from tests.history import payloads_in
 from tests.stacks import MODEL, PoolPlan, fleet_stack, task_spec
 
@@ -129,3 +133,34 @@ async def test_a_client_without_kvflows_plugin_cannot_read_it_and_the_readme_say
     readme = await asyncio.to_thread(README.read_text, encoding="utf-8")
     assert "Unknown payload encoding kvflow/claim-check" in readme
     assert f"plugins=[{KvflowPlugin.__name__}(context_dir=" in readme
+
+
+@pytest.mark.timeout(60)
+async def test_a_worker_on_a_client_without_kvflows_plugin_warns_it_cannot_read_claim_checks(
+    temporal_client: Client, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A worker takes its data converter from its client: KvflowPlugin on the worker alone
+    # cannot read a claim-checked payload (a dead GPU worker's last heartbeat).
+    fleet = one_pool_fleet(MODEL, replicas=2)
+    with_plugin = Client(
+        temporal_client.service_client,
+        namespace=temporal_client.namespace,
+        plugins=[KvflowPlugin(context_dir=tmp_path / "context")],
+    )
+    for index, client in enumerate((temporal_client, with_plugin)):
+        binding = ReplicaBinding(pool=fleet.pool("cpu"), index=index, base_url="http://127.0.0.1:9")
+        activities = InferenceActivities(binding, default_http_client(), None)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvflow.workers.plugin"):
+            role_worker(
+                client,
+                KvflowPlugin(inference=activities, context_dir=tmp_path / "context"),
+                task_queue=task_queue_for("cpu", index),
+            )
+        warned = [
+            r.getMessage() for r in caplog.records if "without KvflowPlugin" in r.getMessage()
+        ]
+        if client is temporal_client:
+            assert warned and "plugins=[KvflowPlugin(" in warned[0]
+        else:
+            assert warned == []

@@ -1250,7 +1250,11 @@ tier = 1
         # The fleet file's fleet; the plan says only that the stack runs no GPU worker for
         # the doomed replica, whose worker is that process.
         plans = [PoolPlan("doomed", gpu_worker=False)]
-        async with fleet_stack(client, tmp_path, plans, fleet=fleet, ledger_url=ledger_url) as s:
+        # Clients with kvflow's plugin on the stack's store, as `kvflow worker workflow` has:
+        # the dead worker's last heartbeat may be claim-checked, and the workflow reads it.
+        async with fleet_stack(
+            client, tmp_path, plans, fleet=fleet, ledger_url=ledger_url, plugins=[]
+        ) as s:
             task = wf.StepsInput(
                 spec=task_spec(expected_steps=1), model=MODEL, steps=1, max_tokens=4000
             )

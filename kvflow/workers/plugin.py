@@ -21,7 +21,10 @@ One plugin class plays three roles, chosen by what it is given:
   worker polls, and sends its calls' heartbeats at least every second
   (`GPU_HEARTBEAT_THROTTLE`).
 
-Both worker roles also apply the client role when the client was connected without it.
+A worker cannot change its client's data converter (Temporal's workers take it from the
+client), so the client a worker runs on must be connected with `KvflowPlugin` too: a worker
+role on a client without it logs a warning, since payloads other kvflow processes claim-check
+(a dead GPU worker's last heartbeat, a large result) cannot be read there.
 """
 
 from __future__ import annotations
@@ -39,11 +42,12 @@ from typing import Any
 import httpx
 from temporalio.client import Client, ClientConfig
 from temporalio.contrib.opentelemetry import TracingInterceptor
+from temporalio.converter import DataConverter
 from temporalio.plugin import SimplePlugin
 from temporalio.worker import Worker, WorkerConfig, WorkflowRunner
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 
-from kvflow.activities.claim_check import claim_check_converter
+from kvflow.activities.claim_check import ClaimCheckCodec, claim_check_converter
 from kvflow.activities.context_store import (
     DEFAULT_CONTEXT_DIR,
     ContextStore,
@@ -218,6 +222,7 @@ class KvflowPlugin(SimplePlugin):
         """Register this role's activities; a GPU worker must poll its replica's queue."""
         self._client = config["client"]
         _refuse_replaced_plugins(config.get("plugins") or ())
+        self._warn_if_client_cannot_read_claim_checks(self._client)
         if self.control_plane is not None:
             _require_framework_plugins(config)
         client_interceptors = self._client.config(active_config=True).get("interceptors", [])
@@ -242,6 +247,29 @@ class KvflowPlugin(SimplePlugin):
             if config.get("max_heartbeat_throttle_interval") in (None, _SDK_MAX_THROTTLE):
                 config["max_heartbeat_throttle_interval"] = GPU_HEARTBEAT_THROTTLE
         return super().configure_worker(config)
+
+    def _warn_if_client_cannot_read_claim_checks(self, client: Client) -> None:
+        """Warn when this plugin claim-checks payloads but the worker's client cannot read them.
+
+        A workflow that meets such a payload (the last heartbeat in a dead GPU worker's
+        failure) fails its workflow task on every try, and the task hangs until the worker
+        runs on a client that can.
+        """
+        mine = self.data_converter
+        if not isinstance(mine, DataConverter) or not isinstance(
+            mine.payload_codec, ClaimCheckCodec
+        ):
+            return  # this plugin claim-checks nothing (`claim_check_bytes=None`)
+        if isinstance(client.data_converter.payload_codec, ClaimCheckCodec):
+            return
+        log.warning(
+            "this worker's Temporal client was connected without KvflowPlugin: payloads over "
+            "%d bytes that other kvflow processes claim-check cannot be read here, and a task "
+            "that meets one stops until they can; connect it with "
+            "Client.connect(..., plugins=[KvflowPlugin(context_dir=...)]) on the store every "
+            "worker uses",
+            mine.payload_codec.threshold_bytes,
+        )
 
     @asynccontextmanager
     async def _running(self) -> AsyncIterator[None]:
