@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import uuid
+
+from kvflow.activities.inference import ReplicaBinding
 from kvflow.scheduler.fleet import Fleet
 
 
@@ -43,3 +46,15 @@ def one_pool_fleet(
             "tenants": [{"name": "acme", "tier": 2}],
         }
     )
+
+
+def unshared_binding(index: int = 0) -> ReplicaBinding:
+    """Replica `index` of a pool named for this call alone; no server answers it.
+
+    For tests that build a GPU worker without running it: Temporal refuses a second worker on
+    one task queue of one client, and a worker built but never run keeps its queue for the
+    session, so each such worker gets a queue of its own.
+    """
+    fleet = one_pool_fleet("tiny", replicas=index + 1)
+    pool = fleet.pool("cpu").model_copy(update={"name": f"unshared-{uuid.uuid4().hex[:12]}"})
+    return ReplicaBinding(pool=pool, index=index, base_url="http://127.0.0.1:9")

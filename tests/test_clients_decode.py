@@ -21,7 +21,7 @@ from temporalio.client import Client
 from typer.testing import CliRunner
 
 from kvflow.activities.claim_check import is_claim_check
-from kvflow.activities.inference import InferenceActivities, ReplicaBinding, default_http_client
+from kvflow.activities.inference import InferenceActivities, default_http_client
 from kvflow.activities.wire import INLINE_LIMIT_BYTES
 from kvflow.cli.main import app
 from kvflow.scheduler.fleet import task_queue_for
@@ -29,7 +29,7 @@ from kvflow.workers.demo import connect_local
 from kvflow.workers.plugin import KvflowPlugin, role_worker
 from samples.starter import connect as sample_connect
 from tests import agent_workflows as wf
-from tests.fleets import one_pool_fleet
+from tests.fleets import unshared_binding
 from tests.history import payloads_in
 from tests.stacks import MODEL, PoolPlan, fleet_stack, task_spec
 
@@ -141,21 +141,20 @@ async def test_a_worker_on_a_client_without_kvflows_plugin_warns_it_cannot_read_
 ) -> None:
     # A worker takes its data converter from its client: KvflowPlugin on the worker alone
     # cannot read a claim-checked payload (a dead GPU worker's last heartbeat).
-    fleet = one_pool_fleet(MODEL, replicas=2)
     with_plugin = Client(
         temporal_client.service_client,
         namespace=temporal_client.namespace,
         plugins=[KvflowPlugin(context_dir=tmp_path / "context")],
     )
-    for index, client in enumerate((temporal_client, with_plugin)):
-        binding = ReplicaBinding(pool=fleet.pool("cpu"), index=index, base_url="http://127.0.0.1:9")
+    for client in (temporal_client, with_plugin):
+        binding = unshared_binding()
         activities = InferenceActivities(binding, default_http_client(), None)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="kvflow.workers.plugin"):
             role_worker(
                 client,
                 KvflowPlugin(inference=activities, context_dir=tmp_path / "context"),
-                task_queue=task_queue_for("cpu", index),
+                task_queue=task_queue_for(binding.pool.name, binding.index),
             )
         warned = [
             r.getMessage() for r in caplog.records if "without KvflowPlugin" in r.getMessage()

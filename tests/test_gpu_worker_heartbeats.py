@@ -13,27 +13,20 @@ from datetime import timedelta
 import pytest
 from temporalio.client import Client
 
-from kvflow.activities.inference import InferenceActivities, ReplicaBinding, default_http_client
+from kvflow.activities.inference import InferenceActivities, default_http_client
 from kvflow.scheduler.fleet import task_queue_for
 from kvflow.workers.gpu_worker import GpuWorker
 from kvflow.workers.plugin import GPU_HEARTBEAT_THROTTLE, KvflowPlugin, role_worker
 from kvflow.workflows.agent import HEARTBEAT_TIMEOUT
-from tests.fleets import one_pool_fleet
+from tests.fleets import unshared_binding
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _binding(index: int) -> ReplicaBinding:
-    """Replica `index`'s binding; no server answers it, as no call is run. One worker per
-    replica (task queue) and client: each test builds its own replica's."""
-    fleet = one_pool_fleet("tiny", replicas=2)
-    return ReplicaBinding(pool=fleet.pool("cpu"), index=index, base_url="http://127.0.0.1:9")
 
 
 async def test_a_gpu_worker_sends_heartbeats_with_a_second_of_slack(
     temporal_client: Client,
 ) -> None:
-    worker = GpuWorker(temporal_client, _binding(0), spool_dir=None)
+    worker = GpuWorker(temporal_client, unshared_binding(), spool_dir=None)
     throttle = worker.worker.config(active_config=True)["max_heartbeat_throttle_interval"]
     assert throttle == GPU_HEARTBEAT_THROTTLE
     # What a heartbeat may be late by before its call times out.
@@ -43,7 +36,7 @@ async def test_a_gpu_worker_sends_heartbeats_with_a_second_of_slack(
 async def test_a_gpu_worker_given_its_own_heartbeat_throttle_keeps_it(
     temporal_client: Client,
 ) -> None:
-    binding = _binding(1)
+    binding = unshared_binding()
     activities = InferenceActivities(binding, default_http_client(), None)
     plugin = KvflowPlugin(inference=activities)
     worker = role_worker(
