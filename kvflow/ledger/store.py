@@ -534,6 +534,19 @@ class Ledger(ABC):
             present.update((str(w), str(r)) for w, r in rows)
         return [key for key in wanted if key not in present]
 
+    def _rows_by_chain(
+        self, select: str, chains: Iterable[str], outcome: str, *, suffix: str = ""
+    ) -> list[Row]:
+        """`select ... IN (chains)` with `outcome` as its first parameter, by chunks."""
+        wanted = sorted(chains)
+        found: list[Row] = []
+        for start in range(0, len(wanted), _KEY_CHUNK):
+            chunk = wanted[start : start + _KEY_CHUNK]
+            marks = ", ".join("?" for _ in chunk)
+            _, rows = self._execute(f"{select} ({marks}) {suffix}", (outcome, *chunk))
+            found.extend(rows)
+        return found
+
     def report(self, query: ReportQuery) -> Report:
         """Compute the report for `query` (definitions in `kvflow.ledger.report`)."""
         task_filter, params = self._filter(query, "t.closed_at", "t.tenant")
@@ -547,23 +560,28 @@ class Ledger(ABC):
                 f"WHERE {task_filter}",
                 params,
             )
-            # Tasks that continued as new: how the chains of the continued runs in range
-            # ended (in range or not), and what the earlier runs of the chains that ended in
-            # range spent (see `kvflow.ledger.report`).
+            # Tasks that continued as new (see `kvflow.ledger.report`): how the chains of the
+            # continued runs in range ended, in range or not, and what the earlier runs of the
+            # chains whose last run is in range spent. Looked up by the chains the rows name,
+            # so a ledger without such tasks reads nothing more.
             continued = TaskOutcome.CONTINUED_AS_NEW.value
-            _, chain_ends = self._execute(
-                "SELECT c.chain_run_id, c.outcome FROM tasks c WHERE c.outcome <> ? "
-                "AND c.chain_run_id IN (SELECT t.chain_run_id FROM tasks t "
-                f"WHERE t.outcome = ? AND {task_filter})",
-                (continued, continued, *params),
+            open_chains = {str(r[7]) for r in task_rows if r[5] == continued and r[7]}
+            # A last run that is not its chain's first has earlier runs.
+            ended_chains = {
+                str(r[7]) for r in task_rows if r[5] != continued and r[7] not in (None, r[1])
+            }
+            chain_ends = self._rows_by_chain(
+                "SELECT chain_run_id, outcome FROM tasks WHERE outcome <> ? AND chain_run_id IN",
+                open_chains,
+                continued,
             )
-            _, earlier_rows = self._execute(
+            earlier_rows = self._rows_by_chain(
                 "SELECT c.chain_run_id, a.model, a.pool, SUM(a.cost_micros) FROM attempts a "
                 "JOIN tasks c ON a.workflow_id = c.workflow_id AND a.run_id = c.run_id "
-                "WHERE c.outcome = ? AND c.chain_run_id IN (SELECT t.chain_run_id FROM tasks t "
-                f"WHERE t.outcome <> ? AND {task_filter}) "
-                "GROUP BY c.chain_run_id, a.model, a.pool",
-                (continued, continued, *params),
+                "WHERE c.outcome = ? AND c.chain_run_id IN",
+                ended_chains,
+                continued,
+                suffix="GROUP BY c.chain_run_id, a.model, a.pool",
             )
             _, attempt_rows = self._execute(
                 "SELECT a.workflow_id, a.run_id, a.model, a.pool, COUNT(*), SUM(a.cost_micros), "
