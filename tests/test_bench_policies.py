@@ -13,6 +13,7 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
+import typer
 
 from kvflow.bench.policies import (
     policy_factories,
@@ -37,6 +38,7 @@ from kvflow.bench.policies.fleet import (
     fleet_tenants,
     simulated_replicas,
 )
+from kvflow.bench.policies.relaxations import main as relax_main
 from kvflow.bench.policies.task_runner import Outcome, TaskRunner
 from kvflow.scheduler.blocks import ROOT_HASH, hash_block
 from kvflow.scheduler.config import (
@@ -728,6 +730,33 @@ def test_the_floor_goal_says_where_the_best_anchor_stands_against_the_floor() ->
     assert floor is not None and theirs is not None
     # Level with the best anchor, a miss is the engines' eviction, not kvflow's placement.
     assert f"the best anchor is at {theirs / float(floor):.3f}× (sglang-tuned)" in goal.detail
+
+
+def test_the_long_agent_model_time_goal_names_a_relaxation_run_against_its_anchor() -> None:
+    result = run_workload(
+        "long-agent",
+        replicas=2,
+        seeds=(0,),
+        policies=["kvflow", "llm-d-precise"],
+        capacity_tasks_per_s=0.0229,
+        window_lifetimes=0.3,
+    )
+    goals = {g.text: g for g in result.goals}
+    detail = goals["mean model time ≤ 0.8× the best anchor's"].detail
+    # The closed-form part of the bound, then the command that measures the rest.
+    assert "recomputing what the KV-capacity floor misses adds" in detail
+    command = detail.split("`")[1].split()
+    assert command[:3] == ["python", "-m", "kvflow.bench.policies.relaxations"]
+    # The command as printed is one the study takes, on this run's fleet, load and anchor.
+    app = typer.Typer(add_completion=False)
+    app.command()(relax_main)
+    study = typer.main.get_command(app)
+    options = study.make_context("relaxations", command[3:]).params
+    assert options["workload"] == "long-agent"
+    assert options["capacity"] * options["load"] == pytest.approx(result.task_rate, rel=1e-3)
+    assert options["replicas"] == 2
+    assert options["anchor"] == "llm-d-precise"
+    assert set(options["mechanisms"].split(",")) == set(result.mechanisms)
 
 
 def test_kv_admission_keeps_long_agent_past_capacity_out_of_the_collapse() -> None:

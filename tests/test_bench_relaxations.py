@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from kvflow.bench.policies.fleet import bench_fleet
 from kvflow.bench.policies.late_steps import main as late_steps_main
-from kvflow.bench.policies.relaxations import at_hit_rate, main, seed_floors
+from kvflow.bench.policies.relaxations import against_anchor, at_hit_rate, main, seed_floors
 from kvflow.bench.policies.runs import run_policy
 from kvflow.bench.policies.task_runner import ORACLE_RETENTION_S, oracle_retention
 from kvflow.simulator.kvcache import DEFAULT_RETENTION_PRIORITY
@@ -157,3 +157,47 @@ def test_even_arrivals_start_the_same_tasks_exactly_one_gap_apart() -> None:
             tasks=1, even_arrivals=True,
             workload=Workload(spec, tenants, tasks=1, task_rate=1.0),
         )  # fmt: skip
+
+
+def test_each_relaxation_is_set_against_the_anchor_seed_by_seed() -> None:
+    def run(seed: int, variant: str, cost: str, model_s: float) -> dict[str, object]:
+        return {
+            "seed": seed, "variant": variant, "prefix_hit_rate": 0.8,
+            "cost_per_successful_task_usd": cost, "mean_model_s": model_s, "success_rate": 1.0,
+        }  # fmt: skip
+
+    result = {
+        "anchor": "llm-d-precise",
+        "runs": [
+            run(0, "cache ×1", "0.10", 150.0),
+            run(1, "cache ×1", "0.20", 100.0),
+            run(0, "anchor llm-d-precise", "0.10", 100.0),
+            run(1, "anchor llm-d-precise", "0.25", 200.0),
+        ],
+        "seeds": [
+            {"seed": 0, "floor_cost_usd": "0.08", "model_s_at_floor": 90.0},
+            # A seed whose floor's hit rate no cache size bracketed has no model time there.
+            {"seed": 1, "floor_cost_usd": "0.20", "model_s_at_floor": None},
+        ],
+    }
+    ratios = against_anchor(result)
+    assert "anchor llm-d-precise" not in ratios
+    # Paired by seed, not mean over mean: (1.5 + 0.5) / 2, where 250 / 300 would be 0.83.
+    ours = ratios["cache ×1"]
+    assert ours["model_s"]["mean"] == pytest.approx(1.0)
+    assert ours["cost"]["mean"] == pytest.approx((1.0 + 0.8) / 2)
+    assert ours["cost"]["seeds"] == 2
+    assert ratios["KV-capacity floor (the bound)"]["cost"]["mean"] == pytest.approx(0.8)
+    at_floor = ratios["at the KV-capacity floor's hit rate"]["model_s"]
+    assert at_floor == {"mean": pytest.approx(0.9), "ci95": None, "seeds": 1}
+
+
+def test_an_unknown_anchor_is_a_clear_error_before_any_run() -> None:
+    app = typer.Typer()
+    app.command()(main)
+    done = CliRunner().invoke(
+        app, ["--workload", "long-agent", "--capacity", "0.0229", "--anchor", "llm-e"]
+    )
+    assert done.exit_code == 2
+    assert "unknown policy 'llm-e'; choose from" in done.output
+    assert "Traceback" not in done.output

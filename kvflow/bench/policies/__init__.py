@@ -701,12 +701,18 @@ def _model_time_goal(result: WorkloadResult, figure: str, target: float) -> Goal
                 f"{batched / theirs:.2f}×"
             )
         elif theirs and recompute >= 0.05:
+            # A miss also slows the calls decoding beside it, which has no closed form: the
+            # relaxations measure model time at the floor's hit rate against this anchor.
+            mechanisms = ",".join(sorted(result.mechanisms))
             bound = (
                 f"; bound: an idle fleet with every conversation cached takes {idle:.1f} s, "
                 f"and recomputing what the KV-capacity floor misses adds {recompute:.1f} s: "
-                f"{(idle + recompute) / theirs:.2f}× (a miss also slows the calls beside it: "
-                "model time at the floor's hit rate, `python -m "
-                "kvflow.bench.policies.relaxations`)"
+                f"{(idle + recompute) / theirs:.2f}×; a miss also slows the calls beside it, "
+                "and model time at the floor's hit rate, over this anchor's seed by seed, is "
+                "measured by `python -m kvflow.bench.policies.relaxations --workload "
+                f"{result.name} --capacity {result.capacity.tasks_per_s:.4g} --load "
+                f"{result.load:g} --replicas {result.replicas} --anchor {best} --mechanisms "
+                f"{mechanisms} --seeds 10` (benchmarks/README.md)"
             )
         elif theirs:
             bound = (

@@ -21,6 +21,11 @@ constraint lifted at a time, on the seeds, tasks and load of `kvflow bench polic
   that holds new tasks back could make the load, without the wait it would cost them; it
   says what admission could buy against the peaks of the cache's demand.
 
+With `--anchor`, that policy also runs on the fleet as it is, and each relaxation is set
+against it seed by seed (`against_anchor`): the ratio a goal of the form "≤ k× the best
+anchor's" has to beat, with its 95% interval. Where even the relaxation's interval lies
+above k, the relaxation is the bound that explains the miss.
+
 Beside them, the KV-capacity floor twice: as the bound (running calls hold their prompt for
 their idle-fleet model time) and with running calls held as long as the policy's measured
 model time says (`running_time_scale`: measured over idle model time, on the fleet as it is).
@@ -52,7 +57,7 @@ from rich.table import Table
 from kvflow.bench.policies.bounds import kv_capacity_floor, lifetime_estimate_s, success_ceiling
 from kvflow.bench.policies.figures import figures, mean_ci
 from kvflow.bench.policies.fleet import bench_fleet, engine_config, fleet_tenants
-from kvflow.bench.policies.runs import RunPlan, run_plan, run_policy
+from kvflow.bench.policies.runs import RunPlan, policy_factories, run_plan, run_policy
 from kvflow.scheduler.fleet import Fleet
 from kvflow.simulator.policies.base import DEFAULT_MECHANISMS, MECHANISMS
 from kvflow.simulator.workloads import WORKLOADS, Task, Workload, WorkloadSpec
@@ -87,6 +92,7 @@ class _Job:
     mechanisms: frozenset[str] = DEFAULT_MECHANISMS
     kind: bool = False
     even: bool = False
+    anchor: bool = False
 
 
 def quick_plan(spec: WorkloadSpec, fleet: Fleet, task_rate: float) -> RunPlan:
@@ -110,7 +116,9 @@ def _run(job: _Job) -> RelaxedRun:
     return RelaxedRun(
         seed=job.seed,
         variant=(
-            "retention by the tool's kind"
+            f"anchor {job.policy}"
+            if job.anchor
+            else "retention by the tool's kind"
             if job.kind
             else "oracle retention"
             if job.oracle
@@ -197,12 +205,21 @@ def relax(
     workers: int = 2,
     mechanisms: frozenset[str] = DEFAULT_MECHANISMS,
     even_arrivals: bool = False,
+    anchor: str | None = None,
 ) -> dict[str, Any]:
-    """Every scale (and the oracle, even arrivals) on every seed; the floor's figures there."""
+    """Every scale (and the oracle, even arrivals) on every seed; the floor's figures there.
+
+    `anchor`: that policy too, on the fleet as it is with the same mechanisms, and every
+    relaxation's ratio to it (`against_anchor`).
+    """
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
     if task_rate <= 0:
         raise ValueError(f"the task rate must be positive, got {task_rate}")
+    known = policy_factories()
+    for name in (policy, anchor):
+        if name is not None and name not in known:
+            raise ValueError(f"unknown policy {name!r}; choose from {', '.join(known)}")
     count = replicas or WORKLOADS[workload].quick_replicas
     jobs = [
         _Job(workload, count, seed, task_rate, policy, scale, False, mechanisms)
@@ -221,6 +238,11 @@ def relax(
     if even_arrivals:
         jobs += [
             _Job(workload, count, seed, task_rate, policy, 1.0, False, mechanisms, even=True)
+            for seed in seeds
+        ]
+    if anchor is not None:
+        jobs += [
+            _Job(workload, count, seed, task_rate, anchor, 1.0, False, mechanisms, anchor=True)
             for seed in seeds
         ]
     context = multiprocessing.get_context("fork")
@@ -245,15 +267,69 @@ def relax(
             if r.seed == floor["seed"] and r.variant.startswith("cache")
         ]
         floor["model_s_at_floor"] = at_hit_rate(points, floor["floor_hit_rate"])
-    return {
+    result: dict[str, Any] = {
         "workload": workload,
         "policy": policy,
+        "anchor": anchor,
         "replicas": count,
         "task_rate_per_s": task_rate,
         "mechanisms": sorted(mechanisms),
         "runs": [asdict(r) for r in runs],
         "seeds": floors,
     }
+    if anchor is not None:
+        result["against_anchor"] = against_anchor(result)
+    return result
+
+
+def _paired(ours: dict[int, float], theirs: dict[int, float]) -> dict[str, Any] | None:
+    """Ours over theirs seed by seed: the mean, the 95% interval, the seeds paired."""
+    ratios = [ours[seed] / theirs[seed] for seed in sorted(ours) if theirs.get(seed)]
+    interval = mean_ci(ratios)
+    if interval is None:
+        return None
+    return {"mean": round(interval.mean, 6), "ci95": interval.as_pair(), "seeds": interval.n}
+
+
+def against_anchor(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each relaxation's cost and model time over the anchor's, paired by seed.
+
+    Rows: every variant run (the policy at each cache size, the oracles), the KV-capacity
+    floor (cost only: it has no model time) and the model time at the floor's hit rate.
+    A goal "≤ k× the best anchor's" that even a relaxation's interval lies above is out of
+    reach of every policy that relaxation bounds.
+    """
+    label = f"anchor {result['anchor']}"
+    anchor_runs = {r["seed"]: r for r in result["runs"] if r["variant"] == label}
+    anchor_cost = {s: float(r["cost_per_successful_task_usd"]) for s, r in anchor_runs.items()}
+    anchor_model = {s: r["mean_model_s"] for s, r in anchor_runs.items()}
+    out: dict[str, dict[str, Any]] = {}
+    for variant in dict.fromkeys(r["variant"] for r in result["runs"]):
+        if variant == label:
+            continue
+        rows = [r for r in result["runs"] if r["variant"] == variant]
+        out[variant] = {
+            "cost": _paired(
+                {r["seed"]: float(r["cost_per_successful_task_usd"]) for r in rows}, anchor_cost
+            ),
+            "model_s": _paired({r["seed"]: r["mean_model_s"] for r in rows}, anchor_model),
+        }
+    seeds = result["seeds"]
+    out["KV-capacity floor (the bound)"] = {
+        "cost": _paired(
+            {s["seed"]: float(s["floor_cost_usd"]) for s in seeds if s["floor_cost_usd"]},
+            anchor_cost,
+        ),
+        "model_s": None,
+    }
+    out["at the KV-capacity floor's hit rate"] = {
+        "cost": None,
+        "model_s": _paired(
+            {s["seed"]: s["model_s_at_floor"] for s in seeds if s["model_s_at_floor"]},
+            anchor_model,
+        ),
+    }
+    return out
 
 
 def _cell(values: list[float], fmt: str) -> str:
@@ -315,6 +391,29 @@ def _table(result: dict[str, Any]) -> Table:
     return table
 
 
+def _ratio_cell(paired: dict[str, Any] | None) -> str:
+    """`0.912× [0.881, 0.943]`, or empty without a figure."""
+    if paired is None:
+        return ""
+    pair = paired["ci95"]
+    spread = "" if pair is None else f" [{pair[0]:.3f}, {pair[1]:.3f}]"
+    return f"{paired['mean']:.3f}×{spread}"
+
+
+def _anchor_table(result: dict[str, Any]) -> Table:
+    table = Table(
+        title=(
+            f"{result['workload']}: each relaxation over {result['anchor']} on the fleet as it "
+            "is, paired by seed (mean [95% interval])"
+        )
+    )
+    for column in ("variant", "× cost", "× model time"):
+        table.add_column(column, justify="left" if column == "variant" else "right")
+    for variant, ratios in result["against_anchor"].items():
+        table.add_row(variant, _ratio_cell(ratios["cost"]), _ratio_cell(ratios["model_s"]))
+    return table
+
+
 def _mechanisms(text: str) -> frozenset[str]:
     """`--mechanisms`: names of `MECHANISMS`, comma-separated."""
     names = frozenset(part.strip() for part in text.split(",") if part.strip())
@@ -352,6 +451,10 @@ def main(
     capacity: CapacityOption,
     load: LoadOption = 1.0,
     seeds: SeedsOption = 5,
+    replicas: Annotated[
+        int | None,
+        typer.Option(min=1, help="replicas in the fleet (default: the workload's quick fleet)"),
+    ] = None,
     policy: Annotated[str, typer.Option(help="the policy to relax")] = "kvflow",
     scales: Annotated[
         str, typer.Option(help="KV-cache multiples, comma-separated (1 is the fleet as it is)")
@@ -365,6 +468,10 @@ def main(
     mechanisms: Annotated[
         str, typer.Option(help="mechanisms around every run, comma-separated (as the benchmark)")
     ] = ",".join(sorted(DEFAULT_MECHANISMS)),
+    anchor: Annotated[
+        str | None,
+        typer.Option(help="also run this policy as it is, and set every relaxation against it"),
+    ] = None,
     jobs: JobsOption = 2,
     json_file: Annotated[Path | None, typer.Option("--json", help="write the runs here")] = None,
 ) -> None:
@@ -372,14 +479,16 @@ def main(
     try:
         multiples = _scales(scales)
         result = relax(
-            workload, task_rate=capacity * load, seeds=list(range(seeds)), policy=policy,
-            scales=multiples, oracle=oracle, workers=jobs, mechanisms=_mechanisms(mechanisms),
-            even_arrivals=even_arrivals,
+            workload, task_rate=capacity * load, seeds=list(range(seeds)), replicas=replicas,
+            policy=policy, scales=multiples, oracle=oracle, workers=jobs,
+            mechanisms=_mechanisms(mechanisms), even_arrivals=even_arrivals, anchor=anchor,
         )  # fmt: skip
     except ValueError as error:
         Console(stderr=True).print(f"error: {error}", highlight=False)
         raise typer.Exit(2) from None
     Console().print(_table(result))
+    if anchor is not None:
+        Console().print(_anchor_table(result))
     if json_file is not None:
         json_file.write_text(json.dumps(result, indent=2) + "\n")
 
