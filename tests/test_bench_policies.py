@@ -743,8 +743,16 @@ def test_the_long_agent_model_time_goal_names_a_relaxation_run_against_its_ancho
     )
     goals = {g.text: g for g in result.goals}
     detail = goals["mean model time ≤ 0.8× the best anchor's"].detail
-    # The closed-form part of the bound, then the command that measures the rest.
+    # The closed-form part of the bound, then model time at the floor's hit rate: kvflow on
+    # larger caches, read at the floor's hit rate, over the anchor's model time on that seed.
     assert "recomputing what the KV-capacity floor misses adds" in detail
+    (anchor_run,) = result.summaries["llm-d-precise"].runs
+    at_floor = result.model_s_at_floor[0]
+    (kvflow_run,) = result.summaries["kvflow"].runs
+    # Bracketed by kvflow's own run and its largest cache's: no extrapolation.
+    assert at_floor < kvflow_run.mean_model_s
+    assert f"model time is {at_floor / anchor_run.mean_model_s:.3f}× (kvflow on engines" in detail
+    assert kvflow_run.prefix_hit_rate < result.capacity_floors[0].prefix_hit_rate
     command = detail.split("`")[1].split()
     assert command[:3] == ["python", "-m", "kvflow.bench.policies.relaxations"]
     # The command as printed is one the study takes, on this run's fleet, load and anchor.

@@ -10,9 +10,10 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from kvflow.bench.policies.bounds import at_hit_rate
 from kvflow.bench.policies.fleet import bench_fleet
 from kvflow.bench.policies.late_steps import main as late_steps_main
-from kvflow.bench.policies.relaxations import against_anchor, at_hit_rate, main, seed_floors
+from kvflow.bench.policies.relaxations import against_anchor, main, seed_floors
 from kvflow.bench.policies.runs import run_policy
 from kvflow.bench.policies.task_runner import ORACLE_RETENTION_S, oracle_retention
 from kvflow.simulator.kvcache import DEFAULT_RETENTION_PRIORITY

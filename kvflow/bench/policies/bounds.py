@@ -9,7 +9,9 @@
 - the batching bound (`batching_bound`): the least mean time per output token with which a
   fleet serves the load, whatever the order and placement, and the model time it implies;
 - idle-fleet lifetimes (`lifetime_estimate_s`), behind the runs' warm-up, and the compute
-  bound (`compute_bound_tasks_per_s`), where the capacity probes start.
+  bound (`compute_bound_tasks_per_s`), where the capacity probes start;
+- model time at a hit rate (`at_hit_rate`), read between runs on larger KV caches: the model
+  time of a policy that reached the KV-capacity floor's hit rate, which has no closed form.
 """
 
 from __future__ import annotations
@@ -612,3 +614,15 @@ def compute_bound_tasks_per_s(spec: WorkloadSpec, fleet: Fleet) -> float:
                 seen = step.calls[0].prompt_tokens + step.calls[0].output_tokens
         total += pool.replicas / (seconds / len(sample))
     return total
+
+
+def at_hit_rate(points: Sequence[tuple[float, float]], hit: float) -> float | None:
+    """Model time at `hit`, linear between the measured (hit rate, model time) around it.
+
+    None outside the range measured: no extrapolation.
+    """
+    ordered = sorted(points)
+    for (h0, m0), (h1, m1) in itertools.pairwise(ordered):
+        if h0 <= hit <= h1:
+            return m0 if h1 == h0 else m0 + (m1 - m0) * (hit - h0) / (h1 - h0)
+    return None

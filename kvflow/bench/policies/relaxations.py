@@ -42,7 +42,6 @@ admission and eviction order can buy.
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import json
 import multiprocessing
 from dataclasses import asdict, dataclass
@@ -54,7 +53,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvflow.bench.policies.bounds import kv_capacity_floor, lifetime_estimate_s, success_ceiling
+from kvflow.bench.policies.bounds import (
+    at_hit_rate,
+    kv_capacity_floor,
+    lifetime_estimate_s,
+    success_ceiling,
+)
 from kvflow.bench.policies.figures import figures, mean_ci
 from kvflow.bench.policies.fleet import bench_fleet, engine_config, fleet_tenants
 from kvflow.bench.policies.runs import RunPlan, policy_factories, run_plan, run_policy
@@ -179,18 +183,6 @@ def seed_floors(
             "cost_usd": _usd(loaded.cost_per_task_usd),
         }
     return result
-
-
-def at_hit_rate(points: list[tuple[float, float]], hit: float) -> float | None:
-    """Model time at `hit`, linear between the measured (hit rate, model time) around it.
-
-    None outside the range measured: no extrapolation.
-    """
-    ordered = sorted(points)
-    for (h0, m0), (h1, m1) in itertools.pairwise(ordered):
-        if h0 <= hit <= h1:
-            return m0 if h1 == h0 else m0 + (m1 - m0) * (hit - h0) / (h1 - h0)
-    return None
 
 
 def relax(

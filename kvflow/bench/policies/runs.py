@@ -20,6 +20,7 @@ from kvflow.bench.policies.bounds import (
     KvCapacityFloor,
     SuccessCeiling,
     ZeroMissFloor,
+    at_hit_rate,
     batching_bound,
     kv_capacity_floor,
     success_ceiling,
@@ -279,6 +280,9 @@ class SeedJob:
     ablate: bool = False
     bounds: bool = True
     """Also compute the bounds: both floors and the success ceiling (at the first load)."""
+    relax_scales: tuple[float, ...] = ()
+    """With the bounds, also run kvflow on engines with these multiples of their KV cache, to
+    read its model time at the KV-capacity floor's hit rate (`SeedResult.model_s_at_floor`)."""
 
 
 @dataclass
@@ -292,6 +296,9 @@ class SeedResult:
     ceiling: SuccessCeiling | None
     capacity_floor: KvCapacityFloor | None = None
     batching: BatchingBound | None = None
+    model_s_at_floor: float | None = None
+    """kvflow's mean model time at the KV-capacity floor's hit rate, interpolated between its
+    runs on larger caches (`SeedJob.relax_scales`); None when not run or not bracketed."""
 
 
 def _plan(job: SeedJob, rate: float) -> RunPlan:
@@ -352,6 +359,10 @@ def run_seed(job: SeedJob, progress: Callable[[str], None] | None = None) -> See
             )
 
         result.runs[at] = {p: measured(o) for p, o in outcomes.items()}
+        if number == 0 and result.capacity_floor is not None and "kvflow" in outcomes:
+            result.model_s_at_floor = _model_s_at_floor(
+                job, outcomes["kvflow"], result.capacity_floor, rate, plan, workload, progress
+            )
         if job.ablate and number == 0:
             base = job.extra.get("kvflow", {})
             config = base.get("scheduler_config") or SchedulerConfig()
@@ -383,6 +394,39 @@ def run_seed(job: SeedJob, progress: Callable[[str], None] | None = None) -> See
                 )  # fmt: skip
                 result.ablations[name] = measured(run.outcome)
     return result
+
+
+def _model_s_at_floor(
+    job: SeedJob,
+    kvflow: Outcome,
+    floor: KvCapacityFloor,
+    rate: float,
+    plan: RunPlan,
+    workload: Workload,
+    progress: Callable[[str], None] | None,
+) -> float | None:
+    """The model time at the floor's hit rate: between kvflow's runs on larger KV caches.
+
+    Model time has no closed-form bound where the cache binds: a miss slows every call
+    decoding beside the recompute. Larger caches give least-recently-used engines higher hit
+    rates; reading model time between them at the floor's hit rate estimates what a policy
+    that reached the floor would take (`kvflow.bench.policies.relaxations`).
+    """
+    if not job.relax_scales:
+        return None
+    measured = figures(kvflow, 0.0)
+    points = [(measured.prefix_hit_rate, measured.mean_model_s)]
+    for scale in job.relax_scales:
+        if progress is not None:
+            progress(f"{job.workload}, seed {job.seed}: kvflow with {scale:g}× the KV cache")
+        run = run_policy(
+            "kvflow", spec=WORKLOADS[job.workload], fleet=job.fleet, task_rate=rate,
+            seed=job.seed, plan=plan, mechanisms=job.mechanisms,
+            extra=job.extra.get("kvflow"), workload=workload, kv_cache_scale=scale,
+        )  # fmt: skip
+        larger = figures(run.outcome, 0.0)
+        points.append((larger.prefix_hit_rate, larger.mean_model_s))
+    return at_hit_rate(points, floor.prefix_hit_rate)
 
 
 def _silence() -> None:
