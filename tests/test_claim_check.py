@@ -9,8 +9,10 @@ claim-checked payload opens in its own workflow only: not in another tenant's ta
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +22,8 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import StartWorkflowExecutionRequest
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle, WorkflowHistory
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.converter import WorkflowSerializationContext
+from temporalio.contrib.pydantic import PydanticPayloadConverter, pydantic_data_converter
+from temporalio.converter import DataConverter, PayloadCodec, WorkflowSerializationContext
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Replayer
 
@@ -31,6 +33,7 @@ from kvflow.activities.claim_check import (
     ClaimCheckCodec,
     ClaimCheckMissing,
     ClaimCheckRefused,
+    claim_check_of,
     is_claim_check,
 )
 from kvflow.activities.context_store import ContextNotFound, DirectoryContextStore
@@ -279,3 +282,71 @@ async def test_a_tenants_claim_checked_input_opens_for_no_other_tenant(
     assert "belongs to another workflow" in task_failed.failure.message
     for history in [*histories, refused.to_json()]:
         assert marker not in history
+
+
+XOR_ENCODING = b"binary/xor"
+
+
+class XorCodec(PayloadCodec):
+    """A user's own codec, standing for encryption: every payload's bytes XORed, under its own
+    encoding, so that none of the original text is readable in what it makes."""
+
+    async def encode(self, payloads: Sequence[Payload]) -> list[Payload]:
+        return [
+            Payload(metadata={"encoding": XOR_ENCODING}, data=_xor(p.SerializeToString()))
+            for p in payloads
+        ]
+
+    async def decode(self, payloads: Sequence[Payload]) -> list[Payload]:
+        return [
+            Payload.FromString(_xor(p.data)) if p.metadata.get("encoding") == XOR_ENCODING else p
+            for p in payloads
+        ]
+
+
+def _xor(data: bytes) -> bytes:
+    return bytes(b ^ 0x5A for b in data)
+
+
+@pytest.mark.timeout(60)
+async def test_a_clients_own_codec_is_kept_and_the_claim_check_stores_what_it_made(
+    temporal_client: Client, tmp_path: Path
+):
+    client = await Client.connect(
+        temporal_client.service_client.config.target_host,
+        namespace=temporal_client.namespace,
+        data_converter=dataclasses.replace(DataConverter.default, payload_codec=XorCodec()),
+        plugins=[KvflowPlugin(context_dir=tmp_path / "context")],
+    )
+    # kvflow's records need pydantic's payload converter; the user's codec stays, first.
+    assert client.data_converter.payload_converter_class is PydanticPayloadConverter
+    claim_check = claim_check_of(client.data_converter)
+    assert claim_check is not None and claim_check.store.location == str(tmp_path / "context")
+
+    large, small = "secret finding " * 400, "a small secret"
+    workflow_id = f"own-codec-{uuid.uuid4().hex[:8]}"
+    handle = await client.start_workflow(
+        "NobodyRunsThis", args=[large, small], id=workflow_id,
+        task_queue=f"nobody-polls-{workflow_id}",
+    )  # fmt: skip
+    try:
+        # History as the server keeps it, read without any codec.
+        raw = await temporal_client.get_workflow_handle(workflow_id).fetch_history()
+        started = raw.events[0].workflow_execution_started_event_attributes
+        reference, inline = started.input.payloads
+        # The small one went through the user's codec only; the large one through the
+        # user's codec, then into the store, and history holds the reference.
+        assert inline.metadata["encoding"] == XOR_ENCODING
+        assert is_claim_check(reference)
+        stored = DirectoryContextStore(tmp_path / "context").get_bytes(
+            reference.data.decode(), reference.metadata[SCOPE_METADATA].decode()
+        )
+        assert Payload.FromString(stored).metadata["encoding"] == XOR_ENCODING
+        assert b"secret" not in stored and b"secret" not in raw.to_json().encode()
+        # The client reads both back: the claim check opened first, then the user's codec.
+        converter = client.data_converter.with_context(
+            WorkflowSerializationContext(namespace=client.namespace, workflow_id=workflow_id)
+        )
+        assert await converter.decode([reference, inline], [str, str]) == [large, small]
+    finally:
+        await handle.terminate()

@@ -24,7 +24,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.worker import Replayer, Worker
 
 import samples.pydantic_ai_support as sample
-from kvflow.activities.claim_check import ClaimCheckCodec, is_claim_check
+from kvflow.activities.claim_check import ClaimCheckCodec, claim_check_of, is_claim_check
 from kvflow.activities.inference import INFER_ACTIVITY
 from kvflow.activities.wire import Sampling
 from kvflow.contrib.pydantic_ai import KvflowPydanticAIPlugin, sampling_of
@@ -134,10 +134,18 @@ async def test_worker_that_would_bypass_kvflow_refuses_to_start_with_the_fix(
             plugins=plugins,
         )
 
-    # KvflowPlugin's converter would replace Pydantic AI's: the order is named.
+    # In either order the client gets Pydantic AI's payload converter and kvflow's claim
+    # check: KvflowPlugin keeps a converter it was given.
     client = await connect(list(reversed(_plugins(tmp_path / "context"))))
+    assert issubclass(client.data_converter.payload_converter_class, PydanticAIPayloadConverter)
+    assert claim_check_of(client.data_converter) is not None
+    # Pydantic AI's plugin on the Worker alone cannot change the client's converter: named.
+    client = await connect([KvflowPlugin(context_dir=tmp_path / "context")])
     with pytest.raises(ValueError, match=r"KvflowPlugin\(...\), KvflowPydanticAIPlugin\(\)"):
-        Worker(client, task_queue="unused", workflows=[sample.WORKFLOW])
+        Worker(
+            client, task_queue="unused", workflows=[sample.WORKFLOW],
+            plugins=[KvflowPydanticAIPlugin()],
+        )  # fmt: skip
     # A fleet model under TemporalDurability would be asked from an activity.
     client = await connect(_plugins(tmp_path / "context"))
     with pytest.raises(UserError, match=r"capabilities=\[KvflowDurability\(\)\]"):

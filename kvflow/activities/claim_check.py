@@ -29,14 +29,15 @@ import asyncio
 import dataclasses
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Self
 
 from temporalio.api.common.v1 import Payload
-from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.contrib.pydantic import PydanticPayloadConverter, pydantic_data_converter
 from temporalio.converter import (
     ActivitySerializationContext,
     DataConverter,
+    DefaultPayloadConverter,
     PayloadCodec,
     SerializationContext,
     WithSerializationContext,
@@ -152,8 +153,78 @@ def claim_check_converter(
     store: ContextStore, threshold_bytes: int | None = INLINE_LIMIT_BYTES
 ) -> DataConverter:
     """The pydantic data converter with a `ClaimCheckCodec` on `store` (None: without one)."""
-    if threshold_bytes is None:
-        return pydantic_data_converter
-    return dataclasses.replace(
-        pydantic_data_converter, payload_codec=ClaimCheckCodec(store, threshold_bytes)
-    )
+    return with_claim_check(store, threshold_bytes)(None)
+
+
+class ChainedCodec(PayloadCodec, WithSerializationContext):
+    """Codecs in turn: encoding runs them in order, decoding in reverse.
+
+    Holds a user's own codec (encryption, compression) and kvflow's claim check after it, so
+    that what the context store keeps is what the user's codec made of the payload.
+    """
+
+    def __init__(self, codecs: Sequence[PayloadCodec]) -> None:
+        self.codecs = tuple(codecs)
+
+    def with_context(self, context: SerializationContext) -> Self:
+        """Each codec that takes a serialization context, given it."""
+        return type(self)(
+            [c.with_context(context) if isinstance(c, WithSerializationContext) else c
+             for c in self.codecs]
+        )  # fmt: skip
+
+    async def encode(self, payloads: Sequence[Payload]) -> list[Payload]:
+        """Every codec's encoding, first to last."""
+        encoded = list(payloads)
+        for codec in self.codecs:
+            encoded = await codec.encode(encoded)
+        return encoded
+
+    async def decode(self, payloads: Sequence[Payload]) -> list[Payload]:
+        """Every codec's decoding, last to first."""
+        decoded = list(payloads)
+        for codec in reversed(self.codecs):
+            decoded = await codec.decode(decoded)
+        return decoded
+
+
+def claim_check_of(converter: DataConverter) -> ClaimCheckCodec | None:
+    """The `ClaimCheckCodec` that `converter` encodes with, alone or after a user's codec."""
+    codec = converter.payload_codec
+    if isinstance(codec, ClaimCheckCodec):
+        return codec
+    if isinstance(codec, ChainedCodec):
+        return next((c for c in codec.codecs if isinstance(c, ClaimCheckCodec)), None)
+    return None
+
+
+def with_claim_check(
+    store: ContextStore, threshold_bytes: int | None = INLINE_LIMIT_BYTES
+) -> Callable[[DataConverter | None], DataConverter]:
+    """What `KvflowPlugin` makes of the data converter a client was given.
+
+    kvflow's models need pydantic's payload converter: the SDK's default one is replaced by
+    it; one of the user's own choosing (pydantic's, Pydantic AI's, the Agents SDK's) is kept,
+    and must read pydantic models. The rest of the converter is kept, and a codec of the
+    user's own stays first:
+    the claim check runs after it on encoding (it stores what that codec made, encrypted if
+    it encrypts) and before it on decoding. A converter that claim-checks already is kept as
+    it is. `threshold_bytes` None: no claim check.
+    """
+
+    def configure(existing: DataConverter | None) -> DataConverter:
+        base = existing if existing is not None else pydantic_data_converter
+        if claim_check_of(base) is not None:
+            return base
+        converter_class = base.payload_converter_class
+        if converter_class is DefaultPayloadConverter:
+            converter_class = PydanticPayloadConverter
+        codec = base.payload_codec
+        if threshold_bytes is not None:
+            claim_check = ClaimCheckCodec(store, threshold_bytes)
+            codec = claim_check if codec is None else ChainedCodec([codec, claim_check])
+        return dataclasses.replace(
+            base, payload_converter_class=converter_class, payload_codec=codec
+        )
+
+    return configure

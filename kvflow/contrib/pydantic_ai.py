@@ -367,10 +367,10 @@ class KvflowDurability(TemporalDurability[AgentDepsT]):
 class KvflowPydanticAIPlugin(PydanticAIPlugin):
     """Pydantic AI's Temporal plugin for a worker whose agents' model calls run on kvflow.
 
-    Put it after `KvflowPlugin` in the client's plugins: `KvflowPlugin` sets kvflow's data
-    converter (pydantic, with the claim-check codec that keeps payloads over 2 KB in the
-    context store); this plugin then swaps in Pydantic AI's payload converter and keeps the
-    codec, so both kinds of payload round-trip. On a worker it does what `PydanticAIPlugin`
+    Put it beside `KvflowPlugin` in the client's plugins, in either order: `KvflowPlugin` adds
+    its claim-check codec (payloads over 2 KB kept in the context store) and keeps a pydantic
+    payload converter it finds; this plugin swaps in Pydantic AI's payload converter and keeps
+    the codec, so both kinds of payload round-trip. On a worker it does what `PydanticAIPlugin`
     does (the sandbox lets Pydantic AI through, the tool activities of the agents that
     workflows list in `__pydantic_ai_agents__` are registered) and refuses to start, with the
     fix, when the worker has no `KvflowPlugin(fleet)`, when the client's converter is not
@@ -384,8 +384,8 @@ class KvflowPydanticAIPlugin(PydanticAIPlugin):
             raise ValueError(
                 f"the client's payload converter is {converter.payload_converter_class.__name__}, "
                 "not Pydantic AI's: connect the client with "
-                "`plugins=[KvflowPlugin(...), KvflowPydanticAIPlugin()]`, in this order "
-                "(a plugin on the Worker alone does not change the client's data converter)"
+                "`plugins=[KvflowPlugin(...), KvflowPydanticAIPlugin()]` (a plugin on the "
+                "Worker alone does not change the client's data converter)"
             )
         for workflow_class in config.get("workflows") or ():
             for agent in getattr(workflow_class, "__pydantic_ai_agents__", None) or ():

@@ -48,7 +48,7 @@ from temporalio.runtime import (
 from temporalio.service import RPCError
 from temporalio.worker import Worker
 
-from kvflow.activities.claim_check import ClaimCheckCodec
+from kvflow.activities.claim_check import claim_check_of
 from kvflow.activities.context_store import DEFAULT_CONTEXT_DIR, DirectoryContextStore
 from kvflow.activities.wire import INLINE_LIMIT_BYTES
 from kvflow.ledger.report import GroupField, ReportQuery
@@ -241,8 +241,7 @@ def framework_worker(
     config = client.config()
     # The demo client's claim checks (store and threshold), or none: its GPU workers decode
     # what this worker encodes.
-    codec = config["data_converter"].payload_codec
-    claim_check = codec if isinstance(codec, ClaimCheckCodec) else None
+    claim_check = claim_check_of(config["data_converter"])
     plugins = [
         KvflowPlugin(
             control_plane=control_plane,

@@ -6,7 +6,10 @@ One plugin class plays three roles, chosen by what it is given:
   converter (kvflow's records are pydantic models; the default converter fails on `Decimal`)
   with a claim-check codec on the context store (payloads over `INLINE_LIMIT_BYTES` travel
   as references, see `kvflow.activities.claim_check`), and the OpenTelemetry tracing
-  interceptor. Every client and worker of a deployment must use the same context store.
+  interceptor. A data converter given to `Client.connect` is kept: its own payload
+  converter (other than the SDK's default), and its codec (encryption, compression) first,
+  the claim check after it (`with_claim_check`). Every client and worker of a deployment
+  must use the same context store.
 - **workflow worker** (`KvflowPlugin(fleet)`): on a `Worker` it registers the control plane's
   activities (placement, observation, ledger task rows, the context store), runs the fleet's
   scheduler with its telemetry for as long as the worker runs, makes sure kvflow's search
@@ -42,12 +45,11 @@ from typing import Any
 import httpx
 from temporalio.client import Client, ClientConfig
 from temporalio.contrib.opentelemetry import TracingInterceptor
-from temporalio.converter import DataConverter
 from temporalio.plugin import SimplePlugin
 from temporalio.worker import Worker, WorkerConfig, WorkflowRunner
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 
-from kvflow.activities.claim_check import ClaimCheckCodec, claim_check_converter
+from kvflow.activities.claim_check import claim_check_of, with_claim_check
 from kvflow.activities.context_store import (
     DEFAULT_CONTEXT_DIR,
     ContextStore,
@@ -162,6 +164,7 @@ class KvflowPlugin(SimplePlugin):
         self._owns_control_plane = False
         self._owns_inference = False
         self._client: Client | None = None
+        self._claim_check_bytes = claim_check_bytes
         self._spooler: SpooledAttemptWriter | None = None
         if fleet is not None and replica is not None:
             binding = resolve_replica(fleet, replica, endpoint)
@@ -196,7 +199,8 @@ class KvflowPlugin(SimplePlugin):
             activities = self.control_plane.activities.all()
         super().__init__(
             PLUGIN_NAME,
-            data_converter=claim_check_converter(store, claim_check_bytes),
+            # The client's own converter is kept, with kvflow's claim check after its codec.
+            data_converter=with_claim_check(store, claim_check_bytes),
             interceptors=[
                 *([TracingInterceptor()] if tracing else []),
                 # Workflow workers: activities a task starts end by its deadline, and a task
@@ -255,12 +259,9 @@ class KvflowPlugin(SimplePlugin):
         failure) fails its workflow task on every try, and the task hangs until the worker
         runs on a client that can.
         """
-        mine = self.data_converter
-        if not isinstance(mine, DataConverter) or not isinstance(
-            mine.payload_codec, ClaimCheckCodec
-        ):
-            return  # this plugin claim-checks nothing (`claim_check_bytes=None`)
-        if isinstance(client.data_converter.payload_codec, ClaimCheckCodec):
+        if self._claim_check_bytes is None:
+            return  # this plugin claim-checks nothing
+        if claim_check_of(client.data_converter) is not None:
             return
         log.warning(
             "this worker's Temporal client was connected without KvflowPlugin: payloads over "
@@ -268,7 +269,7 @@ class KvflowPlugin(SimplePlugin):
             "that meets one stops until they can; connect it with "
             "Client.connect(..., plugins=[KvflowPlugin(context_dir=...)]) on the store every "
             "worker uses",
-            mine.payload_codec.threshold_bytes,
+            self._claim_check_bytes,
         )
 
     @asynccontextmanager
