@@ -11,11 +11,13 @@ import subprocess
 import sys
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import pytest
 import typer
 
 from kvflow.bench.policies import (
+    WorkloadResult,
     policy_factories,
     run_plan,
     run_policy,
@@ -677,15 +679,16 @@ def test_bench_policies_refuses_bad_input_with_exit_code_2(args: list[str], mess
     assert "Traceback" not in done.stderr
 
 
+def _one_seed(workload: str, anchor: str, capacity: float, **options: Any) -> WorkloadResult:
+    """kvflow and one anchor on seed 0 of `workload`, 2 replicas, a short window."""
+    return run_workload(
+        workload, replicas=2, seeds=(0,), policies=["kvflow", anchor],
+        capacity_tasks_per_s=capacity, window_lifetimes=0.3, **options,
+    )  # fmt: skip
+
+
 def test_each_goal_of_a_workload_is_judged_on_kvflows_ratio_and_states_its_bound() -> None:
-    result = run_workload(
-        "overload",
-        replicas=2,
-        seeds=(0,),
-        policies=["kvflow", "sglang-tuned"],
-        capacity_tasks_per_s=0.3,
-        window_lifetimes=0.3,
-    )
+    result = _one_seed("overload", "sglang-tuned", 0.3)
     goals = {g.text: g for g in result.goals}
     assert list(goals) == [
         "goodput ≥ 1.3× the best anchor's",
@@ -714,15 +717,7 @@ def test_each_goal_of_a_workload_is_judged_on_kvflows_ratio_and_states_its_bound
 
 
 def test_the_floor_goal_says_where_the_best_anchor_stands_against_the_floor() -> None:
-    result = run_workload(
-        "agent",
-        replicas=2,
-        seeds=(0,),
-        load=0.5,
-        policies=["kvflow", "sglang-tuned"],
-        capacity_tasks_per_s=0.5,
-        window_lifetimes=0.3,
-    )
+    result = _one_seed("agent", "sglang-tuned", 0.5, load=0.5)
     goals = {g.text: g for g in result.goals}
     goal = goals["cost per successful task within 2% of the zero-miss floor"]
     floor = result.floor_cost()
@@ -733,14 +728,7 @@ def test_the_floor_goal_says_where_the_best_anchor_stands_against_the_floor() ->
 
 
 def test_the_long_agent_model_time_goal_names_a_relaxation_run_against_its_anchor() -> None:
-    result = run_workload(
-        "long-agent",
-        replicas=2,
-        seeds=(0,),
-        policies=["kvflow", "llm-d-precise"],
-        capacity_tasks_per_s=0.0229,
-        window_lifetimes=0.3,
-    )
+    result = _one_seed("long-agent", "llm-d-precise", 0.0229)
     goals = {g.text: g for g in result.goals}
     detail = goals["mean model time ≤ 0.8× the best anchor's"].detail
     # The closed-form part of the bound, then model time at the floor's hit rate: kvflow on

@@ -96,14 +96,20 @@ def test_the_floor_at_measured_load_is_above_the_bound_and_none_without_a_measur
     assert faster["prefix_hit_rate"] == pytest.approx(floors["floor_hit_rate"])
 
 
-def test_an_unknown_mechanism_is_a_clear_error_without_a_traceback() -> None:
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--workload", "agent", "--mechanisms", "hints,telepathy"], "unknown mechanism telepathy"),
+        (["--workload", "long-agent", "--anchor", "llm-e"], "unknown policy 'llm-e'"),
+    ],
+    ids=["mechanism", "anchor"],
+)
+def test_an_unknown_name_is_a_clear_error_before_any_run(args: list[str], message: str) -> None:
     app = typer.Typer()
     app.command()(main)
-    done = CliRunner().invoke(
-        app, ["--workload", "agent", "--capacity", "1", "--mechanisms", "hints,telepathy"]
-    )
+    done = CliRunner().invoke(app, [*args, "--capacity", "0.0229"])
     assert done.exit_code == 2
-    assert "unknown mechanism telepathy; choose from" in done.output
+    assert f"{message}; choose from" in done.output
     assert "Traceback" not in done.output
 
 
@@ -191,14 +197,3 @@ def test_each_relaxation_is_set_against_the_anchor_seed_by_seed() -> None:
     assert ratios["KV-capacity floor (the bound)"]["cost"]["mean"] == pytest.approx(0.8)
     at_floor = ratios["at the KV-capacity floor's hit rate"]["model_s"]
     assert at_floor == {"mean": pytest.approx(0.9), "ci95": None, "seeds": 1}
-
-
-def test_an_unknown_anchor_is_a_clear_error_before_any_run() -> None:
-    app = typer.Typer()
-    app.command()(main)
-    done = CliRunner().invoke(
-        app, ["--workload", "long-agent", "--capacity", "0.0229", "--anchor", "llm-e"]
-    )
-    assert done.exit_code == 2
-    assert "unknown policy 'llm-e'; choose from" in done.output
-    assert "Traceback" not in done.output

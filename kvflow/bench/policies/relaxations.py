@@ -334,15 +334,21 @@ def _cell(values: list[float], fmt: str) -> str:
     return f"{format(interval.mean, fmt)}{half}"
 
 
+def _variant_table(title: str, *figures: str) -> Table:
+    """A table of variants (left) and their `figures` (right-aligned)."""
+    table = Table(title=title)
+    table.add_column("variant", justify="left")
+    for column in figures:
+        table.add_column(column, justify="right")
+    return table
+
+
 def _table(result: dict[str, Any]) -> Table:
-    table = Table(
-        title=(
-            f"{result['workload']}: {result['policy']} with one constraint lifted "
-            "(mean ± 95% half-width over seeds)"
-        )
-    )
-    for column in ("variant", "hit", "$/successful task", "model s", "success"):
-        table.add_column(column, justify="left" if column == "variant" else "right")
+    table = _variant_table(
+        f"{result['workload']}: {result['policy']} with one constraint lifted (mean ± 95% "
+        "half-width over seeds)",
+        "hit", "$/successful task", "model s", "success",
+    )  # fmt: skip
     variants = list(dict.fromkeys(r["variant"] for r in result["runs"]))
     for variant in variants:
         rows = [r for r in result["runs"] if r["variant"] == variant]
@@ -393,14 +399,11 @@ def _ratio_cell(paired: dict[str, Any] | None) -> str:
 
 
 def _anchor_table(result: dict[str, Any]) -> Table:
-    table = Table(
-        title=(
-            f"{result['workload']}: each relaxation over {result['anchor']} on the fleet as it "
-            "is, paired by seed (mean [95% interval])"
-        )
-    )
-    for column in ("variant", "× cost", "× model time"):
-        table.add_column(column, justify="left" if column == "variant" else "right")
+    table = _variant_table(
+        f"{result['workload']}: each relaxation over {result['anchor']} on the fleet as it is, "
+        "paired by seed (mean [95% interval])",
+        "× cost", "× model time",
+    )  # fmt: skip
     for variant, ratios in result["against_anchor"].items():
         table.add_row(variant, _ratio_cell(ratios["cost"]), _ratio_cell(ratios["model_s"]))
     return table
