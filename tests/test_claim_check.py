@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import secrets
 import uuid
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import StartWorkflowExecutionRequest
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle, WorkflowHistory
 from temporalio.contrib.pydantic import PydanticPayloadConverter, pydantic_data_converter
-from temporalio.converter import DataConverter, PayloadCodec, WorkflowSerializationContext
+from temporalio.converter import DataConverter, WorkflowSerializationContext
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Replayer
 
@@ -41,6 +40,7 @@ from kvflow.activities.wire import INLINE_LIMIT_BYTES, ContextRef, InferenceResu
 from kvflow.workers.plugin import KvflowPlugin
 from kvflow.workflows import errors
 from tests import agent_workflows as wf
+from tests.codecs import XOR_ENCODING, XorCodec
 from tests.history import payloads_in
 from tests.stacks import MODEL, PoolPlan, fleet_stack, task_spec
 
@@ -282,30 +282,6 @@ async def test_a_tenants_claim_checked_input_opens_for_no_other_tenant(
     assert "belongs to another workflow" in task_failed.failure.message
     for history in [*histories, refused.to_json()]:
         assert marker not in history
-
-
-XOR_ENCODING = b"binary/xor"
-
-
-class XorCodec(PayloadCodec):
-    """A user's own codec, standing for encryption: every payload's bytes XORed, under its own
-    encoding, so that none of the original text is readable in what it makes."""
-
-    async def encode(self, payloads: Sequence[Payload]) -> list[Payload]:
-        return [
-            Payload(metadata={"encoding": XOR_ENCODING}, data=_xor(p.SerializeToString()))
-            for p in payloads
-        ]
-
-    async def decode(self, payloads: Sequence[Payload]) -> list[Payload]:
-        return [
-            Payload.FromString(_xor(p.data)) if p.metadata.get("encoding") == XOR_ENCODING else p
-            for p in payloads
-        ]
-
-
-def _xor(data: bytes) -> bytes:
-    return bytes(b ^ 0x5A for b in data)
 
 
 @pytest.mark.timeout(60)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hashlib
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -25,20 +27,25 @@ import pytest
 from google.protobuf import json_format
 from temporalio.api.common.v1 import Payload, Payloads
 from temporalio.client import Client, WorkflowFailureError
+from temporalio.converter import DataConverter, WorkflowSerializationContext
 
-from kvflow.activities.claim_check import CLAIM_CHECK_ENCODING
+from kvflow.activities.claim_check import CLAIM_CHECK_ENCODING, is_claim_check, with_claim_check
 from kvflow.activities.context_store import DirectoryContextStore
 from kvflow.workers.codec_server import (
     NOT_YOURS,
+    Caller,
+    CodecConfigError,
     CodecServerThread,
     PayloadOpener,
     WorkflowTenants,
     codec_app,
+    load_codec,
     load_tokens,
 )
 from kvflow.workers.devserver import free_port
 from kvflow.workers.plugin import KvflowPlugin
 from tests import agent_workflows as wf
+from tests.codecs import XOR_ENCODING, XorCodec
 from tests.history import payloads_in
 from tests.stacks import MODEL, PoolPlan, fleet_stack, task_spec
 
@@ -283,3 +290,56 @@ def test_kvflow_server_starts_its_ui_with_the_codec_endpoint(tmp_path: Path):
     finally:
         process.send_signal(signal.SIGINT)
         process.wait(timeout=30)
+
+
+async def test_the_deployments_own_codec_opens_after_the_claim_check(tmp_path: Path):
+    # Payloads as a client with its own codec and KvflowPlugin writes them to history.
+    store = DirectoryContextStore(tmp_path / "context")
+    converter = with_claim_check(store)(
+        dataclasses.replace(DataConverter.default, payload_codec=XorCodec())
+    ).with_context(WorkflowSerializationContext(namespace="default", workflow_id="own-codec"))
+    large, small = f"{MARKER} " * 400, f"{MARKER} in brief"
+    payloads = await converter.encode([large, small])
+    assert is_claim_check(payloads[0]) and payloads[1].metadata["encoding"] == XOR_ENCODING
+    ops, acme = Caller("ops", frozenset({"*"})), Caller("acme-support", frozenset({"acme"}))
+
+    # Without the deployment's codec the UI would get that codec's bytes back.
+    restored, inline = await PayloadOpener(store).decode(payloads, ops, "default")
+    assert restored.metadata["encoding"] == XOR_ENCODING and inline == payloads[1]
+
+    opener = PayloadOpener(store, codec=XorCodec())
+    opened = await opener.decode(payloads, ops, "default")
+    assert [json.loads(p.data) for p in opened] == [large, small]
+    # Neither names a tenant this caller may read: placeholders, never the text.
+    refused = await opener.decode(payloads, acme, "default")
+    assert [p.data.decode() for p in refused] == [json.dumps(NOT_YOURS)] * 2
+    # What the server encodes (the UI's edits), it opens again: its codec, then the claim check.
+    plain = opened[1]
+    encoded = await opener.encode([plain])
+    assert encoded[0].metadata["encoding"] == XOR_ENCODING
+    assert await opener.decode(encoded, ops, "default") == [plain]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("tests.codecs", "--codec takes MODULE:NAME"),
+        ("tests.no_such_codecs:XorCodec", "cannot import 'tests.no_such_codecs'"),
+        ("tests.codecs:RotCodec", "tests.codecs has no 'RotCodec'"),
+        ("tests.codecs:XOR_ENCODING", "XOR_ENCODING is a bytes, not a"),
+    ],
+)
+def test_a_codec_that_cannot_be_loaded_is_named(spec: str, message: str):
+    assert isinstance(load_codec("tests.codecs:XorCodec"), XorCodec)
+    with pytest.raises(CodecConfigError, match=re.escape(message)):
+        load_codec(spec)
+
+
+@pytest.mark.timeout(60)
+def test_codec_serve_refuses_a_codec_it_cannot_load(tmp_path: Path):
+    result = subprocess.run(
+        [str(KVFLOW), "codec", "serve", "--context-dir", str(tmp_path), "--codec", "nope"],
+        capture_output=True, text=True, timeout=50, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--codec takes MODULE:NAME" in result.stderr and "Traceback" not in result.stderr

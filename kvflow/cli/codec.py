@@ -20,6 +20,7 @@ from kvflow.workers.codec_server import (
     WorkflowTenants,
     check_exposure,
     codec_app,
+    load_codec,
     load_tokens,
 )
 from kvflow.workers.console import fail, load_fleet_or_exit, out
@@ -65,11 +66,20 @@ def serve_command(
             "each workflow's tenant (with --tokens; default 127.0.0.1:7233)",
         ),
     ] = None,
+    codec: Annotated[
+        str | None,
+        typer.Option(
+            "--codec",
+            help="MODULE:NAME of your clients' own PayloadCodec (encryption, compression), or "
+            "of a callable that makes one: decoded after the claim check",
+        ),
+    ] = None,
 ) -> None:
     """Decode claim-checked payloads for the Temporal Web UI and `temporal --codec-endpoint`."""
     try:
         access = load_tokens(tokens) if tokens is not None else CodecAccess()
         check_exposure(host, access)
+        own = load_codec(codec) if codec is not None else None
     except CodecConfigError as exc:
         fail(str(exc))
     store = open_store_or_exit(context_store, "--context-store", existing=True)
@@ -87,7 +97,7 @@ def serve_command(
     async def connect() -> Client:
         return await Client.connect(**connect_config)
 
-    opener = PayloadOpener(store, tenant_of=WorkflowTenants(connect))
+    opener = PayloadOpener(store, tenant_of=WorkflowTenants(connect), codec=own)
     app = codec_app(opener, access, ui_origins=origins)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if access.open:

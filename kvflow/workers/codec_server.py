@@ -28,14 +28,22 @@ outside any workflow, and those of versions before scopes) has no known tenant: 
 who may read every tenant open it.
 
 A context reference names its tenant itself; one with no tenant is shared text, which any
-caller reads. Every decode that opens or refuses tenant data is logged: caller, namespace,
-scopes, how many payloads; never their content.
+caller reads.
+
+A deployment whose clients have a codec of their own (`Client.connect(data_converter=...)`,
+kept by `KvflowPlugin` before the claim check) gives it to the server too (`--codec
+MODULE:NAME`, `PayloadOpener(codec=...)`): the server decodes with it after opening a claim
+check, so the UI shows text rather than that codec's bytes.
+
+Every decode that opens or refuses tenant data is logged: caller, namespace, scopes, how many
+payloads; never their content.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib
 import ipaddress
 import json
 import logging
@@ -58,7 +66,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from temporalio.api.common.v1 import Payload, Payloads
 from temporalio.client import Client
-from temporalio.converter import WorkflowSerializationContext
+from temporalio.converter import PayloadCodec, WorkflowSerializationContext
 
 from kvflow.activities.claim_check import (
     SCOPE_METADATA,
@@ -286,6 +294,12 @@ class PayloadOpener:
       a prompt, an answer or a tool result the agent stored) gets a `"text"` key beside its
       fields with the content, or the placeholder. The reference keeps its fields, so what
       the UI shows still parses as the `ContextRef` the workflow saw.
+
+    `codec`: the deployment's own codec (encryption, compression), which its clients run
+    before the claim check (`with_claim_check`). It decodes what a claim check restored,
+    once the caller may read that tenant; and payloads in history as it left them, for
+    callers of every tenant only (such a payload names no workflow, so no tenant: a caller
+    of some tenants gets the placeholder where that codec would have opened anything).
     """
 
     def __init__(
@@ -294,9 +308,11 @@ class PayloadOpener:
         *,
         tenant_of: TenantOf = _no_tenant,
         threshold_bytes: int = INLINE_LIMIT_BYTES,
+        codec: PayloadCodec | None = None,
     ) -> None:
         # No scope: it follows the scope each reference names (access is checked here first).
         self._codec = ClaimCheckCodec(store, threshold_bytes)
+        self._own = codec
         self._store = store
         self._tenant_of = tenant_of
 
@@ -337,6 +353,16 @@ class PayloadOpener:
                 tally.missing += 1
                 return _text_payload(NOT_STORED)
             tally.count(tally.opened, label)
+            if self._own is not None:
+                [payload] = await self._own.decode([payload])
+        elif self._own is not None:
+            [opened] = await self._own.decode([payload])
+            if opened != payload:
+                if not caller.may_read(None):
+                    tally.count(tally.refused, "payload of the deployment's codec")
+                    return _text_payload(NOT_YOURS)
+                tally.count(tally.opened, "payload of the deployment's codec")
+                payload = opened
         return await self._with_context_texts(payload, caller, tally)
 
     async def _with_context_texts(
@@ -384,7 +410,44 @@ class PayloadOpener:
 
     async def encode(self, payloads: Sequence[Payload]) -> list[Payload]:
         """`payloads` as workers encode them outside a workflow (large ones: references)."""
+        if self._own is not None:
+            payloads = await self._own.encode(payloads)
         return await self._codec.encode(payloads)
+
+
+def load_codec(spec: str) -> PayloadCodec:
+    """The `PayloadCodec` that `MODULE:NAME` names: an instance, or a callable making one.
+
+    `CodecConfigError` naming what is wrong when the module, the name or the object is not
+    usable.
+    """
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
+        raise CodecConfigError(
+            f"--codec takes MODULE:NAME (such as mycompany.codecs:EncryptionCodec), not {spec!r}"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise CodecConfigError(
+            f"--codec {spec}: cannot import {module_name!r} ({exc}); install it where kvflow "
+            "runs, or run from the folder that holds it"
+        ) from None
+    found = getattr(module, name, None)
+    if found is None:
+        raise CodecConfigError(f"--codec {spec}: {module_name} has no {name!r}")
+    codec = found
+    if callable(found) and not isinstance(found, PayloadCodec):
+        try:
+            codec = found()
+        except Exception as exc:  # the user's own code: its error, named, not a traceback
+            raise CodecConfigError(f"--codec {spec}: {name}() failed: {exc}") from None
+    if not isinstance(codec, PayloadCodec):
+        raise CodecConfigError(
+            f"--codec {spec}: {name} is a {type(codec).__name__}, not a "
+            "temporalio.converter.PayloadCodec (or a callable that returns one)"
+        )
+    return codec
 
 
 _CONTEXT_REF_KEYS = frozenset(ContextRef.model_fields)
