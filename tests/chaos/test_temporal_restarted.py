@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import pytest
 
 from kvflow.ledger.store import AsyncLedger
+from kvflow.workflows.search_attributes import RETRIES
 from tests.chaos.conftest import ClusterFactory
 from tests.chaos.figures import ScenarioFigures
 from tests.chaos.scenario import Outcome, assert_no_secret_leaked, finish
@@ -39,6 +40,10 @@ class Run:
     outcome: Outcome
     timed_out: int
     """Attempts that a GPU worker took and whose result never reached the workflow."""
+    replacements: int
+    """Placements beyond each task's first per step: every re-placement, free or not."""
+    charged: int
+    """Re-placements the tasks charged to their retry budgets (`KvflowRetries`, summed)."""
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +82,11 @@ async def run(
             faults_injected=1,
         )
         outcome = await finish(cluster, chaos_ledger, work.handles, figures, started_at=started_at)
+        charged = 0
+        for handle in work.handles:
+            described = await handle.describe()
+            charged += described.typed_search_attributes.get(RETRIES) or 0
+    replacements = sum(len(t.attempts) - work.steps for t in outcome.traces.values())
     timed_out = sum(
         a.started and a.outcome == "timed_out" for t in outcome.traces.values() for a in t.attempts
     )
@@ -85,13 +95,22 @@ async def run(
         f"rest during and after the outage; {timed_out} attempts lost their result to it and "
         "were re-placed"
     )
+    figures.notes.append(
+        f"{replacements} re-placements in all, {charged} of them charged to a retry budget"
+    )
     outcome.record(request.node.nodeid)
-    return Run(outcome, timed_out)
+    return Run(outcome, timed_out, replacements, charged)
 
 
 def test_calls_running_when_the_server_stopped_lost_their_results(run: Run):
     # Their GPU workers could not report them; history shows them timed out and re-placed.
     assert run.timed_out >= 1
+
+
+def test_re_placements_after_the_outage_spend_no_retry_budget(run: Run):
+    # The outage cut those calls, not their replicas: their tasks re-place them free. Were
+    # they charged, every re-placement would be.
+    assert run.charged <= run.replacements - run.timed_out, (run.charged, run.replacements)
 
 
 def test_every_task_completes_after_the_temporal_server_restarts(run: Run):
