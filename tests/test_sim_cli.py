@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import httpx
@@ -81,3 +82,23 @@ def test_every_router_the_bench_offers_exists() -> None:
     from kvflow.cli.sim import ROUTER_NAMES
 
     assert set(ROUTER_NAMES) == set(ROUTERS)
+
+
+@pytest.mark.timeout(60)
+def test_a_port_taken_after_it_was_picked_is_traded_for_another(tmp_path: Path) -> None:
+    args = ["--model", "llama-3.2-1b", "--time-scale", "20"]
+    sim = SimProcess(args, log_path=tmp_path / "sim.log")
+    picked = sim.port
+    # Another socket takes the picked port before the simulator binds it, as an outgoing
+    # connection's ephemeral port can.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taker:
+        taker.bind(("127.0.0.1", picked))
+        taker.listen()
+        with sim.start():
+            assert sim.port != picked
+            assert httpx.get(f"{sim.base_url}/health", timeout=10).status_code == 200
+        assert "address already in use" in (tmp_path / "sim.log").read_text()
+        # A port the caller chose is theirs: taken, it is an error at once, not another port.
+        mine = SimProcess(args, port=picked, log_path=tmp_path / "mine.log").spawn()
+        with pytest.raises(RuntimeError, match=r"exited with status 1 at start$"):
+            mine.wait_ready()

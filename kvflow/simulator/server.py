@@ -1473,6 +1473,10 @@ class SimServer:
         self.stop()
 
 
+START_TRIES = 3
+"""Starts of `kvflow sim serve` on a port `SimProcess` picked, before it gives up."""
+
+
 class SimProcess:
     """`kvflow sim serve` as a child process (its own Python), for crash faults and demos.
 
@@ -1495,6 +1499,7 @@ class SimProcess:
     ) -> None:
         self.args = list(args)
         self.host = host
+        self._picked_port = not port
         self.port = port or _free_port(host)
         self.log_path = log_path
         self.env = env
@@ -1543,17 +1548,37 @@ class SimProcess:
         return self
 
     def wait_ready(self, timeout: float = 30.0) -> Self:
-        """Wait until `/health` answers; stop the process if it does not within `timeout`."""
+        """Wait until `/health` answers; stop the process if it does not within `timeout`.
+
+        Where this picked the port, a process that exits at start is started again on another
+        (`START_TRIES` in all): a port free when picked can be taken before the child binds
+        it, by any socket of the machine (an outgoing connection's ephemeral port).
+        """
+        for tries in range(1, START_TRIES + 1):
+            code = self._wait_ready_once(timeout)
+            if code is None:
+                return self
+            if not self._picked_port or tries == START_TRIES:
+                raise RuntimeError(
+                    f"kvflow sim serve exited with status {code} at start"
+                    + (f" ({tries} ports tried)" if self._picked_port else "")
+                )
+            self.port = _free_port(self.host)
+            self.spawn()
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _wait_ready_once(self, timeout: float) -> int | None:
+        """None once `/health` answers; the exit status if the process ended first."""
         assert self.process is not None, "spawn() the process first"
         deadline = time.monotonic() + timeout
         with httpx.Client(timeout=1.0) as client:
             while True:
                 code = self.process.poll()
                 if code is not None:
-                    raise RuntimeError(f"kvflow sim serve exited with status {code} at start")
+                    return code
                 try:
                     if client.get(f"{self.base_url}/health").status_code == 200:
-                        return self
+                        return None
                 except httpx.TransportError:
                     pass
                 if time.monotonic() > deadline:

@@ -454,6 +454,8 @@ class ChaosCluster:
             replica.gpu_worker.argv = self._gpu_worker_argv(replica)
             replica.gpu_worker.start()
         for worker in self.workflow_workers:
+            # The simulators' URLs as they came up: one may have moved off a taken port.
+            worker.argv = self._workflow_worker_argv()
             worker.start()
         await asyncio.gather(
             *(self.wait_gpu_worker_ready(r) for r in self.replicas),
