@@ -774,10 +774,10 @@ def _model_time_goal(result: WorkloadResult, figure: str, target: float) -> Goal
                     f"with {', '.join(f'{s:g}' for s in scales)}× the KV cache, read at the "
                     "floor's hit rate seed by seed: measured, not closed form)"
                 )
-            # Eviction by true return, and more seeds: the relaxations, against this anchor.
+            # Eviction by true return, the other route to the floor: the relaxations.
             mechanisms = ",".join(sorted(result.mechanisms))
             bound += (
-                "; more seeds and eviction by true return: `python -m "
+                "; engines evicting by true return, against this anchor: `python -m "
                 f"kvflow.bench.policies.relaxations --workload {result.name} --capacity "
                 f"{result.capacity.tasks_per_s:.4g} --load {result.load:g} --replicas "
                 f"{result.replicas} --anchor {best} --mechanisms {mechanisms} --seeds 10` "
