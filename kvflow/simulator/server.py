@@ -75,6 +75,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvflow.ports import free_port
 from kvflow.scheduler.builtin_tokenizer import Tokenizer
 from kvflow.scheduler.fleet import ModelSpec
 from kvflow.scheduler.gpus import GpuGeneration
@@ -1500,7 +1501,7 @@ class SimProcess:
         self.args = list(args)
         self.host = host
         self._picked_port = not port
-        self.port = port or _free_port(host)
+        self.port = port or free_port(host)
         self.log_path = log_path
         self.env = env
         self.preexec_fn = preexec_fn
@@ -1563,7 +1564,7 @@ class SimProcess:
                     f"kvflow sim serve exited with status {code} at start"
                     + (f" ({tries} ports tried)" if self._picked_port else "")
                 )
-            self.port = _free_port(self.host)
+            self.port = free_port(self.host)
             self.spawn()
         raise AssertionError("unreachable")  # the loop returns or raises
 
@@ -1608,13 +1609,6 @@ class SimProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def crash_process() -> None:

@@ -26,6 +26,7 @@ from types import TracebackType
 import httpx
 from temporalio.common import SearchAttributeIndexedValueType
 
+from kvflow import ports
 from kvflow.workflows.search_attributes import ALL as SEARCH_ATTRIBUTES
 
 log = logging.getLogger(__name__)
@@ -173,11 +174,8 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A TCP port on 127.0.0.1 that is free right now (`kvflow.ports.free_port`)."""
+    return ports.free_port("127.0.0.1")
 
 
 class EmbeddedTemporal:
