@@ -9,6 +9,7 @@ only another explicit bind can take it in between.
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 from pathlib import Path
@@ -30,8 +31,17 @@ def _ephemeral_low() -> int:
     return low
 
 
-def _bindable(host: str, port: int) -> bool:
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could listen on `host:port` now: nothing else listens there.
+
+    The probe binds with `SO_REUSEADDR`, as Temporal's Go listeners and most servers do, so a
+    port held only by closed connections (TIME_WAIT for a minute after a server stops while
+    clients were connected) counts as free, while a live listener still makes it taken.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        if os.name == "posix":
+            # Not on Windows, where SO_REUSEADDR would let the probe bind over a live listener.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:
@@ -49,7 +59,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     if low - 1 > LOWEST:
         for _ in range(_TRIES):
             port = random.randint(LOWEST, low - 1)
-            if _bindable(host, port):
+            if port_is_free(port, host):
                 return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))

@@ -22,8 +22,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvflow.ports import free_port
 from kvflow.simulator.faults import FAULT_HEADER
-from kvflow.workers.devserver import free_port
 
 
 class CutConnection(Exception):

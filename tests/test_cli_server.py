@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvflow.workers.devserver import free_port, port_is_free
+from kvflow.ports import free_port, port_is_free
 
 KVFLOW = Path(sys.executable).parent / "kvflow"
 ROOT = Path(__file__).resolve().parent.parent

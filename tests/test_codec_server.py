@@ -31,6 +31,7 @@ from temporalio.converter import DataConverter, WorkflowSerializationContext
 
 from kvflow.activities.claim_check import CLAIM_CHECK_ENCODING, is_claim_check, with_claim_check
 from kvflow.activities.context_store import DirectoryContextStore
+from kvflow.ports import free_port
 from kvflow.workers.codec_server import (
     NOT_YOURS,
     Caller,
@@ -42,7 +43,6 @@ from kvflow.workers.codec_server import (
     load_codec,
     load_tokens,
 )
-from kvflow.workers.devserver import free_port
 from kvflow.workers.plugin import KvflowPlugin
 from tests import agent_workflows as wf
 from tests.codecs import XOR_ENCODING, XorCodec

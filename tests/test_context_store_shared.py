@@ -60,8 +60,8 @@ from kvflow.activities.context_stores.postgres import PostgresContextStore
 from kvflow.activities.context_stores.s3 import S3ContextStore
 from kvflow.activities.wire import ContextRef, ref_for
 from kvflow.cli.main import app
+from kvflow.ports import free_port
 from kvflow.workers.config import EXAMPLE_FLEET
-from kvflow.workers.devserver import free_port
 from tests.fixtures_ledger import with_schema
 
 pytestmark = pytest.mark.timeout(90)

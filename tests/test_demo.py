@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from kvflow.ports import free_port, port_is_free
 from kvflow.scheduler.fleet import ModelSpec
 from kvflow.simulator import SimServer, resolve_models
 from kvflow.workers.config import load_fleet
 from kvflow.workers.demo import EndpointError, check_endpoints, parse_endpoints
-from kvflow.workers.devserver import free_port, port_is_free
 from kvflow.workers.vllm_server import vllm_install
 from tests.fixtures_vllm import skip_or_fail
 

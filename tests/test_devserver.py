@@ -21,7 +21,8 @@ from kvflow.workflows.search_attributes import OUTCOME, SPEND_MICROS, TENANT
 
 # This file defines a workflow, so the sandbox re-imports it; pass the process code through.
 with workflow.unsafe.imports_passed_through():
-    from kvflow.workers.devserver import EmbeddedTemporal, PortInUse, free_port, port_is_free
+    from kvflow.ports import free_port, port_is_free
+    from kvflow.workers.devserver import EmbeddedTemporal, PortInUse
 
 
 @activity.defn

@@ -37,6 +37,7 @@ from kvflow.activities.wire import (
     InferenceRequest,
     InferenceResult,
 )
+from kvflow.ports import free_port
 from kvflow.scheduler.fleet import Fleet, Pool, TokenPrices
 from kvflow.scheduler.placement import (
     TIER_PRIORITY_SPAN,
@@ -47,7 +48,6 @@ from kvflow.scheduler.placement import (
 from kvflow.scheduler.task_end import ReleaseTarget, TaskEndRelease
 from kvflow.workers.config import FleetConfigError, load_fleet
 from kvflow.workers.control_plane import ControlPlane
-from kvflow.workers.devserver import free_port
 from tests.fleets import one_pool_fleet
 
 pytestmark = pytest.mark.timeout(60)

@@ -45,9 +45,9 @@ with workflow.unsafe.imports_passed_through():
         ToolSpec,
     )
     from kvflow.ledger.records import AttemptRecord
+    from kvflow.ports import free_port
     from kvflow.scheduler.builtin_tokenizer import Tokenizer as BuiltinTokenizer
     from kvflow.scheduler.fleet import Pool, TokenPrices
-    from kvflow.workers.devserver import free_port
     from kvflow.workers.gpu_worker import GpuWorker
 
 MODEL = "broken-engine-1b"

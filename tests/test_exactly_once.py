@@ -47,8 +47,8 @@ from kvflow.ledger import (
     open_ledger,
 )
 from kvflow.ledger.spool import AttemptSpool, SpooledAttemptWriter
+from kvflow.ports import free_port
 from kvflow.scheduler.fleet import Tenant, task_queue_for
-from kvflow.workers.devserver import free_port
 from kvflow.workers.embedded import EmbeddedFleet
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
 from tests import agent_workflows as wf

@@ -22,6 +22,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 
 from kvflow.activities.inference import INFER_ACTIVITY, ReplicaBinding
 from kvflow.ledger.records import AttemptRecord
+from kvflow.ports import free_port
 from kvflow.scheduler.config import (
     CircuitBreakerConfig,
     LatencyConfig,
@@ -34,7 +35,7 @@ from kvflow.scheduler.fleet import Fleet
 from kvflow.scheduler.telemetry import MetricsScraper
 from kvflow.simulator import SimServer
 from kvflow.simulator.faults import FaultSpec
-from kvflow.workers.devserver import EmbeddedTemporal, free_port
+from kvflow.workers.devserver import EmbeddedTemporal
 from kvflow.workers.gpu_worker import GpuWorker
 from kvflow.workflows.agent import TaskSpec
 from tests import agent_workflows as wf

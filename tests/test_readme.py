@@ -24,7 +24,7 @@ import pytest
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from kvflow.workers.devserver import free_port
+    from kvflow.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()

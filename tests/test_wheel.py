@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvflow.workers.devserver import free_port
+from kvflow.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TUTORIAL = Path(__file__).resolve().parent / "tutorial_project"

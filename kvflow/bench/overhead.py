@@ -46,6 +46,7 @@ with workflow.unsafe.imports_passed_through():
     from kvflow.activities.context_store import DirectoryContextStore
     from kvflow.activities.wire import ChatMessage, Sampling
     from kvflow.ledger.store import open_async_ledger
+    from kvflow.ports import free_port
     from kvflow.scheduler.fleet import Fleet, Pool, Tenant, TokenPrices
     from kvflow.simulator import (
         BUILTIN_MODELS,
@@ -55,7 +56,7 @@ with workflow.unsafe.imports_passed_through():
         resolve_models,
     )
     from kvflow.workers.demo import connect_local
-    from kvflow.workers.devserver import EmbeddedTemporal, free_port
+    from kvflow.workers.devserver import EmbeddedTemporal
     from kvflow.workers.embedded import EmbeddedFleet
     from kvflow.workflows.agent import Agent, TaskSpec
 

@@ -11,6 +11,7 @@ import uvicorn
 from temporalio.client import Client
 
 from kvflow.cli.context import DEFAULT_CONTEXT_STORE, ContextStoreOption, open_store_or_exit
+from kvflow.ports import port_is_free
 from kvflow.workers.codec_server import (
     DEFAULT_CODEC_PORT,
     DEFAULT_UI_ORIGINS,
@@ -24,7 +25,6 @@ from kvflow.workers.codec_server import (
     load_tokens,
 )
 from kvflow.workers.console import fail, load_fleet_or_exit, out
-from kvflow.workers.devserver import port_is_free
 
 codec_app_cli = typer.Typer(
     help="Serve Temporal's remote codec protocol for kvflow's claim-checked payloads.",

@@ -26,7 +26,7 @@ from types import TracebackType
 import httpx
 from temporalio.common import SearchAttributeIndexedValueType
 
-from kvflow import ports
+from kvflow.ports import free_port, port_is_free
 from kvflow.workflows.search_attributes import ALL as SEARCH_ATTRIBUTES
 
 log = logging.getLogger(__name__)
@@ -153,29 +153,6 @@ def stop_with_parent(sig: signal.Signals = signal.SIGTERM) -> Callable[[], None]
             os._exit(1)
 
     return arm
-
-
-def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether a server could listen on `host:port` now: nothing else listens there.
-
-    The probe binds with `SO_REUSEADDR`, as Temporal's Go listeners and most servers do, so a
-    port held only by closed connections (TIME_WAIT for a minute after a server stops while
-    clients were connected) counts as free, while a live listener still makes it taken.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        if os.name == "posix":
-            # Not on Windows, where SO_REUSEADDR would let the probe bind over a live listener.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (`kvflow.ports.free_port`)."""
-    return ports.free_port("127.0.0.1")
 
 
 class EmbeddedTemporal:

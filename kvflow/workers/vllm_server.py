@@ -27,7 +27,8 @@ from types import TracebackType
 
 import httpx
 
-from kvflow.workers.devserver import free_port, stop_with_parent
+from kvflow.ports import free_port
+from kvflow.workers.devserver import stop_with_parent
 
 log = logging.getLogger(__name__)
 

@@ -35,8 +35,9 @@ from starlette.responses import AsyncContentStream, Content, Response, Streaming
 from temporalio.client import Client
 
 from kvflow.ledger.store import LEDGER_URL_ENV
+from kvflow.ports import free_port
 from kvflow.simulator.server import SimProcess
-from kvflow.workers.devserver import EmbeddedTemporal, free_port, stop_with_parent
+from kvflow.workers.devserver import EmbeddedTemporal, stop_with_parent
 from kvflow.workers.plugin import KvflowPlugin
 from tests.faulty_proxy import FaultyProxy
 

@@ -382,7 +382,7 @@ async def test_cancelled_call_closes_its_stream_at_a_heartbeat_long_before_its_e
 
 
 async def test_gpu_worker_refuses_to_start_when_vllm_is_down(openai_server: ServedModel):
-    from kvflow.workers.devserver import free_port
+    from kvflow.ports import free_port
 
     binding = ReplicaBinding(
         pool=_pool(openai_server.model), index=0, base_url=f"http://127.0.0.1:{free_port()}"
