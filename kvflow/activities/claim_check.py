@@ -206,10 +206,9 @@ def with_claim_check(
     kvflow's models need pydantic's payload converter: the SDK's default one is replaced by
     it; one of the user's own choosing (pydantic's, Pydantic AI's, the Agents SDK's) is kept,
     and must read pydantic models. The rest of the converter is kept, and a codec of the
-    user's own stays first:
-    the claim check runs after it on encoding (it stores what that codec made, encrypted if
-    it encrypts) and before it on decoding. A converter that claim-checks already is kept as
-    it is. `threshold_bytes` None: no claim check.
+    user's own stays first: the claim check runs after it on encoding (it stores what that
+    codec made, encrypted if it encrypts) and before it on decoding. A converter that
+    claim-checks already is kept as it is. `threshold_bytes` None: no claim check.
     """
 
     def configure(existing: DataConverter | None) -> DataConverter:
