@@ -45,7 +45,7 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
@@ -64,6 +64,11 @@ _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _SCOPE = re.compile(r"[0-9a-f]{32}")
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+_FAN_OUT = re.compile(r"[0-9a-f]{2}")
+_TENANT_FOLDER = re.compile(r"[A-Za-z0-9_.-]{1,64}|sha256-[0-9a-f]{32}")
+_TEMP_FILE = re.compile(r"tmp[a-z0-9_]{8}")
+"""A temporary file of an interrupted write (`tempfile`'s names), beside the digests."""
+_OWN_FILE = re.compile(rf"{_DIGEST.pattern}|{_TEMP_FILE.pattern}")
 
 Clock = Callable[[], float]
 """Seconds since the epoch: when a store records a use. The wall clock unless a test injects one."""
@@ -177,6 +182,20 @@ def payload_space(scope: str | None) -> str:
             f"payload scope {scope!r:.80} is not 32 lower-case hex characters; the store refuses it"
         )
     return f"{PAYLOADS_DIR}/{scope}"
+
+
+def _subfolders(folder: Path, name: re.Pattern[str], *, files: bool = False) -> list[Path]:
+    """The folders (`files`: the files) in `folder` whose names `name` matches; none if absent."""
+    try:
+        entries = list(os.scandir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [
+        folder / entry.name
+        for entry in entries
+        if name.fullmatch(entry.name)
+        and (entry.is_file(follow_symlinks=False) if files else entry.is_dir(follow_symlinks=False))
+    ]
 
 
 class DirectoryContextStore:
@@ -300,22 +319,33 @@ class DirectoryContextStore:
     def prune(self, older_than: timedelta, *, now: float | None = None) -> int:
         """Delete contents not stored or read for `older_than`; return how many.
 
-        Temporary files of interrupted writes are deleted too. A task that still references
-        pruned content fails with `ContextNotFound`, so choose `older_than` longer than the
-        longest task (and any replay of its history) lasts.
+        Temporary files of interrupted writes are deleted too. Only files of the store's own
+        layout are touched (`_own_files`): a store pointed at a folder that holds other files
+        (the ledger's `ledger.db`) leaves them alone. A task that still references pruned
+        content fails with `ContextNotFound`, so choose `older_than` longer than the longest
+        task (and any replay of its history) lasts.
         """
         cutoff = (self._clock() if now is None else now) - older_than.total_seconds()
         removed = 0
-        if not self.root.exists():
-            return 0
-        for path in self.root.rglob("*"):
+        for path in self._own_files():
             try:
-                if path.is_file() and path.stat().st_mtime < cutoff:
+                if path.stat().st_mtime < cutoff:
                     path.unlink()
                     removed += 1
             except FileNotFoundError:
                 continue  # another process pruned it first
         return removed
+
+    def _own_files(self) -> Iterator[Path]:
+        """Every file the store wrote: `<space>/ab/<digest starting ab>`, and its temp files."""
+        spaces = [self.root, self.root / SHARED_DIR, self.root / PAYLOADS_DIR]
+        spaces += _subfolders(self.root / TENANTS_DIR, _TENANT_FOLDER)
+        spaces += _subfolders(self.root / PAYLOADS_DIR, _SCOPE)
+        for space in spaces:
+            for fan_out in _subfolders(space, _FAN_OUT):
+                for path in _subfolders(fan_out, _OWN_FILE, files=True):
+                    if _TEMP_FILE.fullmatch(path.name) or path.name[:2] == fan_out.name:
+                        yield path
 
     async def aput(self, text: str, tenant: str | None = None) -> ContextRef:
         """`put` in a thread, for async activities."""
