@@ -25,9 +25,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass
 from datetime import timedelta
@@ -511,3 +513,65 @@ def test_codec_server_decodes_a_payload_claim_checked_into_a_shared_store(
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=10)
+
+
+# -- what the stores touch -----------------------------------------------------------------
+
+
+def test_prune_leaves_files_the_store_did_not_write(tmp_path: Path, clock: FakeClock):
+    # The store pointed one level too high: at the folder that holds the ledger and notes.
+    root = tmp_path / "kvflow"
+    store = DirectoryContextStore(root, clock=clock)
+    old = store.put("stored long ago", tenant="acme")
+    old_payload = store.put_bytes(b"a payload stored long ago", SCOPE_A)
+    foreign = [
+        root / "ledger.db",
+        root / "ledger.db-wal",
+        root / "notes" / "ab" / ("ab" + "0" * 62),  # a digest's name, outside the layout
+        root / "tenants" / "acme" / "README.txt",
+        root / "payloads" / "ab" / "report.csv",
+    ]
+    for path in foreign:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"not the store's")
+    interrupted = root / "shared" / "ab" / "tmpk2x_9q0a"  # a write cut short: the store's
+    interrupted.parent.mkdir(parents=True)
+    interrupted.write_bytes(b"half a cont")
+    long_ago = clock.now - 10 * DAY.total_seconds()
+    for path in [*foreign, *root.rglob("*")]:
+        os.utime(path, (long_ago, long_ago))
+
+    assert store.prune(DAY) == 3
+    assert all(path.read_bytes() == b"not the store's" for path in foreign)
+    assert not interrupted.exists()
+    with pytest.raises(ContextNotFound):
+        store.get(old, tenant="acme")
+    with pytest.raises(ContextNotFound):
+        store.get_bytes(old_payload, SCOPE_A)
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(120)
+def test_context_store_and_ledger_create_the_same_new_schema_together(
+    request: pytest.FixtureRequest,
+):
+    from kvflow.ledger import open_ledger
+
+    def ledger(url: str, barrier: threading.Barrier) -> None:
+        barrier.wait()
+        open_ledger(url, migrate=True).close()
+
+    def context_store(url: str, barrier: threading.Barrier) -> None:
+        barrier.wait()
+        open_context_store(url).close()
+
+    for _ in range(15):  # the old code failed within the first few
+        url = _postgres_url(request)  # a schema that does not exist yet
+        barrier = threading.Barrier(2)
+        with ThreadPoolExecutor(2) as pool:
+            # Both open: neither fails on the other creating the schema first.
+            for opened in [
+                pool.submit(ledger, url, barrier),
+                pool.submit(context_store, url, barrier),
+            ]:
+                opened.result(timeout=60)

@@ -32,9 +32,24 @@ log = logging.getLogger(__name__)
 
 # Arbitrary but fixed: every kvflow process agrees on it ("kvflow" in ASCII).
 _MIGRATION_LOCK_KEY = 0x6B76666C6F77
+_SCHEMA_LOCK_KEY = "kvflow-create-schema:"
+"""Prefix of the advisory lock every kvflow process takes to create a schema (with its name)."""
 CONNECT_TIMEOUT_S = 10
 APPLICATION_NAME = "kvflow-ledger"
 """How the ledger's sessions appear in `pg_stat_activity`."""
+
+
+def create_schema(conn: psycopg.Connection[tuple[Any, ...]], schema: str) -> None:
+    """Create `schema` unless it exists, in `conn`'s open transaction.
+
+    Two sessions running `CREATE SCHEMA IF NOT EXISTS` together both find it absent and the
+    second fails on `pg_namespace`'s unique index: every kvflow store (the ledger, the context
+    store) creates a schema under this one lock per schema name, held to the commit.
+    """
+    conn.execute(
+        "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (_SCHEMA_LOCK_KEY + schema,)
+    )
+    conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
 
 
 class PostgresLedger(Ledger):
@@ -127,11 +142,7 @@ class PostgresLedger(Ledger):
             with conn.transaction():
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK_KEY,))
                 if self.schema is not None:
-                    conn.execute(
-                        sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
-                            sql.Identifier(self.schema)
-                        )
-                    )
+                    create_schema(conn, self.schema)
                 yield
 
     @contextmanager

@@ -10,8 +10,10 @@ One table, `kvflow_context` unless the URL says `table=NAME`, in the connection'
 
 The primary key is (space, digest) and `used_at` is indexed, so a read is one index lookup and
 a prune one range delete. The table is created when the store opens, under a transaction-
-scoped advisory lock so that workers starting together create it once; a database user that
-may not create tables can use a table an administrator made with the same columns.
+scoped advisory lock so that workers starting together create it once, and its schema under
+the lock the ledger takes for that schema (`kvflow.ledger.postgres.create_schema`), so that
+the two may create one schema together; a database user that may not create tables can use a
+table an administrator made with the same columns.
 
 Every statement is idempotent (`INSERT ... ON CONFLICT`, `UPDATE ... WHERE used_at < ...`,
 `DELETE`), so one run on a connection the server dropped (restart, failover) is run once more
@@ -36,6 +38,7 @@ from psycopg import sql
 
 from kvflow.activities.context_store import Clock, ContextStoreUnavailable, ContextStoreUrlError
 from kvflow.activities.context_stores.base import RENEW_AFTER, SharedContextStore
+from kvflow.ledger.postgres import create_schema
 from kvflow.scheduler.redact import encode_password, redact_url, scrub_secrets
 
 log = logging.getLogger(__name__)
@@ -134,11 +137,7 @@ class PostgresContextStore(SharedContextStore):
             with conn.transaction():
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", (_CREATE_LOCK_KEY,))
                 if self.schema is not None:
-                    conn.execute(
-                        sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
-                            sql.Identifier(self.schema)
-                        )
-                    )
+                    create_schema(conn, self.schema)  # the ledger may be creating it too
                 conn.execute(
                     sql.SQL(
                         "CREATE TABLE IF NOT EXISTS {t} ("
