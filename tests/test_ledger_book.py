@@ -34,10 +34,17 @@ from tests.fixtures_ledger import attempt_record, task_record
 
 
 def _estimate(exact: AttemptRecord, completion_tokens: int = 5) -> AttemptRecord:
-    """The workflow's provisional row for `exact`'s attempt, from an earlier heartbeat."""
+    """The workflow's provisional row for `exact`'s attempt, from an earlier heartbeat.
+
+    Always `failed`, as the workflow writes it: it only knows it lost the worker."""
     cost = exact.prices.cost_micros(exact.prompt_tokens, exact.cached_tokens, completion_tokens)
     return exact.model_copy(
-        update={"completion_tokens": completion_tokens, "cost_micros": cost, "provisional": True}
+        update={
+            "completion_tokens": completion_tokens,
+            "cost_micros": cost,
+            "provisional": True,
+            "outcome": AttemptOutcome.FAILED,
+        }
     )
 
 
@@ -87,29 +94,43 @@ def test_exact_row_after_an_estimate_that_was_never_written_is_counted(ledger: L
     assert book is not None and (book.spend_micros, book.attempts) == (exact.cost_micros, 1)
 
 
-def test_resumed_mark_outlives_the_exact_row_that_replaces_the_estimate(ledger: Ledger) -> None:
-    exact = attempt_record(outcome=AttemptOutcome.FAILED, completion_tokens=80)
+@pytest.mark.parametrize("cut", [AttemptOutcome.FAILED, AttemptOutcome.CANCELLED])
+def test_resumed_mark_outlives_the_exact_row_that_replaces_the_estimate(
+    ledger: Ledger, cut: AttemptOutcome
+) -> None:
+    # The workflow lost the GPU worker, wrote its estimate and resumed the output elsewhere;
+    # the worker's exact row comes later, `failed`, or `cancelled` for a call Temporal timed
+    # out: either way its tokens were carried on, so its spend is no waste.
+    exact = attempt_record(outcome=cut, completion_tokens=40)
     ledger.record_attempt(_estimate(exact))
     assert ledger.mark_resumed("wf-1", "run-1", [exact.activity_id]) == 1
-    ledger.record_attempt(exact)
+    assert ledger.record_attempt(exact) is True
     ledger.record_task(task_record(attempts=1, spend_micros=exact.cost_micros))
 
     [row] = ledger.attempts_for("wf-1", "run-1")
     assert (row.outcome, row.provisional) == (AttemptOutcome.RESUMED_ELSEWHERE, False)
     book = ledger.task("wf-1", "run-1")
-    assert book is not None and book.wasted_micros == 0
+    assert book is not None and book.spend_micros == exact.cost_micros == 2400
+    assert book.wasted_micros == 0
     assert ledger.report(ReportQuery.parse("")).totals.wasted_micros == 0
 
 
-def test_resumed_mark_made_before_the_row_arrives_applies_to_it(ledger: Ledger) -> None:
+@pytest.mark.parametrize("cut", [AttemptOutcome.FAILED, AttemptOutcome.CANCELLED])
+def test_resumed_mark_made_before_the_row_arrives_applies_to_it(
+    ledger: Ledger, cut: AttemptOutcome
+) -> None:
     # The next attempt continued the cut one's output while the cut one's row was spooled.
     assert ledger.mark_resumed("wf-1", "run-1", ["1"]) == 0
-    ledger.record_attempt(attempt_record(outcome=AttemptOutcome.FAILED))
+    ledger.record_attempt(attempt_record(outcome=cut))
     [row] = ledger.attempts_for("wf-1", "run-1")
     assert row.outcome is AttemptOutcome.RESUMED_ELSEWHERE
-    # A mark says "continued", never "succeeded": an attempt that was cancelled stays wasted.
-    ledger.mark_resumed("wf-1", "run-1", ["2"])
+
+
+def test_resumed_mark_made_after_a_cancelled_row_turns_it_resumed(ledger: Ledger) -> None:
+    ledger.record_attempt(attempt_record(activity_id="1", outcome=AttemptOutcome.CANCELLED))
     ledger.record_attempt(attempt_record(activity_id="2", outcome=AttemptOutcome.CANCELLED))
+    assert ledger.mark_resumed("wf-1", "run-1", ["1"]) == 1
+    # A cancelled attempt whose output nobody carried on stays cancelled, and wasted.
     assert {r.activity_id: r.outcome for r in ledger.attempts_for("wf-1", "run-1")} == {
         "1": AttemptOutcome.RESUMED_ELSEWHERE,
         "2": AttemptOutcome.CANCELLED,
@@ -294,7 +315,7 @@ class Interleavings(RuleBasedStateMachine):
             self.closed_with = view
 
     def _outcome(self, row: AttemptRecord) -> AttemptOutcome:
-        if row.outcome is AttemptOutcome.FAILED and row.activity_id in self.marks:
+        if row.outcome in _WASTED and row.activity_id in self.marks:
             return AttemptOutcome.RESUMED_ELSEWHERE
         return row.outcome
 

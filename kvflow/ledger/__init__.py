@@ -22,8 +22,9 @@ when they are read (`Ledger.task` returns a `TaskBook`; the report sums the same
 is ever patched into a total, so a row counts the same whichever order it arrives in: before or
 after the task row, straight away or replayed from a spool, an exact row replacing an estimate,
 an attempt of a timed-out run that ends after `kvflow ledger reconcile` wrote its row. A resumed
-mark (`mark_resumed`) is a fact of its own, kept in `resumed_attempts`: a `failed` row of a
-marked attempt is stored as `resumed_elsewhere` whenever it arrives, and no later row undoes it.
+mark (`mark_resumed`) is a fact of its own, kept in `resumed_attempts`: a `failed` or `cancelled`
+row of a marked attempt (its output was carried on) is stored as `resumed_elsewhere` whenever it
+arrives, and no later row undoes it.
 
 The task row keeps what its writer saw at the close (`spend_at_close_micros`,
 `attempts_at_close`): the workflow's spend meter, which is also its `kvflow_spend` query and its

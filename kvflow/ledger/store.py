@@ -258,8 +258,8 @@ class Ledger(ABC):
 
         Nothing else is touched: a task's spend is summed from its attempt rows when it is
         read (`task`, `report`), so a row that comes after its task row counts as any other.
-        A `failed` row whose attempt was marked resumed (`mark_resumed`, before or after the
-        row came) is stored as `resumed_elsewhere`, in the same transaction.
+        A `failed` or `cancelled` row whose attempt was marked resumed (`mark_resumed`, before
+        or after the row came) is stored as `resumed_elsewhere`, in the same transaction.
         """
         prices = record.prices
         values: tuple[object, ...] = (
@@ -333,18 +333,18 @@ class Ledger(ABC):
         return int(rows[0][0])
 
     def _apply_resumed_mark(self, record: AttemptRecord) -> None:
-        """Store a failed row as `resumed_elsewhere` if its attempt is marked resumed."""
-        if record.outcome is not AttemptOutcome.FAILED:
+        """Store a failed or cancelled row as `resumed_elsewhere` if its attempt is marked."""
+        if record.outcome.value not in _WASTED_ATTEMPT_OUTCOMES:
             return
         self._execute(
             "UPDATE attempts SET outcome = ? WHERE workflow_id = ? AND run_id = ? "
-            "AND activity_id = ? AND attempt = ? AND outcome = ? AND EXISTS ("
+            "AND activity_id = ? AND attempt = ? AND outcome IN (?, ?) AND EXISTS ("
             "SELECT 1 FROM resumed_attempts r WHERE r.workflow_id = ? AND r.run_id = ? "
             "AND r.activity_id = ?)",
             (
                 AttemptOutcome.RESUMED_ELSEWHERE.value,
                 *record.key,
-                AttemptOutcome.FAILED.value,
+                *_WASTED_ATTEMPT_OUTCOMES,
                 record.workflow_id,
                 record.run_id,
                 record.activity_id,
@@ -382,10 +382,13 @@ class Ledger(ABC):
     def mark_resumed(self, workflow_id: str, run_id: str, activity_ids: Sequence[str]) -> int:
         """Mark those attempts of one run whose partial output the next attempt reused.
 
-        The mark is a fact of its own: a `failed` row of a marked attempt becomes
-        `resumed_elsewhere` (not wasted, in the report) now or whenever it arrives, and no
-        later row (an exact row replacing an estimate) undoes it. Idempotent. Returns the
-        rows changed now.
+        The mark is a fact of its own, decided by what happened to the tokens: the attempt's
+        output was carried into another attempt, so its row becomes `resumed_elsewhere` (not
+        wasted, in the report) now or whenever it arrives, and no later row (an exact row
+        replacing an estimate) undoes it. That holds whatever word the GPU worker wrote for
+        the cut: `failed`, or `cancelled` (what it writes for a call Temporal timed out). An
+        `ok` row stays `ok` (it is no waste either way). Idempotent. Returns the rows changed
+        now.
         """
         if not activity_ids:
             return 0
@@ -400,12 +403,12 @@ class Ledger(ABC):
                 )
             count, _ = self._execute(
                 "UPDATE attempts SET outcome = ? WHERE workflow_id = ? AND run_id = ? "
-                f"AND outcome = ? AND activity_id IN ({marks})",
+                f"AND outcome IN (?, ?) AND activity_id IN ({marks})",
                 (
                     AttemptOutcome.RESUMED_ELSEWHERE.value,
                     workflow_id,
                     run_id,
-                    AttemptOutcome.FAILED.value,
+                    *_WASTED_ATTEMPT_OUTCOMES,
                     *activity_ids,
                 ),
             )
