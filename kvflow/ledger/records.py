@@ -17,9 +17,18 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Literal, Self
+from typing import Any, Literal, Self
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from kvflow.scheduler.fleet import TokenPrices
 
@@ -65,8 +74,26 @@ TaskSource = Literal["workflow", "reconcile"]
 
 
 class _Record(BaseModel):
-    # Unknown fields are bugs in the writer; refusing them keeps the wire type stable.
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """A ledger row as it crosses a task queue (`kvflow.record_task`) and the spool file.
+
+    Workers of two releases share a task queue while a rollout runs, so each side must read
+    the other's rows: fields a newer writer adds are ignored, and an optional field with
+    nothing to say (None) is left out of the row, so an older reader that does not know it
+    still takes the row (`_without_empty_optionals`).
+    """
+
+    # Ignore, not forbid: a worker of the previous release refused every row of this one.
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    @model_serializer(mode="wrap")
+    def _without_empty_optionals(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # A reader that predates a None-default field fills in the same None when it is absent.
+        data = handler(self)
+        if isinstance(data, dict):
+            for name, field in type(self).model_fields.items():
+                if field.default is None and data.get(name, False) is None:
+                    del data[name]
+        return data
 
     @field_validator("*", mode="before")
     @classmethod

@@ -74,7 +74,10 @@ class PlacementInputError(ValueError):
 
 
 class _Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """A type that crosses a task queue or a process: read by another release during a rollout."""
+
+    # Ignore, not forbid: a field a newer release adds must not fail an older reader.
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
 
 class _Recorded(BaseModel):
