@@ -38,6 +38,7 @@ from kvflow.activities.wire import (
     InferenceResult,
 )
 from kvflow.ports import free_port
+from kvflow.scheduler.blocks import tenant_cache_salt
 from kvflow.scheduler.fleet import Fleet, Pool, TokenPrices
 from kvflow.scheduler.placement import (
     TIER_PRIORITY_SPAN,
@@ -71,8 +72,9 @@ BASE_BODY: dict[str, Any] = {
     "temperature": 0.0,
     "top_p": 1.0,
     "messages": [{"role": "user", "content": PROMPT}],
+    "cache_salt": tenant_cache_salt("default", "acme"),
 }
-"""The body every kind gets, before what the kind adds."""
+"""The body every kind gets, before what the kind adds (the salt of acme's prefix cache)."""
 
 
 # ---- a server that records what it is sent ---------------------------------------------------
@@ -449,7 +451,8 @@ async def test_llm_d_objectives_are_the_pools_and_vllm_behind_it_may_get_the_pri
         endpoint_kind="llm-d", inference_objectives=objectives, priority_scheduling=True
     )
     received = await sent(engine, endpoint, request(tenant="globex"), tmp_path)
-    assert received.body == {**BASE_BODY, "priority": PRIORITY}
+    globex_salt = tenant_cache_salt("default", "globex")
+    assert received.body == {**BASE_BODY, "priority": PRIORITY, "cache_salt": globex_salt}
     assert received.hint_headers() == {
         "x-gateway-inference-objective": "interactive",
         "x-gateway-inference-fairness-id": "globex",

@@ -36,7 +36,7 @@ from kvflow.activities.wire import (
 )
 from kvflow.ledger.errors import LedgerNotFound, LedgerSchemaError, LedgerUrlError
 from kvflow.ledger.records import AttemptOutcome, AttemptRecord, TaskRecord
-from kvflow.scheduler.blocks import block_hashes
+from kvflow.scheduler.blocks import block_hashes, call_cache_salt
 from kvflow.scheduler.fleet import Fleet
 from kvflow.scheduler.placement import (
     Observation,
@@ -233,15 +233,26 @@ class ControlPlaneActivities:
         assert place.prompt is not None
         return await tokenizer.encode(await self._text(place.prompt, tenant) + partial)
 
+    async def cache_salt(self, place: PlaceInput) -> str | None:
+        """The `cache_salt` the GPU worker sends with this call (`call_cache_salt`)."""
+        shared = self.fleet.cache.shared_prefixes
+        first: str | None = None
+        if shared and place.messages:
+            first = await self._text(place.messages[0].content, place.request.tenant)
+        # The GPU worker runs the call in the same namespace and salts it with the same value.
+        namespace = activity.info().namespace if activity.in_activity() else "default"
+        return call_cache_salt(namespace, place.request.tenant, first, shared)
+
     @activity.defn(name=PLACE_ACTIVITY)
     async def place(self, place: PlaceInput) -> PlaceAnswer:
         """Ask the scheduler where the call should run (a local activity)."""
         with permanent_errors_fail_at_once():
             ids = await self.prompt_tokens(place)
+            salt = await self.cache_salt(place)
             request = place.request.model_copy(
                 update={
                     "prompt_tokens": len(ids),
-                    "block_hashes": block_hashes(ids, self.block_size),
+                    "block_hashes": block_hashes(ids, self.block_size, cache_salt=salt),
                 }
             )
             check_servable(self.fleet, request)
@@ -287,9 +298,11 @@ class ControlPlaneActivities:
         that a ledger that is down delays no new task): runs started before
         `END_TASK_PATCH` end their tasks only here. With several workflow workers this
         activity may run on another one than the task's, which is why the workflow ends the
-        task with the local `end_task`.
+        task with the local `end_task`. A run that continued as new ends nothing: its task
+        goes on, open, in the next run.
         """
-        self.scheduler.end_task(record.workflow_id)
+        if record.outcome.final:
+            self.scheduler.end_task(record.workflow_id)
         if self.ledger is None:
             log.warning("no ledger configured; task %s not recorded", record.key)
             return False

@@ -75,6 +75,7 @@ from kvflow.activities.wire import (
     needs_store,
 )
 from kvflow.ledger.records import AttemptOutcome, AttemptRecord
+from kvflow.scheduler.blocks import call_cache_salt
 from kvflow.scheduler.builtin_tokenizer import Tokenizer as BuiltinTokenizer
 from kvflow.scheduler.engine_http import engine_limits
 from kvflow.scheduler.fleet import TIERS, Pool, replica_name
@@ -225,6 +226,8 @@ class ReplicaBinding:
     pool: Pool
     index: int
     base_url: str
+    shared_prefixes: frozenset[str] = frozenset()
+    """The fleet's `[cache] shared_prefixes`: calls that start with one go unsalted."""
 
     @property
     def name(self) -> str:
@@ -512,7 +515,18 @@ class InferenceActivities:
         without one, the prompt (estimated) once an answer chunk arrived, and the output
         chunks received. An answer whose counts cannot be trusted is not continued.
         """
-        url, body = _request_body(await self._resolve(request), resumed, progress.reused_tokens)
+        resolved = await self._resolve(request)
+        url, body = _request_body(
+            resolved,
+            resumed,
+            progress.reused_tokens,
+            cache_salt=call_cache_salt(
+                activity.info().namespace,
+                request.tenant,
+                _first_message_text(resolved),
+                self.replica.shared_prefixes,
+            ),
+        )
         hints = engine_hints(
             self.replica.pool,
             request,
@@ -606,8 +620,16 @@ def _message_body(message: ChatMessage) -> dict[str, Any]:
     return message.to_api(message.content)
 
 
+def _first_message_text(request: InferenceRequest) -> str | None:
+    """The text of a resolved chat call's first message; None for a completion call."""
+    if not request.messages:
+        return None
+    content = request.messages[0].content
+    return content if isinstance(content, str) else None
+
+
 def _request_body(
-    request: InferenceRequest, resumed: str, reused: int
+    request: InferenceRequest, resumed: str, reused: int, *, cache_salt: str | None = None
 ) -> tuple[str, dict[str, Any]]:
     body: dict[str, Any] = {
         "model": request.model,
@@ -618,6 +640,9 @@ def _request_body(
         "temperature": request.sampling.temperature,
         "top_p": request.sampling.top_p,
     }
+    if cache_salt is not None:
+        # vLLM hashes it into the prompt's first block: other tenants' prompts share nothing.
+        body["cache_salt"] = cache_salt
     if request.sampling.seed is not None:
         body["seed"] = request.sampling.seed
     if request.sampling.stop:

@@ -1,14 +1,15 @@
 """The fleet as data: models, GPU pools with their prices, and tenants.
 
 These pydantic models are the validated form of the `[[models]]`, `[[pools]]` and `[[tenants]]`
-tables of `fleet.toml`. They are pure data so that the scheduler, the simulator, the GPU worker
-and the ledger all read the same prices and the same replica names.
+tables of `fleet.toml` and of its `[cache]` table. They are pure data so that the scheduler, the
+simulator, the GPU worker and the ledger all read the same prices and the same replica names.
 
 Money is `Decimal` in configuration and integer micro-dollars once computed, never float.
 """
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Annotated, Literal, NamedTuple, Self
@@ -351,12 +352,48 @@ class Tenant(_Strict):
     daily_budget_usd: Usd | None = Field(default=None, description="spend cap per UTC day")
 
 
+_CONTENT_HASH = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+class CacheConfig(_Strict):
+    """`[cache]`: which prompts tenants share a prefix cache on.
+
+    Each tenant's calls carry their own vLLM `cache_salt` (`kvflow.scheduler.blocks`), so
+    identical prompts of two tenants share no cached block: no discount and no timing side
+    channel between tenants. A prompt listed here is shared on purpose: a chat call whose first
+    message is one of them is sent without a salt, and the prefix index matches it across
+    tenants.
+    """
+
+    shared_prefixes: frozenset[str] = Field(
+        default=frozenset(),
+        description=(
+            '"sha256:" and the hex sha256 of a first message\'s text '
+            '(`printf %s "$PROMPT" | sha256sum`)'
+        ),
+    )
+
+    @field_validator("shared_prefixes", mode="before")
+    @classmethod
+    def _content_hashes(cls, value: object) -> object:
+        if not isinstance(value, list | tuple | set | frozenset):
+            raise ValueError('give a list of "sha256:<64 hex digits>" strings')
+        for entry in value:
+            if not isinstance(entry, str) or not _CONTENT_HASH.match(entry):
+                raise ValueError(
+                    f'{entry!r} is not a content hash: write "sha256:" and the 64 lower-case '
+                    'hex digits of the prompt\'s sha256 (`printf %s "$PROMPT" | sha256sum`)'
+                )
+        return frozenset(value)
+
+
 class Fleet(_Strict):
-    """Models, pools and tenants, checked against each other."""
+    """Models, pools and tenants, checked against each other; how tenants share the cache."""
 
     models: list[ModelSpec] = Field(min_length=1)
     pools: list[Pool] = Field(min_length=1)
     tenants: list[Tenant] = Field(min_length=1)
+    cache: CacheConfig = CacheConfig()
 
     @model_validator(mode="after")
     def _cross_references(self) -> Self:

@@ -14,6 +14,8 @@ encoding changed across versions, and this decoder takes all of them without imp
 - each event: a tagged array `["BlockStored", block_hashes, parent_block_hash, token_ids,
   block_size, lora_id, medium, ...]` or a tagged map `{"type": "BlockStored", ...}`;
 - block hashes: 64-bit integers, or bytes (sha256-based hashing).
+- `extra_keys` (vLLM 0.11 and later): one entry per block; the first block's holds the
+  request's `cache_salt`, which the precise index hashes into that block as vLLM did.
 
 Blocks of LoRA adapters and blocks on a medium other than the GPU are skipped: kvflow's block
 hashes cover the base model's tokens only, and only GPU blocks are prefix-cache hits.
@@ -46,7 +48,7 @@ END_OF_REPLAY = -1
 """The sequence number vLLM's replay socket sends after the last buffered batch."""
 
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id")
-_STORED_OPTIONAL = ("medium", "lora_name")
+_STORED_OPTIONAL = ("medium", "lora_name", "extra_keys")
 _REMOVED_FIELDS = ("block_hashes", "medium")
 _GPU_MEDIA = (None, "GPU", "gpu")
 
@@ -69,6 +71,22 @@ def _hash(value: Any) -> EngineHash:
     raise KvEventDecodeError(f"a block hash must be an int or bytes, got {type(value).__name__}")
 
 
+def _first_block_salt(extra_keys: Any) -> str | None:
+    """The `cache_salt` among the first block's `extra_keys`, None without one.
+
+    vLLM lists one entry per block: the LoRA name, `(mm_identifier, offset)` pairs, the salt
+    and prompt-embedding digests (bytes), in that order; LoRA blocks are skipped before this,
+    so the first block's last string is its salt.
+    """
+    if not isinstance(extra_keys, list | tuple) or not extra_keys:
+        return None
+    first = extra_keys[0]
+    if not isinstance(first, list | tuple):
+        return None
+    salts = [key for key in first if isinstance(key, str) and key]
+    return salts[-1] if salts else None
+
+
 def _event(raw: Any) -> KvEvent | None:
     if isinstance(raw, dict):
         tag = raw.get("type")
@@ -88,6 +106,7 @@ def _event(raw: Any) -> KvEvent | None:
             parent_block_hash=None if parent is None else _hash(parent),
             token_ids=tuple(int(t) for t in fields["token_ids"]),
             block_size=int(fields["block_size"]),
+            cache_salt=_first_block_salt(fields.get("extra_keys")) if parent is None else None,
         )
     if tag == "BlockRemoved":
         fields = _as_fields(raw, _REMOVED_FIELDS)

@@ -11,11 +11,12 @@ each naming the whole prefix up to its block. Two sources fill the index:
   Engines hash blocks with their own algorithm, so engine hashes are never used as keys: each
   `BlockStored` block is re-hashed from its token ids with `kvflow.scheduler.blocks.hash_block`,
   chained from the kvflow hash of its parent (found through the engine hash → kvflow hashes
-  map; no parent means `ROOT_HASH`). An engine block of `k · block_size` tokens becomes `k`
-  kvflow blocks. An engine that hashes as kvflow does (the simulator, `kvflow_hashes`) sends
-  its hashes alone, and they are taken as they are: no token ids, no hashing. Placements on a
-  precise replica add *speculative* entries that count until a `BlockStored` confirms them or
-  `speculative_ttl_s` passes.
+  map; no parent means `ROOT_HASH`, and the request's `cache_salt` enters the first block's
+  hash, as `kvflow.scheduler.blocks` has it). An engine block of `k · block_size` tokens
+  becomes `k` kvflow blocks. An engine that hashes as kvflow does (the simulator,
+  `kvflow_hashes`) sends its hashes alone, and they are taken as they are: no token ids, no
+  hashing. Placements on a precise replica add *speculative* entries that count until a
+  `BlockStored` confirms them or `speculative_ttl_s` passes.
 
 Matching a request is O(blocks + holders of its deepest shared block), not O(replicas ×
 blocks): the index maps each block to the set of replicas holding it, and a request is matched
@@ -52,6 +53,9 @@ class BlockStored:
     """The engine's hashes are kvflow's own (`kvflow.scheduler.blocks`, blocks of the index's
     `block_size`), as the simulator's are: they are the index's keys, and `token_ids` may be
     empty. vLLM hashes with its own algorithm, so its events never set this."""
+    cache_salt: str | None = None
+    """The request's `cache_salt` when the event starts at the prompt's first block (no
+    parent): re-hashing mixes it into that block as the engine did (vLLM's `extra_keys`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -463,8 +467,10 @@ class PrefixIndex:
                 self.block_size,
             )
             return
+        salt = None
         if event.parent_block_hash is None:
             parent, position, anchor = ROOT_HASH, -1, _NO_PARENT
+            salt = event.cache_salt
         else:
             known = engine_map.get(event.parent_block_hash)
             if known is None:
@@ -483,7 +489,8 @@ class PrefixIndex:
                 break
             entries: list[int] = []
             for k in range(0, size, step):
-                parent = hash_block(parent, block[k : k + step])
+                parent = hash_block(parent, block[k : k + step], salt)
+                salt = None  # the prompt's first block only
                 position += 1
                 if position % stride == stride - 1:
                     entries.append(parent)

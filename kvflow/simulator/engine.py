@@ -189,6 +189,7 @@ class SimRequest:
         "arrival_time",
         "block_hashes",
         "block_ids",
+        "cache_salt",
         "deadline_at",
         "eos_after",
         "finish_reason",
@@ -230,6 +231,7 @@ class SimRequest:
         retention_priority: int | None = None,
         retention_s: float | None = None,
         deadline_at: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         if prompt_token_ids is not None:
             self.token_ids: list[int] | None = list(prompt_token_ids)
@@ -252,6 +254,9 @@ class SimRequest:
         self.request_id = request_id
         self.max_tokens = max_tokens
         self.block_hashes: list[int] | None = block_hashes
+        self.cache_salt = cache_salt
+        """vLLM's `cache_salt`: hashed into the first block only (`kvflow.scheduler.blocks`).
+        Given `block_hashes` must already be salted."""
         self.sampler = sampler
         self.eos_after = eos_after
         self.ignore_eos = ignore_eos
@@ -495,7 +500,7 @@ class EngineCore:
             )
         if request.block_hashes is None:
             request.block_hashes = (
-                block_hashes(request.token_ids, self.block_size)
+                block_hashes(request.token_ids, self.block_size, cache_salt=request.cache_salt)
                 if request.token_ids is not None and self.config.enable_prefix_caching
                 else []
             )
@@ -1090,7 +1095,9 @@ class EngineCore:
             # answer in its prompt reuses them.
             parent = hashes[-1] if hashes else ROOT_HASH
             for index in range(len(hashes), full):
-                parent = hash_block(parent, tokens[index * block_size : (index + 1) * block_size])
+                block = tokens[index * block_size : (index + 1) * block_size]
+                # A prompt shorter than a block: its first block is output, and salted.
+                parent = hash_block(parent, block, None if index else request.cache_salt)
                 hashes.append(parent)
         last = min(full, len(hashes))
         if last <= first:

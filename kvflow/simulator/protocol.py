@@ -150,6 +150,9 @@ class SamplingBody(_Body):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None
+    cache_salt: str | None = None
+    """vLLM's prefix-cache salt: it enters the hash of the prompt's first block only, so
+    requests with other salts (or none) share no cached block with this one."""
 
 
 class CompletionBody(SamplingBody):

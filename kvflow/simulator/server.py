@@ -700,6 +700,16 @@ class SimulatedVllm:
     ) -> int:
         if body.n != 1:
             raise ApiError("the simulator generates one choice per request (n=1)", param="n")
+        salt = body.cache_salt
+        if salt is not None and (
+            not salt or len(salt) > MAX_CACHE_SALT_LENGTH or any(c in "@/\\\x00" for c in salt)
+        ):
+            # vLLM's check of the parameter, and its message.
+            raise ApiError(
+                "Parameter 'cache_salt' must be a non-empty string of at most "
+                f"{MAX_CACHE_SALT_LENGTH} characters without '@', '/', '\\' or NUL.",
+                param="cache_salt",
+            )
         if body.temperature is not None and not math.isfinite(body.temperature):
             # JSON's NaN and Infinity parse as floats; no sampler can use them.
             raise _param_error(
@@ -826,6 +836,7 @@ class SimulatedVllm:
                 prompt_token_ids=prompt_ids,
                 sampler=sampler,
                 ignore_eos=body.ignore_eos,
+                cache_salt=body.cache_salt,
             ),
             model=engine.model.name,
             engine=engine,
@@ -1217,6 +1228,9 @@ def _param_error(message: str, param: str, value: object) -> ApiError:
 
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+MAX_CACHE_SALT_LENGTH = 128
+"""The longest `cache_salt` vLLM takes."""
 
 _DOCUMENT_CONTEXTS = 4
 """How many contexts' worth of elements a schema's smallest document may have."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -181,6 +182,8 @@ class EmbeddedFleet:
                 )
 
     async def _start_gpu_worker(self, binding: ReplicaBinding) -> None:
+        # The fleet's shared prompts go unsalted here as in the control plane's prefix keys.
+        binding = replace(binding, shared_prefixes=self.fleet.cache.shared_prefixes)
         self.gpu_workers[binding.name] = await self._exits.enter_async_context(
             GpuWorker(
                 self.client,

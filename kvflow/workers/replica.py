@@ -33,7 +33,12 @@ def resolve_replica(fleet: FleetConfig, replica: str, endpoint: str | None) -> R
                 f"that serves {replica} (`kvflow sim serve --fleet FILE --replica {replica}`)"
             )
         endpoint = str(pool.endpoints[index])
-    return ReplicaBinding(pool=pool, index=index, base_url=endpoint.rstrip("/"))
+    return ReplicaBinding(
+        pool=pool,
+        index=index,
+        base_url=endpoint.rstrip("/"),
+        shared_prefixes=fleet.cache.shared_prefixes,
+    )
 
 
 async def check_endpoint(binding: ReplicaBinding, http: httpx.AsyncClient) -> None:
