@@ -44,8 +44,15 @@ PASSWORD_KINDS = {
     "at sign": "{a}@{b}",
     "slash": "{a}/{b}",
     "hash": "{a}#{b}",
+    "at then query mark": "{a}@{b}?more{b}",
 }
 """Passwords as users write them; `{a}` and `{b}` are the tokens searched for."""
+
+AMBIGUOUS_PASSWORD_KINDS = {
+    "at then query mark": "{a}@{b}?more{b}",
+    "at, query mark and key=value": "{a}@{b}?k{b}=v",
+}
+"""Passwords that read as a user-info, a host and a query: `{b}` may be taken for a host."""
 
 
 def _token() -> str:
@@ -55,9 +62,9 @@ def _token() -> str:
 class Canary:
     """A password of one kind, and the tokens that betray it in any form."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, kinds: dict[str, str] = PASSWORD_KINDS) -> None:
         self.a, self.b = _token(), _token()
-        self.password = PASSWORD_KINDS[kind].format(a=self.a, b=self.b)
+        self.password = kinds[kind].format(a=self.a, b=self.b)
 
     def found_in(self, text: str) -> list[str]:
         """The tokens of the password that `text` holds."""
@@ -114,9 +121,32 @@ def test_drivers_read_the_password_as_written_and_messages_lose_it(kind: str) ->
     assert canary.found_in(scrub_secrets(quoted, url)) == []
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", list(AMBIGUOUS_PASSWORD_KINDS))
+def test_report_prints_no_part_of_a_password_holding_at_then_a_query_mark(
+    kind: str, in_tmp: Path
+) -> None:
+    canary = Canary(kind, AMBIGUOUS_PASSWORD_KINDS)
+    control = f"ctl{uuid.uuid4().hex[:10]}"
+    url = f"postgresql://postgres:{canary.password}@127.0.0.1:1/{control}"  # nothing listens
+    result = runner.invoke(app, ["report", "--db", url])
+    output = _output(result)
+    assert result.exit_code != 0, output
+    assert "postgres:***@127.0.0.1:1/" + control in output, output
+    assert canary.found_in(output) == [], output
+    assert "Traceback" not in output, output
+
+
+@pytest.mark.timeout(10)
+def test_a_driver_quoting_a_piece_of_the_url_loses_the_password_in_it() -> None:
+    url = "postgresql://postgres:secret@part?more@127.0.0.1:1/test"
+    message = 'invalid URI query parameter: "more@127.0.0.1:1/test"; host "part"; port "1"'
+    assert scrub_secrets(message, url) == 'invalid URI query parameter: "***"; host "***"; port "1"'
+
+
 @pytest.mark.postgres
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("kind", ["percent and bang", "slash", "hash"])
+@pytest.mark.parametrize("kind", ["percent and bang", "slash", "hash", "at then query mark"])
 def test_ledger_migrate_connects_with_a_password_written_unencoded(
     kind: str, in_tmp: Path, postgres_server_url: str, postgres_schema_prefix: str
 ) -> None:

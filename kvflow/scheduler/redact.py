@@ -30,6 +30,12 @@ _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
 _ENCODED_PASSWORD = re.compile(r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:]|%[0-9A-Fa-f]{2})*")
 _SAFE_IN_PASSWORD = "-._~!$&'()*+,;=:"
 _VALID_ESCAPES = re.compile(r"(?:[^%]|%[0-9A-Fa-f]{2})*")
+# A URL's host (a name, an IPv4 or a bracketed IPv6 address) and optional port.
+_HOST_AND_PORT = re.compile(r"(?:[^\[\]:/?#@\s]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]*)?")
+# One `key=value` of a URL's query, as drivers read them (`sslmode=require`, `options=-c x`).
+_QUERY_PAIR = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*=[^&]*")
+# A fragment a driver quotes from the URL it refused (libpq: `invalid port number: "1x"`).
+_QUOTED = re.compile(r"\"([^\"]+)\"|'([^']+)'")
 
 MIN_SCRUBBED_LENGTH = 4
 """Shorter secrets are not searched for in free text (they would mangle the message and hide
@@ -51,13 +57,15 @@ class UrlCredentials:
     """Host, port, path, query and fragment."""
 
 
-def url_credentials(url: str) -> UrlCredentials | None:
+def url_credentials(url: str, *, widest: bool = False) -> UrlCredentials | None:
     """The user-info of `url` as its writer meant it; None when it has none.
 
-    It runs from `://` to the last `@` before the query (or, when there is no `@` before a
-    `?`, to the last `@` of all), so a password holding `@`, `/`, `#`, `?` or `:` is taken
-    whole. A path or query with an `@` in it may be taken for part of a password: masking
-    too much is the safe way to be wrong.
+    It runs from `://` to the last `@` before the host: the last `@` of all, so a password
+    holding `@`, `/`, `#`, `?` or `:` is taken whole (`u:secret@part?more@h/db` has the
+    password `secret@part?more`). The one exception is a URL whose text after the last `@`
+    before its `?` reads as a host and a query of `key=value` pairs (`u:p@h/db?options=a@b`):
+    that `@` is taken for the query's, unless `widest` (for masking: the password may hold
+    `@part?k=v`, and masking too much is the safe way to be wrong).
     """
     scheme = _SCHEME.match(url)
     if scheme is None:
@@ -65,14 +73,29 @@ def url_credentials(url: str) -> UrlCredentials | None:
     start = scheme.end()
     if url.startswith("/", start):
         return None  # `sqlite:///path`: no authority at all
-    query = url.find("?", start)
-    at = url.rfind("@", start, query) if query != -1 else -1
-    if at == -1:
-        at = url.rfind("@", start)
+    at = url.rfind("@", start)
     if at == -1:
         return None
+    query = url.find("?", start)
+    before_query = url.rfind("@", start, query) if query != -1 else -1
+    if (
+        not widest
+        and before_query not in (-1, at)
+        and _reads_as_host_and_query(url[before_query + 1 :])
+    ):
+        at = before_query
     user, colon, password = url[start:at].partition(":")
     return UrlCredentials(url[:start], user, password if colon else None, url[at + 1 :])
+
+
+def _reads_as_host_and_query(rest: str) -> bool:
+    """Whether `rest` (what follows a user-info) is `host[:port][/path]?key=value&...`."""
+    authority_and_path, _, query = rest.partition("?")
+    authority = authority_and_path.split("/", 1)[0]
+    if "@" in authority_and_path or _HOST_AND_PORT.fullmatch(authority) is None:
+        return False
+    query = query.split("#", 1)[0]
+    return all(_QUERY_PAIR.fullmatch(pair) for pair in query.split("&"))
 
 
 def redact_url(url: str) -> str:
@@ -84,7 +107,7 @@ def redact_url(url: str) -> str:
     (`host=h password='se cret'`) and the API keys an endpoint URL may carry
     (`https://vllm.example/?api_key=...`).
     """
-    credentials = url_credentials(url)
+    credentials = url_credentials(url, widest=True)
     if credentials is not None and credentials.password is not None:
         url = f"{credentials.head}{credentials.user}:{MASK}@{credentials.rest}"
     return _PASSWORD_PARAM.sub(rf"\1\2{MASK}", url)
@@ -117,9 +140,9 @@ def url_secrets(url: str) -> set[str]:
     `MIN_SCRUBBED_LENGTH` left out.
     """
     passwords: set[str] = set()
-    credentials = url_credentials(url)
-    if credentials is not None and credentials.password is not None:
-        passwords.add(credentials.password)
+    for credentials in (url_credentials(url), url_credentials(url, widest=True)):
+        if credentials is not None and credentials.password is not None:
+            passwords.add(credentials.password)
     try:
         split = urlsplit(url).password
     except ValueError:
@@ -145,18 +168,52 @@ def scrub_secrets(text: str, *urls: str | None) -> str:
     Each URL (as given, and as `encode_password` hands it on) is replaced by its
     `redact_url` form, then every form of its secrets (`url_secrets`) still in the text by
     `***`: drivers quote a password they cannot parse (`invalid percent-encoded token:
-    "S3cr%t!pw"`), and a URL may reach them in either form.
+    "S3cr%t!pw"`), and a URL may reach them in either form. Last, a quoted fragment of a
+    URL that overlaps its password (`invalid URI query parameter: "more@h:1/db"`, from a
+    driver that cut the URL at an `@` or `?` of the password) is masked whole.
     """
     secrets: set[str] = set()
+    forms: set[str] = set()
     for url in urls:
         if not url:
             continue
-        for form in {url, encode_password(url)}:
-            text = text.replace(form, redact_url(form))
-            secrets |= url_secrets(form)
+        forms |= {url, encode_password(url)}
+    for form in forms:
+        text = text.replace(form, redact_url(form))
+        secrets |= url_secrets(form)
     for secret in sorted(secrets, key=len, reverse=True):
         text = text.replace(secret, MASK)
-    return text
+    # Last: a password holding a quote would otherwise be cut in two by its own quote.
+    return _QUOTED.sub(lambda quoted: _scrubbed_quote(quoted, forms), text)
+
+
+def _scrubbed_quote(quoted: re.Match[str], urls: set[str]) -> str:
+    """`quoted` (a fragment in quotes), or `***` in its quotes if it holds part of a password.
+
+    A driver that cut a URL in the wrong place quotes a piece of it (libpq: `invalid URI query
+    parameter: "more@h:1/db"`), which may be any slice of the password, however short.
+    """
+    fragment = quoted.group(1) or quoted.group(2)
+    for url in urls:
+        span = _password_span(url)
+        if span is None:
+            continue
+        at = url.find(fragment)
+        while at != -1:
+            if at < span[1] and at + len(fragment) > span[0]:
+                mark = quoted.group(0)[0]
+                return f"{mark}{MASK}{mark}"
+            at = url.find(fragment, at + 1)
+    return quoted.group(0)
+
+
+def _password_span(url: str) -> tuple[int, int] | None:
+    """Where in `url` a password may be: its widest reading (`url_credentials`)."""
+    credentials = url_credentials(url, widest=True)
+    if credentials is None or credentials.password is None:
+        return None
+    start = len(credentials.head) + len(credentials.user) + 1
+    return start, start + len(credentials.password)
 
 
 def _reads_as_host_and_port(url: str) -> bool:
