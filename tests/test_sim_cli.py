@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvflow.cli.main import app
+from kvflow.ports import port_is_free
 from kvflow.simulator import SimProcess
 from kvflow.simulator.faults import CRASH_EXIT_CODE
 
@@ -102,3 +103,56 @@ def test_a_port_taken_after_it_was_picked_is_traded_for_another(tmp_path: Path) 
         mine = SimProcess(args, port=picked, log_path=tmp_path / "mine.log").spawn()
         with pytest.raises(RuntimeError, match=r"exited with status 1 at start$"):
             mine.wait_ready()
+
+
+@pytest.mark.timeout(60)
+def test_a_started_simulator_entered_with_with_is_the_one_stopped_at_its_end(
+    tmp_path: Path,
+) -> None:
+    args = ["--model", "llama-3.2-1b", "--time-scale", "20"]
+    sim = SimProcess(args, log_path=tmp_path / "sim.log").start()
+    started, port = sim.process, sim.port
+    assert started is not None
+    try:
+        with sim:
+            # Entering takes charge of the running simulator; it starts no second one.
+            assert (sim.process, sim.port) == (started, port)
+            assert httpx.get(f"{sim.base_url}/health", timeout=10).status_code == 200
+        assert started.poll() is not None, "the simulator start() launched is still running"
+        assert port_is_free(port)
+    finally:
+        started.kill()
+        sim.stop()
+
+
+@pytest.mark.timeout(60)
+def test_starting_a_running_simulator_again_is_refused_and_starts_no_other(
+    tmp_path: Path,
+) -> None:
+    sim = SimProcess(["--model", "llama-3.2-1b"], log_path=tmp_path / "sim.log").spawn()
+    first = sim.process
+    assert first is not None
+    try:
+        with pytest.raises(RuntimeError, match=r"already running on port \d+ .*stop\(\) it"):
+            sim.spawn()
+        assert sim.process is first
+    finally:
+        sim.stop()
+        for process in (first, sim.process):
+            if process is not None and process.poll() is None:
+                process.kill()  # where spawning again was not refused: both, whatever they do
+
+
+@pytest.mark.timeout(60)
+def test_a_simulator_stopped_while_it_starts_is_not_started_again_on_another_port(
+    tmp_path: Path,
+) -> None:
+    sim = SimProcess(["--model", "llama-3.2-1b"], log_path=tmp_path / "sim.log").spawn()
+    # A stop (the stack closing, Ctrl-C) while another thread waits for the simulator to serve.
+    sim.stop()
+    try:
+        with pytest.raises(RuntimeError, match="was stopped"):
+            sim.wait_ready()
+        assert sim.returncode is not None
+    finally:
+        sim.stop()

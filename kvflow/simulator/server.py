@@ -1482,7 +1482,8 @@ class SimServer:
         self._thread = None
 
     def __enter__(self) -> Self:
-        return self.start()
+        """Start serving, or take charge of the server `start()` already started."""
+        return self if self.running else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
@@ -1520,6 +1521,10 @@ class SimProcess:
         self.env = env
         self.preexec_fn = preexec_fn
         self.process: subprocess.Popen[bytes] | None = None
+        # Guards `process` between a restart on another port (in `wait_ready`, often on another
+        # thread) and `stop()`: a process started after a stop would be nobody's to end.
+        self._lock = threading.Lock()
+        self._stopped = False
 
     @property
     def base_url(self) -> str:
@@ -1536,7 +1541,23 @@ class SimProcess:
         return self.spawn().wait_ready(timeout)
 
     def spawn(self) -> Self:
-        """Start the process without waiting for it to serve."""
+        """Start the process without waiting for it to serve.
+
+        Refused while the process this started is still running: the new one would take its
+        place here, and the old one would outlive every `stop()`.
+        """
+        with self._lock:
+            if self.process is not None and self.process.poll() is None:
+                raise RuntimeError(
+                    f"kvflow sim serve is already running on port {self.port} "
+                    f"(pid {self.process.pid}); stop() it before starting it again"
+                )
+            self._stopped = False
+            self._launch()
+        return self
+
+    def _launch(self) -> None:
+        """Start `kvflow sim serve` on `self.port` (the caller holds `_lock`)."""
         command = [
             sys.executable,
             "-m",
@@ -1560,26 +1581,29 @@ class SimProcess:
         finally:
             if self.log_path:
                 output.close()  # type: ignore[union-attr]
-        return self
 
     def wait_ready(self, timeout: float = 30.0) -> Self:
         """Wait until `/health` answers; stop the process if it does not within `timeout`.
 
         Where this picked the port, a process that exits at start is started again on another
         (`START_TRIES` in all): a port free when picked can be taken before the child binds
-        it, by any socket of the machine (an outgoing connection's ephemeral port).
+        it, by any socket of the machine (an outgoing connection's ephemeral port). Once
+        `stop()` was called, nothing is started again: it raises instead.
         """
         for tries in range(1, START_TRIES + 1):
             code = self._wait_ready_once(timeout)
             if code is None:
                 return self
-            if not self._picked_port or tries == START_TRIES:
-                raise RuntimeError(
-                    f"kvflow sim serve exited with status {code} at start"
-                    + (f" ({tries} ports tried)" if self._picked_port else "")
-                )
-            self.port = free_port(self.host)
-            self.spawn()
+            with self._lock:
+                if self._stopped:
+                    raise RuntimeError(f"kvflow sim serve was stopped (status {code}) at start")
+                if not self._picked_port or tries == START_TRIES:
+                    raise RuntimeError(
+                        f"kvflow sim serve exited with status {code} at start"
+                        + (f" ({tries} ports tried)" if self._picked_port else "")
+                    )
+                self.port = free_port(self.host)
+                self._launch()
         raise AssertionError("unreachable")  # the loop returns or raises
 
     def _wait_ready_once(self, timeout: float) -> int | None:
@@ -1607,8 +1631,13 @@ class SimProcess:
         return self.process.wait(timeout)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after `timeout` (idempotent)."""
-        process = self.process
+        """SIGTERM, then SIGKILL after `timeout` (idempotent).
+
+        A `wait_ready` under way, on another thread, starts no other process after it.
+        """
+        with self._lock:
+            self._stopped = True
+            process = self.process
         if process is None or process.poll() is not None:
             return
         process.send_signal(signal.SIGTERM)
@@ -1619,6 +1648,12 @@ class SimProcess:
             process.wait()
 
     def __enter__(self) -> Self:
+        """Start the process, or take charge of the one `start()` or `spawn()` started.
+
+        `with SimProcess(...).start() as sim:` is one process, stopped when the block ends.
+        """
+        if self.process is not None and self.process.poll() is None:
+            return self.wait_ready()
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
