@@ -63,7 +63,7 @@ class ReportFormat(StrEnum):
     JSON = "json"
     HTML = "html"
     FOCUS = "focus"
-    """FOCUS 1.0 cost and usage rows (CSV) for FinOps tools (`kvflow.ledger.focus`)."""
+    """FOCUS 1.2 cost and usage rows (CSV) for FinOps tools (`kvflow.ledger.focus`)."""
 
 
 DbOption = Annotated[
@@ -99,9 +99,9 @@ def report_command(
         ReportFormat,
         typer.Option(
             "--format",
-            help="table, csv, json, html, or focus (FOCUS 1.0 CSV for FinOps tools; its rows "
-            "are by day, tenant, workflow type, outcome, pool, model and token type, whatever "
-            "--group-by says)",
+            help="table, csv, json, html, or focus (FOCUS 1.2 CSV for FinOps tools; usage by "
+            "day, tenant, workflow type, outcome, pool, model and token type, with the bills' "
+            "rounding to the micro-dollar as adjustments, whatever --group-by says)",
         ),
     ] = ReportFormat.TABLE,
     output: Annotated[

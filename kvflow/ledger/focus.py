@@ -1,47 +1,69 @@
-"""The ledger's spend as FOCUS 1.0 rows: the cost and usage format FinOps tools ingest.
+"""The ledger's spend as FOCUS 1.2 rows: the cost and usage format FinOps tools ingest.
 
 FOCUS is the FinOps Foundation's Open Cost and Usage Specification; cloud bills come in it, so
 a FOCUS file of kvflow's spend sits beside them in the tools finance already uses. This
-module writes FOCUS 1.0 (the version the Foundation's `focus-validator` checks) as CSV.
+module writes FOCUS 1.2 (the current release, the first with token-priced SaaS examples,
+`PricingCurrency` and invoice columns) as CSV, every column the specification defines, in its
+(alphabetical) order, then kvflow's own `x_` columns.
 
 The rows
 --------
-One row per UTC day, tenant, workflow type, task outcome, pool, model and token type (input,
-cached input, output), for the tasks that closed in the report's range. The day is the one
-the task closed on, the report's `day`: a task's charges land on one day, so each day's rows
-add up to `kvflow report --group-by day`, and the whole file to the report's total spend.
+The tasks are those that closed in the report's range, and the rows are read with the report
+in one snapshot (`Ledger.report_and_attempts`), so the file and the report cannot disagree.
+The day of every row is the UTC day the task closed on, the report's `day`. Rows are of two
+kinds:
 
-- Who: `SubAccountId`/`SubAccountName` is the tenant; `BillingAccountId`, `ProviderName`,
-  `PublisherName` and `InvoiceIssuerName` name the fleet's operator (`FocusAccount`).
+- **Usage**: one per day, tenant, workflow type, task outcome, pool, model, token type (input,
+  cached input, output) and price. `ConsumedQuantity` is tokens (`ConsumedUnit` "Tokens"),
+  `PricingQuantity` the same in millions (`PricingUnit` "1000000 Tokens"), `ListUnitPrice`
+  the pool's price per million stored with the attempts, and `ListCost` =
+  `PricingQuantity` × `ListUnitPrice` exactly. kvflow's prices are the prices: no discount
+  exists, so `ContractedUnitPrice` = `ListUnitPrice` and `BilledCost` = `EffectiveCost` =
+  `ContractedCost` = `ListCost` on every row.
+- **Adjustment** (`ChargeCategory` "Adjustment"): the GPU worker bills each attempt in whole
+  micro-dollars, so an attempt's bill differs from its tokens × prices by its rounding (at
+  most half a micro-dollar, unless the row is an estimate). One row per day, tenant, workflow
+  type, outcome, pool and model carries the sum of that group's roundings, all four cost
+  columns equal, no quantity, SKU or price (the specification's rule for a charge that is not
+  usage). A rounding is no discount: a FinOps tool comparing `ListCost` with `BilledCost`
+  finds none, and the file still sums to the ledger's micro-dollars.
+
+So every cost column sums, exactly, to the ledger's spend of the tasks in range: the report's
+total spend, to the micro-dollar, and each day, tenant, workflow type, pool or model to the
+report's row for it (the report groups a task's attempts by model and pool as the file does).
+
+Columns
+-------
+- Who: `SubAccountId`/`SubAccountName` is the tenant (`SubAccountType` "Tenant");
+  `BillingAccountId`/`Name`/`Type`, `ProviderName`, `PublisherName` and `InvoiceIssuerName`
+  name the fleet's operator (`FocusAccount`). `InvoiceId` is empty: kvflow issues no invoice.
 - What: `ServiceName` "kvflow inference", `ServiceCategory` "AI and Machine Learning",
-  `ResourceId`/`ResourceName` the pool (`ResourceType` "GPU pool"); `SkuId` is
-  `<model>/<token type>` and `SkuPriceId` adds the pool and the price, so a new price is a
-  new `SkuPriceId`. `ChargeCategory` is "Usage", `ChargeFrequency` "Usage-Based",
-  `PricingCategory` "Standard"; the commitment-discount, region and `ChargeClass` columns
-  are empty (nothing of the kind exists here, and no row is a correction).
-- How much: `ConsumedQuantity` tokens (`ConsumedUnit` "Tokens"); `PricingQuantity` the same
-  in millions (`PricingUnit` "1000000 Tokens"), priced at the pool's `ListUnitPrice` per
-  million, the price stored with each attempt. `ListCost` = `PricingQuantity` × `ListUnitPrice`
-  exactly, and `ContractedCost` and `ContractedUnitPrice` equal them (kvflow's prices are
-  the prices: no negotiated discount).
-- Billed: `BilledCost` = `EffectiveCost` = what the ledger billed (its attempts' integer
-  micro-dollars). An attempt's cost is rounded once, to the micro-dollar, so it is split by
-  token type at its stored prices and the rounding goes to its largest part: every row is
-  exact, and the sum of `BilledCost` is the ledger's spend to the micro-dollar.
+  `ServiceSubcategory` "Generative AI"; `ResourceId`/`ResourceName` the pool (`ResourceType`
+  "GPU pool"). `SkuId` is `<model>/<token type>` (`SkuMeter` says which tokens), and
+  `SkuPriceId` adds the pool and the price, so a new price is a new `SkuPriceId` of the same
+  SKU; `SkuPriceDetails` names the model, pool and token type. `ChargeFrequency`
+  "Usage-Based", `PricingCategory` "Standard" on usage. Billing and pricing are in USD
+  (`PricingCurrency` and its three columns repeat the billed figures).
+- Empty: commitment discounts, capacity reservations, regions and zones (nothing of the
+  kind), and `ChargeClass` (no row corrects an invoiced period).
 - `Tags` (a JSON object): `kvflow:workflow_type` and `kvflow:outcome` (the task's outcome).
-- kvflow's own columns (FOCUS's `x_` prefix): `x_Model`, `x_TokenType`, `x_WastedCost` (the
-  row's part of the report's wasted spend: every cost of a task that did not succeed, the
+- kvflow's own: `x_Model`, `x_TokenType` (empty on adjustments), and `x_WastedCost`, the
+  row's part of the report's wasted spend (every cost of a task that did not succeed, the
   runs it continued as new from included, and the failed and cancelled attempts of one that
-  did or still runs), and
-  `x_CostPerSuccessfulTask`: the report's cost per successful task for the row's day,
-  tenant, workflow type, pool and model, all outcomes together (the same on each of that
-  group's rows; empty where none succeeded).
+  did or still runs), so it sums to the report's wasted spend for any grouping.
+
+There is no cost-per-successful-task column: it is a ratio over tasks (spend / succeeded
+tasks), and a row is a charge, not a task. Put on rows it is either one group's figure
+repeated (which a FinOps tool sums or averages into nonsense, and which disagrees with every
+other grouping's figure) or not there. `kvflow report` gives it for any grouping over the
+same range; the file's `BilledCost` adds up to that report's total spend.
 
 Money and quantities are Decimals written in fixed point, never floats, and always with a
-decimal point (`12.0`): tools that infer a CSV's column types (pandas, DuckDB, Spark) then
-read every Decimal column as a decimal, not as an integer in one file and a decimal in the
-next. Attempts of tasks with no task row yet are not in the file, as they are not in the
-report (`report_notes` says how many).
+decimal point (`12.0`): tools that infer a CSV's column types then read every such column as a
+number of one kind, not an integer in one file and a decimal in the next (DuckDB and pandas
+infer DOUBLE, a binary float: read the cost columns as DECIMAL to sum them exactly, as the
+README shows). Attempts of tasks with no task row yet are not in the file, as they are not in
+the report (`report_notes` says how many).
 """
 
 from __future__ import annotations
@@ -57,27 +79,24 @@ from decimal import Decimal
 from enum import StrEnum
 
 from kvflow.ledger.records import AttemptOutcome, AttemptRecord, TaskOutcome
-from kvflow.ledger.report import (
-    AttemptTotals,
-    GroupField,
-    Report,
-    ReportQuery,
-    TaskFacts,
-    build_report,
-)
+from kvflow.ledger.report import Report, ReportQuery, TaskFacts
 from kvflow.ledger.store import Ledger
 from kvflow.scheduler.fleet import micros_to_usd
 
-FOCUS_VERSION = "1.0"
+FOCUS_VERSION = "1.2"
 """The FOCUS version of the columns written."""
 
 FOCUS_COLUMNS: tuple[str, ...] = (
+    "AvailabilityZone",
     "BilledCost",
     "BillingAccountId",
     "BillingAccountName",
+    "BillingAccountType",
     "BillingCurrency",
     "BillingPeriodEnd",
     "BillingPeriodStart",
+    "CapacityReservationId",
+    "CapacityReservationStatus",
     "ChargeCategory",
     "ChargeClass",
     "ChargeDescription",
@@ -87,17 +106,24 @@ FOCUS_COLUMNS: tuple[str, ...] = (
     "CommitmentDiscountCategory",
     "CommitmentDiscountId",
     "CommitmentDiscountName",
+    "CommitmentDiscountQuantity",
     "CommitmentDiscountStatus",
     "CommitmentDiscountType",
+    "CommitmentDiscountUnit",
     "ConsumedQuantity",
     "ConsumedUnit",
     "ContractedCost",
     "ContractedUnitPrice",
     "EffectiveCost",
+    "InvoiceId",
     "InvoiceIssuerName",
     "ListCost",
     "ListUnitPrice",
     "PricingCategory",
+    "PricingCurrency",
+    "PricingCurrencyContractedUnitPrice",
+    "PricingCurrencyEffectiveCost",
+    "PricingCurrencyListUnitPrice",
     "PricingQuantity",
     "PricingUnit",
     "ProviderName",
@@ -109,23 +135,25 @@ FOCUS_COLUMNS: tuple[str, ...] = (
     "ResourceType",
     "ServiceCategory",
     "ServiceName",
+    "ServiceSubcategory",
     "SkuId",
+    "SkuMeter",
+    "SkuPriceDetails",
     "SkuPriceId",
     "SubAccountId",
     "SubAccountName",
+    "SubAccountType",
     "Tags",
 )
-"""The FOCUS 1.0 columns written, in the specification's (alphabetical) order."""
+"""Every column FOCUS 1.2 defines, in the specification's (alphabetical) order."""
 
-KVFLOW_COLUMNS: tuple[str, ...] = (
-    "x_Model",
-    "x_TokenType",
-    "x_WastedCost",
-    "x_CostPerSuccessfulTask",
-)
+KVFLOW_COLUMNS: tuple[str, ...] = ("x_Model", "x_TokenType", "x_WastedCost")
 """kvflow's own columns, after the FOCUS ones (module docstring)."""
 
 COLUMNS = FOCUS_COLUMNS + KVFLOW_COLUMNS
+
+COST_COLUMNS: tuple[str, ...] = ("BilledCost", "ContractedCost", "EffectiveCost", "ListCost")
+"""The four cost columns: equal on every row (no discount exists), each summing to the spend."""
 
 _PER_MILLION = 6
 """Prices are per million tokens: a quantity in millions is tokens scaled by 10^-6."""
@@ -141,8 +169,12 @@ class TokenType(StrEnum):
     OUTPUT = "output"
 
 
-# Where an attempt's rounding goes when two parts are equally large: the first listed.
 _TOKEN_TYPES = (TokenType.OUTPUT, TokenType.INPUT, TokenType.CACHED_INPUT)
+_METERS = {
+    TokenType.INPUT: "Input Tokens",
+    TokenType.CACHED_INPUT: "Cached Input Tokens",
+    TokenType.OUTPUT: "Output Tokens",
+}
 
 
 @dataclass(frozen=True)
@@ -151,6 +183,7 @@ class FocusAccount:
 
     billing_account_id: str = "kvflow"
     billing_account_name: str = "kvflow"
+    billing_account_type: str = "Billing Account"
     provider_name: str = "kvflow"
     """`ProviderName`, `PublisherName` and `InvoiceIssuerName`: the fleet's operator."""
     service_name: str = "kvflow inference"
@@ -158,21 +191,20 @@ class FocusAccount:
 
 @dataclass(frozen=True, slots=True)
 class AttemptPart:
-    """The part of one attempt's bill that is one token type."""
+    """The part of one attempt's tokens that is one token type, at its stored price."""
 
     token_type: TokenType
     tokens: int
     price_per_mtok: Decimal
-    billed: Decimal
-    """Dollars billed for it (exact; the attempt's parts add up to its micro-dollars)."""
+    cost: Decimal
+    """Dollars: tokens × price, exactly."""
 
 
 def attempt_parts(attempt: AttemptRecord) -> list[AttemptPart]:
-    """Split an attempt's billed micro-dollars by token type at the prices stored with it.
+    """An attempt's tokens by type, each at the price stored with it.
 
-    Each part is its tokens × price; the attempt's rounding to the micro-dollar (at most half
-    of one, unless the row's cost was estimated) goes to its largest part. Parts without
-    tokens or money are left out.
+    Types without tokens are left out. The parts add up to the attempt's bill less its
+    rounding (`attempt_rounding`).
     """
     prices = attempt.prices
     tokens = {
@@ -185,25 +217,29 @@ def attempt_parts(attempt: AttemptRecord) -> list[AttemptPart]:
         TokenType.CACHED_INPUT: prices.cached_input_per_mtok_usd,
         TokenType.OUTPUT: prices.output_per_mtok_usd,
     }
-    listed = {kind: (tokens[kind] * price[kind]).scaleb(-_PER_MILLION) for kind in _TOKEN_TYPES}
-    billed = dict(listed)
-    largest = max(_TOKEN_TYPES, key=lambda kind: (listed[kind], -_TOKEN_TYPES.index(kind)))
-    billed[largest] += micros_to_usd(attempt.cost_micros) - sum(listed.values(), Decimal(0))
     return [
         AttemptPart(
             token_type=kind,
             tokens=tokens[kind],
             price_per_mtok=price[kind],
-            billed=billed[kind],
+            cost=(tokens[kind] * price[kind]).scaleb(-_PER_MILLION),
         )
         for kind in _TOKEN_TYPES
-        if tokens[kind] or billed[kind]
+        if tokens[kind]
     ]
+
+
+def attempt_rounding(attempt: AttemptRecord, parts: Sequence[AttemptPart]) -> Decimal:
+    """The attempt's bill (whole micro-dollars) less its tokens × prices, in dollars."""
+    return micros_to_usd(attempt.cost_micros) - sum((part.cost for part in parts), Decimal(0))
 
 
 @dataclass(frozen=True, slots=True)
 class ChargeKey:
-    """What one FOCUS row is the charge of."""
+    """What one FOCUS row is the charge of.
+
+    Usage of one token type at one price; with `token_type` None, the group's rounding.
+    """
 
     day: date
     tenant: str
@@ -211,8 +247,13 @@ class ChargeKey:
     outcome: TaskOutcome
     pool: str
     model: str
-    token_type: TokenType
-    price_per_mtok: Decimal
+    token_type: TokenType | None = None
+    price_per_mtok: Decimal | None = None
+
+    @property
+    def usage(self) -> bool:
+        """Whether the row is usage (else the rounding adjustment)."""
+        return self.token_type is not None
 
 
 @dataclass(slots=True)
@@ -220,7 +261,8 @@ class Charge:
     """The sums of one FOCUS row."""
 
     tokens: int = 0
-    billed: Decimal = Decimal(0)
+    cost: Decimal = Decimal(0)
+    """Dollars, exact: tokens × price on usage, the roundings on an adjustment."""
     wasted: Decimal = Decimal(0)
 
 
@@ -229,24 +271,13 @@ class FocusExport:
     """The charges of the tasks in a report's range, ready to be written as FOCUS rows."""
 
     charges: dict[ChargeKey, Charge]
-    cost_per_successful_task_micros: dict[tuple[str | None, ...], int | None]
-    """By (tenant, workflow type, pool, model, day), as the report computes it."""
     account: FocusAccount = FocusAccount()
 
     @property
     def billed_micros(self) -> int:
-        """The sum of `BilledCost`, in micro-dollars (always whole: see `attempt_parts`)."""
-        total = sum((charge.billed for charge in self.charges.values()), Decimal(0))
+        """The sum of `BilledCost`, in micro-dollars (always whole: the ledger's spend)."""
+        total = sum((charge.cost for charge in self.charges.values()), Decimal(0))
         return int(total.scaleb(6))
-
-
-_SUCCESS_GROUPS = (
-    GroupField.TENANT,
-    GroupField.WORKFLOW_TYPE,
-    GroupField.POOL,
-    GroupField.MODEL,
-    GroupField.DAY,
-)
 
 
 def focus_export(
@@ -257,7 +288,6 @@ def focus_export(
     """The FOCUS charges of `tasks` from their attempt rows (those of other tasks are ignored)."""
     by_key = {task.key: task for task in tasks}
     charges: dict[ChargeKey, Charge] = defaultdict(Charge)
-    totals: dict[tuple[str, str, str, str], AttemptTotals] = {}
     for attempt in attempts:
         task = by_key.get((attempt.workflow_id, attempt.run_id))
         if task is None:
@@ -265,52 +295,44 @@ def focus_export(
         # As in the report: all of a task's spend is waste once it ended unsucceeded (a run
         # it continued as new from too); else its failed and cancelled attempts.
         wasted = task.all_wasted or attempt.outcome in _WASTED_ATTEMPTS
-        for part in attempt_parts(attempt):
-            key = ChargeKey(
-                day=task.closed_at.astimezone(UTC).date(),
-                tenant=task.tenant,
-                workflow_type=task.workflow_type,
-                outcome=task.outcome,
-                pool=attempt.pool,
-                model=attempt.model,
-                token_type=part.token_type,
-                price_per_mtok=part.price_per_mtok,
-            )
-            charge = charges[key]
+        group = ChargeKey(
+            day=task.closed_at.astimezone(UTC).date(),
+            tenant=task.tenant,
+            workflow_type=task.workflow_type,
+            outcome=task.outcome,
+            pool=attempt.pool,
+            model=attempt.model,
+        )
+        parts = attempt_parts(attempt)
+        for part in parts:
+            charge = charges[_with_part(group, part)]
             charge.tokens += part.tokens
-            charge.billed += part.billed
+            charge.cost += part.cost
             if wasted:
-                charge.wasted += part.billed
-        _add_to_totals(totals, attempt)
-    success = build_report(ReportQuery(group_by=_SUCCESS_GROUPS), tasks, totals.values())
-    return FocusExport(
-        charges=dict(charges),
-        cost_per_successful_task_micros={
-            tuple(row.keys[f.value] for f in _SUCCESS_GROUPS): row.cost_per_successful_task_micros
-            for row in success.rows
-        },
-        account=account or FocusAccount(),
-    )
+                charge.wasted += part.cost
+        rounding = attempt_rounding(attempt, parts)
+        if rounding:
+            adjustment = charges[group]
+            adjustment.cost += rounding
+            if wasted:
+                adjustment.wasted += rounding
+    # Roundings of a group can cancel out: a row is kept while it carries any money.
+    kept = {
+        key: charge for key, charge in charges.items() if key.usage or charge.cost or charge.wasted
+    }
+    return FocusExport(charges=kept, account=account or FocusAccount())
 
 
-def _add_to_totals(
-    totals: dict[tuple[str, str, str, str], AttemptTotals], attempt: AttemptRecord
-) -> None:
-    """Sum an attempt into its task's totals on its model and pool, as the ledger's SQL does."""
-    key = (attempt.workflow_id, attempt.run_id, attempt.model, attempt.pool)
-    part = totals.get(key)
-    wasted = attempt.cost_micros if attempt.outcome in _WASTED_ATTEMPTS else 0
-    totals[key] = AttemptTotals(
-        workflow_id=attempt.workflow_id,
-        run_id=attempt.run_id,
-        model=attempt.model,
-        pool=attempt.pool,
-        attempts=(part.attempts if part else 0) + 1,
-        spend_micros=(part.spend_micros if part else 0) + attempt.cost_micros,
-        wasted_micros=(part.wasted_micros if part else 0) + wasted,
-        prompt_tokens=(part.prompt_tokens if part else 0) + attempt.prompt_tokens,
-        cached_tokens=(part.cached_tokens if part else 0) + attempt.cached_tokens,
-        reused_tokens=(part.reused_tokens if part else 0) + attempt.reused_tokens,
+def _with_part(group: ChargeKey, part: AttemptPart) -> ChargeKey:
+    return ChargeKey(
+        day=group.day,
+        tenant=group.tenant,
+        workflow_type=group.workflow_type,
+        outcome=group.outcome,
+        pool=group.pool,
+        model=group.model,
+        token_type=part.token_type,
+        price_per_mtok=part.price_per_mtok,
     )
 
 
@@ -319,15 +341,11 @@ def ledger_focus_export(
 ) -> tuple[Report, FocusExport]:
     """The report of `query`'s range and tenant (ungrouped), and its FOCUS charges.
 
-    The tasks come from the report; their attempt rows are read task by task.
+    Both come from one snapshot of the ledger, in a number of statements that does not grow
+    with the number of tasks.
     """
-    report = ledger.report(
+    report, attempts = ledger.report_and_attempts(
         ReportQuery(group_by=(), since=query.since, until=query.until, tenant=query.tenant)
-    )
-    attempts = (
-        attempt
-        for task in report.tasks
-        for attempt in ledger.attempts_for(task.workflow_id, task.run_id)
     )
     return report, focus_export(report.tasks, attempts, account)
 
@@ -352,35 +370,24 @@ def focus_rows(export: FocusExport) -> list[dict[str, str]]:
     rows = []
     for key in sorted(export.charges, key=_sort_key):
         charge = export.charges[key]
-        listed = (charge.tokens * key.price_per_mtok).scaleb(-_PER_MILLION)
-        billed = decimal_text(charge.billed)
-        per_success = export.cost_per_successful_task_micros.get(
-            (key.tenant, key.workflow_type, key.pool, key.model, key.day.isoformat())
-        )
-        kind = key.token_type.value.replace("-", " ")
+        cost = decimal_text(charge.cost)
         values = {
-            "BilledCost": billed,
+            "BilledCost": cost,
             "BillingAccountId": account.billing_account_id,
             "BillingAccountName": account.billing_account_name,
+            "BillingAccountType": account.billing_account_type,
             "BillingCurrency": "USD",
             "BillingPeriodEnd": _moment(_month_after(key.day)),
             "BillingPeriodStart": _moment(key.day.replace(day=1)),
-            "ChargeCategory": "Usage",
-            "ChargeDescription": f"{key.model} {kind} tokens on pool {key.pool}",
             "ChargeFrequency": "Usage-Based",
             "ChargePeriodEnd": _moment(key.day + timedelta(days=1)),
             "ChargePeriodStart": _moment(key.day),
-            "ConsumedQuantity": decimal_text(Decimal(charge.tokens)),
-            "ConsumedUnit": "Tokens",
-            "ContractedCost": decimal_text(listed),
-            "ContractedUnitPrice": decimal_text(key.price_per_mtok),
-            "EffectiveCost": billed,
+            "ContractedCost": cost,
+            "EffectiveCost": cost,
             "InvoiceIssuerName": account.provider_name,
-            "ListCost": decimal_text(listed),
-            "ListUnitPrice": decimal_text(key.price_per_mtok),
-            "PricingCategory": "Standard",
-            "PricingQuantity": decimal_text(Decimal(charge.tokens).scaleb(-_PER_MILLION)),
-            "PricingUnit": "1000000 Tokens",
+            "ListCost": cost,
+            "PricingCurrency": "USD",
+            "PricingCurrencyEffectiveCost": cost,
             "ProviderName": account.provider_name,
             "PublisherName": account.provider_name,
             "ResourceId": key.pool,
@@ -388,25 +395,55 @@ def focus_rows(export: FocusExport) -> list[dict[str, str]]:
             "ResourceType": "GPU pool",
             "ServiceCategory": "AI and Machine Learning",
             "ServiceName": account.service_name,
-            "SkuId": f"{key.model}/{key.token_type.value}",
-            "SkuPriceId": (
-                f"{key.pool}/{key.model}/{key.token_type.value}/{decimal_text(key.price_per_mtok)}"
-            ),
+            "ServiceSubcategory": "Generative AI",
             "SubAccountId": key.tenant,
             "SubAccountName": key.tenant,
+            "SubAccountType": "Tenant",
             "Tags": json.dumps(
                 {"kvflow:outcome": key.outcome.value, "kvflow:workflow_type": key.workflow_type},
                 sort_keys=True,
             ),
             "x_Model": key.model,
-            "x_TokenType": key.token_type.value,
             "x_WastedCost": decimal_text(charge.wasted),
-            "x_CostPerSuccessfulTask": (
-                "" if per_success is None else decimal_text(micros_to_usd(per_success))
-            ),
         }
+        if key.token_type is None or key.price_per_mtok is None:
+            values["ChargeCategory"] = "Adjustment"
+            values["ChargeDescription"] = (
+                f"{key.model} on pool {key.pool}: each attempt's bill rounded to the micro-dollar"
+            )
+        else:
+            values.update(_usage_values(key, key.token_type, key.price_per_mtok, charge))
         rows.append({column: values.get(column, "") for column in COLUMNS})
     return rows
+
+
+def _usage_values(
+    key: ChargeKey, token_type: TokenType, price: Decimal, charge: Charge
+) -> dict[str, str]:
+    """The columns only a usage row has: quantities, prices and the SKU."""
+    unit_price = decimal_text(price)
+    sku = f"{key.model}/{token_type.value}"
+    details = {"x_Model": key.model, "x_Pool": key.pool, "x_TokenType": token_type.value}
+    return {
+        "ChargeCategory": "Usage",
+        "ChargeDescription": (
+            f"{key.model} {token_type.value.replace('-', ' ')} tokens on pool {key.pool}"
+        ),
+        "ConsumedQuantity": decimal_text(Decimal(charge.tokens)),
+        "ConsumedUnit": "Tokens",
+        "ContractedUnitPrice": unit_price,
+        "ListUnitPrice": unit_price,
+        "PricingCategory": "Standard",
+        "PricingCurrencyContractedUnitPrice": unit_price,
+        "PricingCurrencyListUnitPrice": unit_price,
+        "PricingQuantity": decimal_text(Decimal(charge.tokens).scaleb(-_PER_MILLION)),
+        "PricingUnit": "1000000 Tokens",
+        "SkuId": sku,
+        "SkuMeter": _METERS[token_type],
+        "SkuPriceDetails": json.dumps(details, sort_keys=True),
+        "SkuPriceId": f"{key.pool}/{sku}/{unit_price}",
+        "x_TokenType": token_type.value,
+    }
 
 
 def _sort_key(key: ChargeKey) -> tuple[object, ...]:
@@ -417,8 +454,9 @@ def _sort_key(key: ChargeKey) -> tuple[object, ...]:
         key.outcome.value,
         key.pool,
         key.model,
-        _TOKEN_TYPES.index(key.token_type),
-        key.price_per_mtok,
+        # Usage by token type, then the group's adjustment.
+        len(_TOKEN_TYPES) if key.token_type is None else _TOKEN_TYPES.index(key.token_type),
+        key.price_per_mtok or Decimal(0),
     )
 
 

@@ -18,8 +18,8 @@ import os
 import threading
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from datetime import UTC, datetime
 from decimal import Decimal
 from types import TracebackType
@@ -135,6 +135,8 @@ class Ledger(ABC):
         # Re-entrant: a migration holds it across its transaction and each statement in it.
         self._lock = threading.RLock()
         self._metrics = LedgerMetrics(meter)
+        # Reads that join an open snapshot instead of opening another (`_read_snapshot`).
+        self._snapshot_open = False
 
     # -- what each backend provides -------------------------------------------------------
 
@@ -556,7 +558,7 @@ class Ledger(ABC):
         # Attempts with no task row yet are counted by when they started.
         unclosed_filter, unclosed_params = self._filter(query, "a.started_at", "a.tenant")
         # One snapshot: rows written meanwhile cannot make the three reads disagree.
-        with self._lock, self._snapshot():
+        with self._lock, self._read_snapshot():
             _, task_rows = self._execute(
                 "SELECT t.workflow_id, t.run_id, t.tenant, t.workflow_type, t.closed_at, "
                 f"t.outcome, t.spend_at_close_micros, t.chain_run_id FROM tasks t "
@@ -646,6 +648,37 @@ class Ledger(ABC):
             unclosed_attempts=int(unclosed_count),
             unclosed_spend_micros=int(unclosed_spend or 0),
         )
+
+    def report_and_attempts(self, query: ReportQuery) -> tuple[Report, list[AttemptRecord]]:
+        """The report of `query` and every attempt row of the tasks it counts, in one snapshot.
+
+        What the FOCUS export reads: one statement for the attempts whatever the number of
+        tasks, and rows written meanwhile cannot make the file and the report disagree.
+        """
+        task_filter, params = self._filter(query, "t.closed_at", "t.tenant")
+        columns = ", ".join(f"a.{column}" for column in _ATTEMPT_COLUMNS)
+        with self._lock, self._read_snapshot():
+            report = self.report(query)
+            _, rows = self._execute(
+                f"SELECT {columns} FROM attempts a JOIN tasks t "
+                f"ON a.workflow_id = t.workflow_id AND a.run_id = t.run_id WHERE {task_filter}",
+                params,
+            )
+        return report, [self._attempt_from_row(row) for row in rows]
+
+    @contextmanager
+    def _read_snapshot(self) -> Iterator[None]:
+        """`_snapshot`, or the one already open: a read inside another joins its snapshot."""
+        with self._lock:
+            if self._snapshot_open:
+                yield
+                return
+            with self._snapshot():
+                self._snapshot_open = True
+                try:
+                    yield
+                finally:
+                    self._snapshot_open = False
 
     def _filter(
         self, query: ReportQuery, time_column: str, tenant_column: str
