@@ -38,6 +38,7 @@ from kvflow.scheduler.kv_events import decode_event_batch
 from kvflow.scheduler.placement import Placement, PlacementRequest
 from kvflow.scheduler.prefix_index import BlockStored, PrefixIndex
 from kvflow.simulator import SimServer
+from kvflow.simulator.workloads import WORKLOADS, Workload
 from kvflow.workers.config import FleetConfigError, load_fleet
 from tests.fleets import one_pool_fleet
 
@@ -274,3 +275,40 @@ def test_a_shared_prefix_that_is_not_a_content_hash_is_refused_with_how_to_write
     )
     fleet_file.write_text(uncommented)
     assert len(load_fleet(fleet_file).cache.shared_prefixes) == 1
+
+
+# ---- the benchmark's workloads ----------------------------------------------------------------
+
+
+def first_blocks(workload: Workload) -> dict[str, set[int]]:
+    """Tenant → the first block hashes of its calls."""
+    seen: dict[str, set[int]] = {}
+    for task in workload:
+        for step in task.steps:
+            for call in step.calls:
+                seen.setdefault(task.tenant, set()).add(call.chain[0])
+    return seen
+
+
+def test_benchmark_tenants_share_only_the_system_prompts_the_workload_names() -> None:
+    tenants = [("acme", 1), ("globex", 3)]
+    spec = WORKLOADS["hotspot"]
+    named = first_blocks(Workload(spec, tenants, tasks=60, task_rate=1.0))
+    # The built-in workloads name their system prompt shared: both tenants reuse it.
+    assert named["acme"] & named["globex"]
+    unnamed_spec = dataclasses.replace(spec, shared_system_prompts=False)
+    unnamed = Workload(unnamed_spec, tenants, tasks=60, task_rate=1.0)
+    salted = first_blocks(unnamed)
+    assert not salted["acme"] & salted["globex"]
+    # One application, one prompt per tenant: each tenant's own tasks still share it.
+    assert len(salted["acme"]) == len(salted["globex"]) == 1
+    # What the precise index re-hashes from a KV event (tokens and the first block's salt)
+    # is the chain the workload gave.
+    task = next(iter(unnamed))
+    chain = task.steps[0].calls[0].chain
+    parent = ROOT_HASH
+    for i, h in enumerate(chain):
+        salt = unnamed.cache_salts.get(h) if i == 0 else None
+        assert (salt is not None) == (i == 0)
+        assert hash_block(parent, unnamed.tokens_of(parent, h), salt) == h
+        parent = h

@@ -573,8 +573,9 @@ def simulate(
 class AgentWorkload:
     """Agent tasks as requests: each task is a session of steps over one growing context.
 
-    A task starts with one of `system_prompts` shared system prompts (`system_tokens` each),
-    adds its own context (`context_tokens` range), and runs `steps` model calls; each call's
+    A task starts with one of `system_prompts` shared system prompts (`system_tokens` each;
+    shared by every tenant, as prompts a fleet names in `[cache] shared_prefixes` are), adds
+    its own context (`context_tokens` range), and runs `steps` model calls; each call's
     prompt is the previous prompt, the previous answer and a new instruction
     (`turn_tokens`), and its answer is `output_tokens` long. Tasks arrive as a Poisson process
     at `task_rate` per second; a task's next call arrives `think_seconds` after the previous

@@ -23,6 +23,12 @@ conversation departs from a shared one (an application's first block, a task's f
 block, a fan-out branch) carry a salt, kept in a small map. A task's calls share one chain
 (`Call.chain`, `Call.blocks`), so a 60-turn task holds its conversation once.
 
+**Tenants and the prefix cache.** As kvflow sends them, each tenant's calls carry their own
+`cache_salt`, hashed into the prompt's first block, and a fleet names the prompts shared on
+purpose (`[cache] shared_prefixes`). The built-in workloads name their applications' system
+prompts shared (`WorkloadSpec.shared_system_prompts`), so tasks of every tenant reuse them and
+their own blocks after them; with it off each tenant hashes its own copy (`Workload.cache_salts`).
+
 Generation is lazy and deterministic: task i is drawn from its own generator seeded by
 (seed, i), so the same tasks arrive at every offered load; only arrival times change
 (`Workload.at_rate` shares the drawn tasks between rates). Arrivals are Poisson with bursts
@@ -39,10 +45,12 @@ import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from kvflow.scheduler.blocks import ROOT_HASH, hash_block
+from kvflow.scheduler.blocks import ROOT_HASH, hash_block, tenant_cache_salt
 
 _MIX = 0x9E3779B97F4A7C15
 _TOKEN_SPACE = 1 << 40
+BENCH_NAMESPACE = "default"
+"""The Temporal namespace the benchmark's tenants' salts are derived in."""
 CALIBRATION_TASKS = 600
 """Tasks in the calibration sample behind a workload's declared calls and budgets."""
 
@@ -103,6 +111,10 @@ class WorkloadSpec:
     steps: tuple[int, int] = (3, 12)
     applications: int = 6
     """Distinct shared system prompts (one per application)."""
+    shared_system_prompts: bool = True
+    """The applications' system prompts are named shared (`[cache] shared_prefixes`): every
+    tenant's calls reuse them. False: each tenant's calls carry its own `cache_salt` (kvflow's
+    default), so each tenant caches its own copy and tenants share no block."""
     system_tokens: tuple[int, int] = (1024, 3072)
     context_tokens: tuple[int, int] = (200, 2000)
     turn_tokens: tuple[int, int] = (40, 400)
@@ -341,7 +353,10 @@ class _Drawer:
         weights = list(spec.tenant_weights[: len(self.tenants)])
         self.weights = weights + [1.0] * (len(self.tenants) - len(weights))
         self.salts: dict[int, int] = {}
+        self.cache_salts: dict[int, str] = {}
+        """First block's hash → the `cache_salt` hashed into it (unshared system prompts)."""
         self.bodies: dict[int, _Body] = {}
+        self._tenant_systems: dict[tuple[int, str], list[int]] = {}
         rng = random.Random(f"{seed}/applications")
         self.systems: list[list[int]] = []
         for app in range(spec.applications):
@@ -350,17 +365,42 @@ class _Drawer:
                 self._chain(ROOT_HASH, salt=app + 1, blocks=blocks) if hashing else [0] * blocks
             )
 
-    def _chain(self, parent: int, *, salt: int, blocks: int) -> list[int]:
-        """`blocks` new blocks after `parent`, the first one salted (a departure)."""
+    def _chain(
+        self, parent: int, *, salt: int, blocks: int, cache_salt: str | None = None
+    ) -> list[int]:
+        """`blocks` new blocks after `parent`, the first one salted (a departure).
+
+        `cache_salt` enters the first block's hash (a prompt's first block: `parent` is the
+        root), as vLLM hashes a request's salt; the block's tokens are the same without it.
+        """
         chain: list[int] = []
         size = self.block_size
         salts = self.salts
         for j in range(blocks):
             block_salt = salt if j == 0 else 0
-            parent = hash_block(parent, block_tokens(parent, block_salt, size))
+            key = cache_salt if j == 0 else None
+            parent = hash_block(parent, block_tokens(parent, block_salt, size), key)
             if block_salt:
                 salts[parent] = block_salt
+            if key:
+                self.cache_salts[parent] = key
             chain.append(parent)
+        return chain
+
+    def _system(self, application: int, tenant: str) -> list[int]:
+        """The application's system prompt as `tenant`'s calls hash it."""
+        system = self.systems[application]
+        if self.spec.shared_system_prompts or not self.hashing or not system:
+            return system
+        chain = self._tenant_systems.get((application, tenant))
+        if chain is None:
+            chain = self._chain(
+                ROOT_HASH,
+                salt=application + 1,
+                blocks=len(system),
+                cache_salt=tenant_cache_salt(BENCH_NAMESPACE, tenant),
+            )
+            self._tenant_systems[(application, tenant)] = chain
         return chain
 
     def _extend(self, chain: list[int], tokens: int) -> None:
@@ -376,13 +416,24 @@ class _Drawer:
         hashing = self.hashing
         tenant, tier = rng.choices(self.tenants, weights=self.weights)[0]
         application = rng.randrange(spec.applications)
-        system = self.systems[application]
+        system = self._system(application, tenant)
         salt = (index + 1) << 8
         own = max(1, rng.randint(*spec.context_tokens) // size)
         tokens = (len(system) + own) * size
         chain = list(system) if hashing else []
         if hashing:
-            chain.extend(self._chain(system[-1] if system else ROOT_HASH, salt=salt, blocks=own))
+            # Without a system prompt the task's own first block is the prompt's first.
+            first_salt = None
+            if not system and not spec.shared_system_prompts:
+                first_salt = tenant_cache_salt(BENCH_NAMESPACE, tenant)
+            chain.extend(
+                self._chain(
+                    system[-1] if system else ROOT_HASH,
+                    salt=salt,
+                    blocks=own,
+                    cache_salt=first_salt,
+                )
+            )
         steps: list[Step] = []
         low, high = (math.log(p) for p in tier_profile(tier).pause_s)
         turn_max = max((t.output_tokens[1] for t in spec.tools), default=spec.turn_tokens[1])
@@ -482,6 +533,9 @@ class Workload:
         self._drawer = _drawer or _Drawer(spec, self.tenants, seed=seed, block_size=block_size)
         self.salts = self._drawer.salts
         """Block hash → salt, for the blocks where a conversation departs (module docstring)."""
+        self.cache_salts = self._drawer.cache_salts
+        """First block's hash → the tenant's `cache_salt` in it (`shared_system_prompts`
+        off): what a KV event's re-hashing needs besides `tokens_of`."""
 
     def at_rate(
         self, task_rate: float, *, tasks: int | None = None, until_s: float | None = None

@@ -215,6 +215,7 @@ def run_policy(
         block_size=block_size,
         clock=lambda: runner_box[0].sim.now,
         tokens_of=workload.tokens_of,
+        cache_salts=workload.cache_salts,
         seed=seed,
         extra={
             "mechanisms": mechanisms,

@@ -46,7 +46,7 @@ context, as its workflow sends it; the anchors' tuned variants read the hints in
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -156,6 +156,9 @@ class PolicySetup:
     clock: Callable[[], float]
     tokens_of: TokensOf
     seed: int = 0
+    cache_salts: Mapping[int, str] = field(default_factory=dict)
+    """A prompt's first block hash → the `cache_salt` hashed into it, for re-hashing KV events
+    (`kvflow.simulator.workloads.Workload.cache_salts`); unsalted blocks are not in it."""
     extra: dict[str, object] = field(default_factory=dict)
     """Policy-specific settings (e.g. kvflow's `SchedulerConfig` under "scheduler_config"),
     and the harness's: "mechanisms" (a frozenset of `MECHANISMS`), "priority_dispatch" and

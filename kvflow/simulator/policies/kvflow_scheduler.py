@@ -245,6 +245,7 @@ class KvflowPolicy:
         self.rid = {name: i for i, name in enumerate(self.names)}
         self.block_size = setup.block_size
         self.tokens_of = setup.tokens_of
+        self.cache_salts = setup.cache_salts
         interval = setup.extra.get("scrape_interval_s", SCRAPE_INTERVAL_S)
         self.scrape_interval_s = float(interval) if isinstance(interval, int | float) else 1.0
         self.kv_events = bool(setup.extra.get("kv_events", True))
@@ -383,12 +384,17 @@ class KvflowPolicy:
                 for h in event.block_hashes:
                     tokens.extend(tokens_of(chained, h))
                     chained = h
+                salt = None
+                if parent is None and event.block_hashes:
+                    salt = self.cache_salts.get(event.block_hashes[0])
                 events.append(
                     BlockStored(
                         block_hashes=tuple(event.block_hashes),
                         parent_block_hash=parent,
                         token_ids=tuple(tokens),
                         block_size=event.block_size,
+                        # As vLLM's extra_keys carry it: the salt of the prompt's first block.
+                        cache_salt=salt,
                     )
                 )
             elif isinstance(event, sim_events.BlockRemoved):
