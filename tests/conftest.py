@@ -14,13 +14,15 @@ from temporalio.testing import WorkflowEnvironment
 from kvflow.workers.devserver import dynamic_config_args, find_temporal_binary
 from kvflow.workflows.search_attributes import ALL as SEARCH_ATTRIBUTES
 
-# Fixture modules of the parts of kvflow (simulated and real vLLM servers, databases), and
-# the in-loop cut of a stuck async test (`tests.timeouts`).
+# Fixture modules of the parts of kvflow (simulated and real vLLM servers, databases), the
+# in-loop cut of a stuck async test (`tests.timeouts`), and the end-of-run check that no
+# process the tests started is left running (`tests.leftover_processes`).
 pytest_plugins: list[str] = [
     "tests.fixtures_vllm",
     "tests.fixtures_ledger",
     "tests.fixtures_sim",
     "tests.timeouts",
+    "tests.leftover_processes",
 ]
 
 # Command output is read at 200 columns unless a test sets its own width: at the default 80,
