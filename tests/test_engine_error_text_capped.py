@@ -2,16 +2,19 @@
 
 Conversations above 2 KiB travel as context references, so history holds none of them. An
 engine's 400 may quote the request it refused, though, and the failure Temporal records
-would then hold the conversation in the clear. Whatever the engine answers, each failure
-message is capped: an engine's text at `ENGINE_TEXT_LIMIT` characters, a whole activity
+would then hold the conversation in the clear. An engine's text that quotes any run of
+`QUOTE_MIN_CHARS` characters of the request is left out (its error type, code and a digest
+stay); other text is capped: an engine's at `ENGINE_TEXT_LIMIT` characters, a whole activity
 error at `MESSAGE_LIMIT_BYTES`; so no text in history exceeds 2 KiB.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import random
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -25,7 +28,10 @@ from kvflow.activities.control_plane import permanent_errors_fail_at_once
 from kvflow.activities.errors import (
     ENGINE_TEXT_LIMIT,
     MESSAGE_LIMIT_BYTES,
+    NOTHING_SENT,
+    QUOTE_MIN_CHARS,
     InvalidRequest,
+    SentText,
     from_error_body,
     from_status,
     from_transport,
@@ -40,8 +46,10 @@ from tests.test_engine_responses import (  # noqa: F401 - the fixtures of the sc
     Call,
     CallBrokenEngine,
     CallOutcome,
+    chunk,
     engine,
     replica,
+    sse,
     workflow_worker,
 )
 
@@ -58,6 +66,11 @@ def _size(text: str) -> int:
     return len(text.encode("utf-8"))
 
 
+def _sent(conversation: str) -> SentText:
+    """What a chat call with `conversation` as its one message sent."""
+    return SentText({"messages": [{"role": "user", "content": conversation}]})
+
+
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize(
     "body",
@@ -70,22 +83,56 @@ def _size(text: str) -> int:
     ids=["error.message", "old vLLM message", "validation detail", "non-ASCII"],
 )
 def test_a_json_error_quoting_the_request_is_capped(body: dict[str, Any]) -> None:
-    error = from_status(400, json.dumps(body), replica="h100/0").to_application_error()
+    sent = _sent(_conversation() if "é" not in json.dumps(body) else "é€𝄞" * 3_000)
+    error = from_status(400, json.dumps(body), replica="h100/0", sent=sent).to_application_error()
     assert error.type == "InvalidRequest"
     assert END_OF_CONVERSATION not in error.message
+    assert not sent.quoted_in(error.message)
     assert _size(error.message) <= MESSAGE_LIMIT_BYTES
     assert error.message.startswith("replica h100/0: HTTP 400: ")
     assert len(error.message) <= len("replica h100/0: HTTP 400: ") + ENGINE_TEXT_LIMIT + 3
 
 
 @pytest.mark.timeout(10)
+def test_an_engine_message_that_quotes_no_request_text_is_kept_with_its_type_and_code() -> None:
+    message = (
+        "This model's maximum context length is 2048 tokens. However, you requested 2100 "
+        "tokens (1900 in the messages, 200 in the completion)."
+    )
+    body = {"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}}
+    error = from_status(400, json.dumps(body), replica="h100/0", sent=_sent(_conversation()))
+    assert error.error_type == "ContextLengthExceeded"
+    assert str(error) == f"replica h100/0: HTTP 400: BadRequestError (code 400): {message}"
+
+
+@pytest.mark.timeout(10)
+def test_an_engine_message_quoting_a_short_run_of_the_request_is_left_out_but_typed() -> None:
+    # Twelve characters of the prompt are enough to leave the whole message out; the class
+    # is still chosen on it (a context-length error stays one).
+    prompt = "Summarise the quarterly figures of ACME-7731 for the board."
+    message = "maximum context length exceeded while reading 'figures of ACME-7731'"
+    body = {"error": {"message": message, "type": "BadRequestError", "code": 400}}
+    error = from_status(400, json.dumps(body), replica="h100/0", sent=_sent(prompt))
+    assert error.error_type == "ContextLengthExceeded"
+    assert "ACME" not in str(error) and "figures" not in str(error)
+    assert str(error).startswith(
+        "replica h100/0: HTTP 400: BadRequestError (code 400): (message left out"
+    )
+    assert "sha256 " in str(error)
+
+
+@pytest.mark.timeout(10)
 def test_every_other_outside_text_is_capped() -> None:
     long = _conversation()
-    in_a_200 = from_error_body({"message": long, "code": 400}, replica="h100/0")
+    sent = _sent(long)
+    in_a_200 = from_error_body({"message": long, "code": 400}, replica="h100/0", sent=sent)
     assert END_OF_CONVERSATION not in str(in_a_200)
+    assert not sent.quoted_in(str(in_a_200))
     request = httpx.Request("POST", "http://10.0.0.5:8000/v1/chat/completions")
-    cut = from_transport(httpx.RemoteProtocolError(long, request=request), replica="h100/0")
+    error = httpx.RemoteProtocolError(long, request=request)
+    cut = from_transport(error, replica="h100/0", sent=NOTHING_SENT)
     assert END_OF_CONVERSATION not in str(cut)
+    assert not sent.quoted_in(str(from_transport(error, replica="h100/0", sent=sent)))
     # Any message kvflow builds: the cap holds for the error and for its `str`, which Temporal
     # records as the cause of the activity's error.
     built = InvalidRequest(f"the request was {long}", replica="h100/0")
@@ -113,20 +160,103 @@ def _texts(message: Message) -> Iterator[str | bytes]:
                     yield item
 
 
+def _history_texts(texts: list[str | bytes]) -> list[str]:
+    """Each text of a history as it reads, and each payload's JSON decoded to its strings."""
+    found: list[str] = []
+
+    def strings(value: object) -> Iterator[str]:
+        if isinstance(value, str):
+            yield value
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                yield key
+                yield from strings(item)
+        elif isinstance(value, list):
+            for item in value:
+                yield from strings(item)
+
+    for text in texts:
+        decoded = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
+        found.append(decoded)
+        with contextlib.suppress(ValueError):  # not a JSON payload: searched as it is
+            found.extend(strings(json.loads(decoded)))
+    return found
+
+
+def _runs(text: str, length: int = QUOTE_MIN_CHARS) -> set[str]:
+    return {text[i : i + length] for i in range(len(text) - length + 1)}
+
+
+def _private_conversation(words: int = 600) -> str:
+    """A long conversation of made-up words (letters no id or digest uses), over 2 KiB."""
+    pick = random.Random(11)  # the same words every run
+    letters = "ghjkmnpqrstvwxyz"
+    return " ".join("".join(pick.choices(letters, k=pick.randint(3, 9))) for _ in range(words))
+
+
+ENGINE_ANSWERS_THAT_QUOTE: dict[str, Callable[[dict[str, Any]], Response]] = {
+    # vLLM's 400 when it cannot render the request: the message embeds what it was sent.
+    "400 quoting the body": lambda sent: JSONResponse(
+        {
+            "error": {
+                "message": f"Invalid request {json.dumps(sent)}",
+                "type": "BadRequestError",
+                "param": None,
+                "code": 400,
+            }
+        },
+        status_code=400,
+    ),
+    # FastAPI's validation error: each problem carries the `input` it refused.
+    "validation detail": lambda sent: JSONResponse(
+        {
+            "detail": [
+                {
+                    "type": "string_too_long",
+                    "loc": ["body", "messages", 0, "content"],
+                    "msg": "String should have at most 1000 characters",
+                    "input": sent["messages"][0]["content"],
+                }
+            ]
+        },
+        status_code=400,
+    ),
+    # An error event in a 200 stream, quoting the conversation's start.
+    "error event in a stream": lambda sent: sse(
+        chunk(role=True),  # no usage yet: the error comes before the engine counts
+        {"error": {"message": f"render failed: {sent['messages'][0]['content'][:300]}"}},
+    ),
+    # A proxy's page with status 200 that echoes the request.
+    "page echoing the request": lambda sent: Response(
+        f"<html>rejected: {sent['messages'][0]['content'][:400]}</html>", media_type="text/html"
+    ),
+}
+
+
 @pytest.mark.timeout(60)
-async def test_a_400_that_quotes_the_conversation_leaves_it_out_of_history(
+@pytest.mark.parametrize(
+    ("quoting", "error_type"),
+    [
+        ("400 quoting the body", "InvalidRequest"),
+        ("validation detail", "InvalidRequest"),
+        ("error event in a stream", "ReplicaServerError"),
+        ("page echoing the request", "MalformedResponse"),
+    ],
+)
+async def test_no_piece_of_a_conversation_an_engine_quotes_reaches_history(
+    quoting: str,
+    error_type: str,
     replica: BrokenReplica,  # noqa: F811 - the fixture imported above
     temporal_client: Client,
 ) -> None:
-    def quote_the_request() -> Response:
-        sent = json.dumps(replica.engine.bodies[-1])
-        message = f"Invalid request {sent}; conversation: {_conversation()}"
-        return JSONResponse({"error": {"message": message, "code": 400}}, status_code=400)
-
-    replica.engine.script = quote_the_request
+    conversation = _private_conversation()
+    assert _size(conversation) > INLINE_LIMIT_BYTES  # it travels by reference
+    ref = await replica.worker.activities.store.aput(conversation, "acme")
+    answer_with = ENGINE_ANSWERS_THAT_QUOTE[quoting]
+    replica.engine.script = lambda: answer_with(replica.engine.bodies[-1])
     request = InferenceRequest(
         model=MODEL,
-        messages=[ChatMessage(role="user", content="Plan a three step research task.")],
+        messages=[ChatMessage(role="user", content=ref)],
         max_tokens=MAX_TOKENS,
         sampling=Sampling(seed=7),
         tenant="acme",
@@ -139,15 +269,14 @@ async def test_a_400_that_quotes_the_conversation_leaves_it_out_of_history(
         task_queue=WORKFLOW_QUEUE,
     )
     outcome: CallOutcome = await handle.result()
-    assert outcome.error_type == "InvalidRequest"
-    assert (outcome.message or "").startswith(f"replica {replica.worker.binding.name}: HTTP 400")
+    assert outcome.error_type == error_type, outcome
+    assert (outcome.message or "").startswith(f"replica {replica.worker.binding.name}: ")
+    assert replica.engine.bodies[-1]["messages"][0]["content"] == conversation  # it was sent
 
     history = await handle.fetch_history()
-    texts = [
-        text.encode() if isinstance(text, str) else text
-        for event in history.events
-        for text in _texts(event)
-    ]
-    assert any(b"Invalid request" in text for text in texts)  # the failure is in history
-    assert not any(END_OF_CONVERSATION.encode() in text for text in texts)
-    assert max(len(text) for text in texts) <= INLINE_LIMIT_BYTES
+    texts = _history_texts([text for event in history.events for text in _texts(event)])
+    assert any(outcome.message == text for text in texts)  # the failure is in history
+    seen = set().union(*(_runs(text) for text in texts))
+    leaked = _runs(conversation) & seen
+    assert not leaked, f"{len(leaked)} pieces of the conversation in history: {sorted(leaked)[:5]}"
+    assert max(_size(text) for text in texts) <= INLINE_LIMIT_BYTES

@@ -25,8 +25,9 @@ they carry is capped (`ENGINE_TEXT_LIMIT`, `MESSAGE_LIMIT_BYTES`): Temporal reco
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import httpx
@@ -171,10 +172,16 @@ RETRYABLE_TYPES: frozenset[str] = frozenset(
 ENGINE_TEXT_LIMIT = 500
 """Characters kept of any text an engine or a transport error supplies.
 
-vLLM's own messages fit (a context-length error with its numbers is about 200); what does not
-is an echo of the request, e.g. a 400 that quotes the prompt or a validation
-error's `input`. That would put the conversation, kept out of history by the context store,
-back into the failure Temporal records."""
+vLLM's own messages fit (a context-length error with its numbers is about 200). Text that
+quotes the request (a 400 that echoes the prompt, a validation error's `input`) is not kept
+at all (`SentText`): that would put the conversation, kept out of history by the context
+store, back into the failure Temporal records."""
+
+QUOTE_MIN_CHARS = 8
+"""The shortest run of the request's text that makes an engine's message a quote of it.
+
+Shorter runs are common words ("tokens", "length") that an engine's own message and a prompt
+share by chance; eight characters of a conversation are already a piece of it."""
 
 MESSAGE_LIMIT_BYTES = 1024
 """UTF-8 bytes of an `ApplicationError` message an activity raises, whatever built it.
@@ -200,29 +207,138 @@ def engine_text(text: str) -> str:
     return text if len(text) <= ENGINE_TEXT_LIMIT else text[:ENGINE_TEXT_LIMIT] + "..."
 
 
-def vllm_error_text(body: bytes | str) -> str:
-    """The message of a vLLM error body (`{"error": {"message": ...}}`), or the raw text.
+class SentText:
+    """The request's own text, as a call sent it: what an engine's message must not quote.
 
-    Either way at most `ENGINE_TEXT_LIMIT` characters: a message may quote the request.
+    Message contents, the prompt, the partial answer a call continues and tool-call arguments
+    travel through history by reference when they are large, so no piece of them may come
+    back in a failure's message. Built from the request body; read only when a call fails.
+    """
+
+    def __init__(self, body: Mapping[str, Any] | None = None) -> None:
+        self._body = body
+        self._haystack: str | None = None
+
+    def _text(self) -> str:
+        if self._haystack is None:
+            forms: set[str] = set()
+            for text in _contents(self._body or {}):
+                if len(text) >= QUOTE_MIN_CHARS:
+                    # An engine may quote the request as it parsed it or as JSON (escaped).
+                    forms |= {
+                        text,
+                        json.dumps(text)[1:-1],
+                        json.dumps(text, ensure_ascii=False)[1:-1],
+                    }
+            self._haystack = "\x00".join(forms)
+        return self._haystack
+
+    def quoted_in(self, text: str) -> bool:
+        """Whether `text` holds a run of `QUOTE_MIN_CHARS` characters of the request's text."""
+        haystack = self._text()
+        if not haystack:
+            return False
+        runs = {text[i : i + QUOTE_MIN_CHARS] for i in range(len(text) - QUOTE_MIN_CHARS + 1)}
+        return any(run in haystack for run in runs)
+
+    def kept(self, text: str) -> str:
+        """`engine_text(text)`, or a line naming it by digest when it quotes the request."""
+        short = engine_text(text)
+        if not self.quoted_in(short):
+            return short
+        digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+        return (
+            f"(message left out: it quotes the request; {len(text):,} characters, sha256 {digest})"
+        )
+
+
+NOTHING_SENT = SentText()
+"""For a failure with no request text to hide (no request was built)."""
+
+
+def _contents(body: Mapping[str, Any]) -> Iterator[str]:
+    """The conversation's text in a chat or completion request body."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        yield prompt
+    for message in body.get("messages") or ():
+        if not isinstance(message, Mapping):
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            yield content
+        elif isinstance(content, list):  # content parts: [{"type": "text", "text": ...}]
+            yield from (str(part.get("text")) for part in content if isinstance(part, Mapping))
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, Mapping) else None
+            if isinstance(function, Mapping) and isinstance(function.get("arguments"), str):
+                yield function["arguments"]
+
+
+def vllm_error_text(body: bytes | str, sent: SentText = NOTHING_SENT) -> str:
+    """What identifies the error in a vLLM error body, without any quote of the request.
+
+    vLLM writes `{"error": {"message", "type", "param", "code"}}`: the type, code and param
+    are kept, and the message unless it quotes the request (`SentText.kept`). A validation
+    error's `detail` keeps each problem's place and text, never its `input`. Other bodies
+    are raw text, under the same rule. Either way at most about `ENGINE_TEXT_LIMIT` characters.
     """
     text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
     try:
         parsed = json.loads(text)
     except ValueError:
-        return engine_text(text) or "(empty body)"
+        return sent.kept(text) or "(empty body)"
     if isinstance(parsed, dict):
-        error = parsed.get("error", parsed)
-        if isinstance(error, dict) and "message" in error:
-            return engine_text(str(error["message"]))
+        error = error_of(parsed)
+        if error is not None:
+            return describe_error(error, sent)
         if "detail" in parsed:
-            return engine_text(str(parsed["detail"]))
-    return engine_text(text)
+            return sent.kept(_detail_text(parsed["detail"]))
+    return sent.kept(text)
 
 
-def from_status(status: int, body: bytes | str, *, replica: str) -> InferenceError:
-    """Map a non-2xx answer from a vLLM server to the error it means."""
-    message = vllm_error_text(body)
-    return _error_class(status, message)(message, replica=replica, status=status)
+def describe_error(error: Mapping[str, Any], sent: SentText = NOTHING_SENT) -> str:
+    """`type (code C, param P): message` of an engine's error object.
+
+    The type, code and param are vLLM's own short names; the message is kept as
+    `SentText.kept` keeps it. None of them is kept if it quotes the request.
+    """
+    labels = [
+        f"{name} {engine_text(str(error[name]))[:64]}"
+        for name in ("code", "param")
+        if error.get(name) is not None and not sent.quoted_in(str(error[name]))
+    ]
+    kind = error.get("type")
+    head = engine_text(str(kind))[:64] if kind and not sent.quoted_in(str(kind)) else ""
+    head = f"{head} ({', '.join(labels)})" if labels else head
+    message = error.get("message")
+    if message is None:
+        return head or "(no message)"
+    message = sent.kept(str(message))
+    return f"{head}: {message}" if head else message
+
+
+def _detail_text(detail: object) -> str:
+    """A validation error's `detail` as `loc: msg` lines, without the `input` it quotes."""
+    if not isinstance(detail, list):
+        return str(detail)
+    problems = [
+        f"{'.'.join(str(part) for part in item.get('loc') or ())}: {item.get('msg')}"
+        for item in detail
+        if isinstance(item, Mapping)
+    ]
+    return "; ".join(problems) or str(detail)
+
+
+def from_status(status: int, body: bytes | str, *, replica: str, sent: SentText) -> InferenceError:
+    """Map a non-2xx answer from a vLLM server to the error it means.
+
+    The class is chosen on the engine's own message (a context-length error stays one even
+    when its text is left out); the error's text keeps only what `vllm_error_text` keeps
+    with `sent`, so no piece of the request reaches history.
+    """
+    cls = _error_class(status, vllm_error_text(body))
+    return cls(vllm_error_text(body, sent), replica=replica, status=status)
 
 
 _STATUS_OF_ERROR_TYPE = {
@@ -259,15 +375,17 @@ def error_of(document: object) -> Mapping[str, Any] | None:
     return None
 
 
-def from_error_body(error: Mapping[str, Any], *, replica: str) -> InferenceError:
+def from_error_body(error: Mapping[str, Any], *, replica: str, sent: SentText) -> InferenceError:
     """Map an error reported inside a 200 answer (see `error_of`) to the error it means.
 
     Its `code` is the HTTP status the engine meant (vLLM writes it), or else its `type` names
     one; an error that says neither is taken for the replica's own fault (500, retryable).
+    The text keeps what `describe_error` keeps: no piece of the request (`sent`).
     """
     status = _status_of(error)
-    message = engine_text(str(error.get("message") or error.get("type") or "(no message)"))
-    return _error_class(status, message)(
+    whole = str(error.get("message") or error.get("type") or "(no message)")
+    message = describe_error({**error, "code": None}, sent)
+    return _error_class(status, whole)(
         f"error in a 200 answer (code {status}): {message}", replica=replica
     )
 
@@ -302,13 +420,15 @@ def _error_class(status: int, message: str) -> type[InferenceError]:
     return cls
 
 
-def from_transport(exc: httpx.TransportError, *, replica: str) -> InferenceError:
+def from_transport(
+    exc: httpx.TransportError, *, replica: str, sent: SentText = NOTHING_SENT
+) -> InferenceError:
     """Map an httpx transport failure (no HTTP answer, or a broken stream) to its error.
 
-    Its text is `engine_text`, and holds no secret of the URL it was sent to: some errors
-    quote the URL, or a piece of a password they could not parse.
+    Its text is kept as `SentText.kept` keeps it, and holds no secret of the URL it was sent
+    to: some errors quote the URL, or a piece of a password they could not parse.
     """
-    text = engine_text(scrub_secrets(str(exc), _request_url(exc)))
+    text = sent.kept(scrub_secrets(str(exc), _request_url(exc)))
     text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
     if isinstance(exc, httpx.TimeoutException):
         return ReplicaTimeout(text, replica=replica)

@@ -39,11 +39,13 @@ from temporalio.exceptions import ApplicationError
 
 from kvflow.activities.context_store import ContextStore, DirectoryContextStore
 from kvflow.activities.errors import (
+    NOTHING_SENT,
     ContextStoreFailed,
     InferenceError,
     InvalidUsage,
     MalformedResponse,
     ReplicaShuttingDown,
+    SentText,
     StreamCut,
     capped,
     error_of,
@@ -536,20 +538,21 @@ class InferenceActivities:
         body.update(hints.body)
         replica = self.replica.name
         bounds = UsageBounds.of(body)
+        sent = SentText(body)  # what an engine's error text must not quote
         try:
             async with self.http.stream(
                 "POST", self.replica.base_url + url, json=body, headers=hints.headers
             ) as response:
                 if response.status_code >= 400:
                     raw = await _read_capped(response)
-                    raise from_status(response.status_code, raw, replica=replica)
+                    raise from_status(response.status_code, raw, replica=replica, sent=sent)
                 media_type = response.headers.get("content-type", "").split(";")[0].strip()
                 if media_type and media_type != "text/event-stream":
                     raise _not_a_stream(
-                        await _read_capped(response), media_type, progress, bounds, replica
+                        await _read_capped(response), media_type, progress, bounds, replica, sent
                     )
                 since_yield = 0
-                async for chunk in _sse_chunks(response, replica):
+                async for chunk in _sse_chunks(response, replica, sent):
                     _apply_chunk(
                         chunk,
                         progress,
@@ -565,7 +568,7 @@ class InferenceActivities:
                         since_yield = 0
                         await asyncio.sleep(0)
         except httpx.TransportError as exc:
-            raise from_transport(exc, replica=replica) from exc
+            raise from_transport(exc, replica=replica, sent=sent) from exc
         except InvalidUsage:
             progress.resumable = False
             raise
@@ -822,7 +825,12 @@ async def _read_capped(response: httpx.Response) -> bytes:
 
 
 def _not_a_stream(
-    raw: bytes, media_type: str, progress: Progress, bounds: UsageBounds, replica: str
+    raw: bytes,
+    media_type: str,
+    progress: Progress,
+    bounds: UsageBounds,
+    replica: str,
+    sent: SentText,
 ) -> InferenceError:
     """The error a 200 answer that is not an event stream means.
 
@@ -836,29 +844,35 @@ def _not_a_stream(
     except ValueError:
         return MalformedResponse(
             f"answered 200 with {media_type or 'a body'} that is not an event stream: "
-            f"{_snippet(text)}",
+            f"{_snippet(text, sent)}",
             replica=replica,
         )
     error = error_of(document)
     if error is not None:
-        return from_error_body(error, replica=replica)
+        return from_error_body(error, replica=replica, sent=sent)
     if isinstance(document, dict) and document.get("usage") is not None:
         # Already failing: a report that cannot be trusted is simply not billed.
         with contextlib.suppress(InvalidUsage):
             _apply_usage(document["usage"], progress, bounds, replica)
     return MalformedResponse(
         f"answered 200 with JSON, not an event stream (does it honour stream=true?): "
-        f"{_snippet(text)}",
+        f"{_snippet(text, sent)}",
         replica=replica,
     )
 
 
-def _snippet(text: str) -> str:
+def _snippet(text: str, sent: SentText = NOTHING_SENT) -> str:
+    """The start of a body an engine should not have sent, unless it quotes the request."""
     text = text.strip()
-    return repr(text[:200] + ("..." if len(text) > 200 else "")) if text else "(empty body)"
+    if not text:
+        return "(empty body)"
+    snippet = text[:200] + ("..." if len(text) > 200 else "")
+    return repr(snippet) if not sent.quoted_in(snippet) else sent.kept(snippet)
 
 
-async def _sse_chunks(response: httpx.Response, replica: str) -> AsyncIterator[dict[str, Any]]:
+async def _sse_chunks(
+    response: httpx.Response, replica: str, sent: SentText
+) -> AsyncIterator[dict[str, Any]]:
     """The JSON chunks of an OpenAI event stream, up to `[DONE]`; errors in it are raised."""
     async for line in response.aiter_lines():
         if not line.startswith("data:"):
@@ -866,9 +880,10 @@ async def _sse_chunks(response: httpx.Response, replica: str) -> AsyncIterator[d
                 # Not the event-stream format: an error body, or a proxy's page.
                 error = error_of(_json_or_none(line))
                 if error is not None:
-                    raise from_error_body(error, replica=replica)
+                    raise from_error_body(error, replica=replica, sent=sent)
                 raise MalformedResponse(
-                    f"a line of the stream is not an event: {_snippet(line)}", replica=replica
+                    f"a line of the stream is not an event: {_snippet(line, sent)}",
+                    replica=replica,
                 )
             continue
         data = line[5:].strip()
@@ -877,11 +892,11 @@ async def _sse_chunks(response: httpx.Response, replica: str) -> AsyncIterator[d
         chunk = _json_or_none(data)
         if not isinstance(chunk, dict):
             raise MalformedResponse(
-                f"an event's data is not a JSON object: {_snippet(data)}", replica=replica
+                f"an event's data is not a JSON object: {_snippet(data, sent)}", replica=replica
             )
         error = error_of(chunk)
         if error is not None:
-            raise from_error_body(error, replica=replica)
+            raise from_error_body(error, replica=replica, sent=sent)
         yield chunk
 
 
