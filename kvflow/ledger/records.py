@@ -188,9 +188,11 @@ class TaskRecord(_Record):
         default=None,
         min_length=1,
         description="the first run of the task's chain of runs, when it is not this run "
-        "(every run of a task that continues as new names the same one: "
-        "`workflow.info().first_execution_run_id`); None: this run is the first (or it is not "
-        "known, in rows from before)",
+        "(every run of a task that continues as new names the same one, carried with the "
+        "continue-as-new: `kvflow.workflows.carry`; a cron run or a workflow retry starts a "
+        "chain of its own); None: this run is the first (or it is not known, in rows from "
+        "before). Rows written before the carry name `first_execution_run_id`, which cron runs "
+        "and retries share: the report splits such a chain at its final rows",
     )
 
     @model_validator(mode="after")

@@ -9,8 +9,11 @@ Definitions (per group of the report):
 - **tasks**: closed tasks (task rows) whose `closed_at` lies in `[since, until)`. A run that
   continued as new (outcome `continued_as_new`) is no task of its own: its task goes on in
   the next run, and the runs of one task form a chain (`chain_run_id`, the chain's first
-  run). A continued run's spend, attempts and tokens count in its own groups (its tenant,
-  workflow type and day of close) as every spend does; it is not a task there.
+  run; a cron run or a workflow retry starts a chain of its own). In a chain of rows from
+  before, which cron runs and retries share, each final row ends the continued runs closed
+  since the one before it (`ChainEnds`). A continued run's spend, attempts and tokens count
+  in its own groups (its tenant, workflow type and day of close) as every spend does; it is
+  not a task there.
 - **succeeded**: those whose outcome is `succeeded`. **success_rate** = succeeded / tasks.
 - **a task's spend** = the sum of `cost_micros` over its attempt rows (not the task row's own
   total), so the report's totals equal the sum of attempt rows to the micro-dollar.
@@ -49,6 +52,7 @@ the total). A task with no attempts counts in the group whose model and pool are
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -226,6 +230,43 @@ class TaskFacts:
         """Whether all this run's spend is waste: its task ended, here or later, unsucceeded."""
         ended = self.outcome if self.outcome.final else self.chain_outcome
         return ended is not None and ended is not TaskOutcome.SUCCEEDED
+
+
+class ChainEnds:
+    """The final rows of chains of runs, in close order: where each continued run's task ended.
+
+    The runs of a chain close one after another. A continued run's task ends at the first
+    final row of its chain that closed at or after it (the continued run first on a tie,
+    then by run id), so the order is defined whatever order the rows were written or read
+    in. A chain written since the chain travels with the continue-as-new holds one task. One
+    written before names `first_execution_run_id`, which the cron runs and workflow retries of
+    a workflow share with its continued runs, so it may hold several tasks: each final row
+    ends the continued runs that closed since the final row before it.
+    """
+
+    def __init__(self, rows: Iterable[tuple[str, str, datetime, TaskOutcome]]) -> None:
+        """`rows`: the final rows of the chains, as (chain, run id, closed at, outcome)."""
+        ends: dict[str, list[tuple[datetime, str, TaskOutcome]]] = defaultdict(list)
+        for chain, run_id, closed_at, outcome in rows:
+            ends[chain].append((closed_at, run_id, outcome))
+        for chain_ends in ends.values():
+            chain_ends.sort()
+        self._ends = dict(ends)
+        self._closes = {chain: [end[0] for end in e] for chain, e in self._ends.items()}
+
+    def end_of(self, chain: str, closed_at: datetime) -> tuple[str, TaskOutcome] | None:
+        """Where a continued run of `chain`, closed at `closed_at`, had its task end.
+
+        (run id, outcome) of that final row; None while the task has not ended.
+        """
+        closes = self._closes.get(chain)
+        if not closes:
+            return None
+        at = bisect_left(closes, closed_at)
+        if at == len(closes):
+            return None
+        _, run_id, outcome = self._ends[chain][at]
+        return run_id, outcome
 
 
 @dataclass(frozen=True, slots=True)
