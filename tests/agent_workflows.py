@@ -511,6 +511,11 @@ class ContinueInput(BaseModel):
     spec: TaskSpec
     model: str
     runs_left: int = 1
+    pause_s: float = 0.0
+    """How long each run that continues as new waits after its call (workflow time)."""
+    max_tokens: int = 8
+    fail_first_try: bool = False
+    """The last run fails (retryably) on the workflow's first attempt: a retry runs it again."""
 
 
 @workflow.defn
@@ -524,12 +529,67 @@ class ContinueOnce:
             answer = await agent.infer(
                 [ChatMessage(role="user", content=f"Runs left: {task.runs_left}.")],
                 model=task.model,
-                max_tokens=8,
+                max_tokens=task.max_tokens,
                 step="answer",
             )
             if task.runs_left > 0:
+                if task.pause_s:
+                    await workflow.sleep(task.pause_s)
                 workflow.continue_as_new(task.model_copy(update={"runs_left": task.runs_left - 1}))
+            if task.fail_first_try and workflow.info().attempt == 1:
+                raise ApplicationError("the first try fails; the workflow's retry runs it again")
             return answer.text
+
+
+class CronInput(BaseModel):
+    spec: TaskSpec
+    model: str
+    continued: bool = False
+
+
+@workflow.defn
+class CronContinuesOnce:
+    """A cron workflow's run: one model call; the second cron run continues as new once."""
+
+    @workflow.run
+    async def run(self, task: CronInput) -> str:
+        agent = Agent(task.spec)
+        async with agent:
+            answer = await agent.infer(
+                [ChatMessage(role="user", content="What time is it?")],
+                model=task.model,
+                max_tokens=8,
+                step="answer",
+            )
+            info = workflow.info()
+            # A cron run after the first names the run before it, as a continued run does.
+            if info.cron_schedule and info.continued_run_id and not task.continued:
+                workflow.continue_as_new(task.model_copy(update={"continued": True}))
+            return answer.text
+
+
+class OutsideInput(BaseModel):
+    spec: TaskSpec
+    model: str
+    tool: bool = False
+
+
+@workflow.defn
+class CallsOutsideTheBlock:
+    """Makes a model call (or a tool call) with an `Agent` whose block it never enters."""
+
+    @workflow.run
+    async def run(self, task: OutsideInput) -> str:
+        agent = Agent(task.spec)
+        if task.tool:
+            return str(await agent.tool(slow_lookup, 0.0, step="lookup"))
+        answer = await agent.infer(
+            [ChatMessage(role="user", content="Hello?")],
+            model=task.model,
+            max_tokens=8,
+            step="answer",
+        )
+        return answer.text
 
 
 ALL_WORKFLOWS = [
@@ -548,6 +608,8 @@ ALL_WORKFLOWS = [
     RawActivityInBlock,
     AnswerThenGiveUp,
     ContinueOnce,
+    CronContinuesOnce,
+    CallsOutsideTheBlock,
 ]
 ALL_ACTIVITIES = [
     issue_refund,

@@ -13,9 +13,10 @@ row, writes one from its attempt rows (`source = "reconcile"`):
 - steps: the `KvflowSteps` search attribute, else the number of activities with an `ok` attempt;
 - attempts and spend: counted and summed from its attempt rows (the ledger sums them again on
   every read, so an attempt that ends after the pass counts too);
-- chain: the first run of the task's chain of runs, from visibility or the run's description
-  (`TaskRecord.chain_run_id`), so a task that continued as new and was then terminated
-  makes all its runs' spend waste.
+- chain: the first run of the task's chain of runs (`TaskRecord.chain_run_id`), from the
+  run's start event: the carry its continue-as-new passed (`kvflow.workflows.carry`), so a
+  task that continued as new and was then terminated makes all its runs' spend waste; a cron
+  run or a workflow retry starts a chain of its own.
 
 It also lists the tasks whose ledger spend moved after they closed (`Ledger.tasks_moved`):
 rows that arrived or changed since, which a figure read at the close does not show.
@@ -31,6 +32,7 @@ import logging
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from temporalio.api.enums.v1 import ContinueAsNewInitiator
 from temporalio.client import Client, WorkflowExecution, WorkflowExecutionStatus
 from temporalio.service import RPCError
 
@@ -43,6 +45,7 @@ from kvflow.ledger.records import (
 )
 from kvflow.ledger.store import AsyncLedger
 from kvflow.workflows import search_attributes
+from kvflow.workflows.carry import TASK_CARRY_HEADER, TaskCarry
 
 log = logging.getLogger(__name__)
 
@@ -104,21 +107,36 @@ def outcome_for(execution: WorkflowExecution) -> TaskOutcome | None:
     return _STATUS_OUTCOMES[status]
 
 
-async def _first_run_id(client: Client, execution: WorkflowExecution) -> str | None:
-    """The first run of the execution's chain of runs (`TaskRecord.chain_run_id`).
+async def _chain_of(client: Client, execution: WorkflowExecution) -> str | None:
+    """The first run of the execution's task (`TaskRecord.chain_run_id`), from its start event.
 
-    Visibility's list may leave it out (the dev server's does); a run's description has it.
+    Only a run that a workflow continued as new continues a task: a cron run or a retry,
+    which Temporal starts with the same `first_execution_run_id`, starts one. The chain is
+    the carry's that the run it continued from passed; without one (a workflow of a kvflow
+    from before the carry), `first_execution_run_id`, as that workflow wrote it.
     """
-    if execution.raw_info.first_run_id:
-        return execution.raw_info.first_run_id
     handle = client.get_workflow_handle(execution.id, run_id=execution.run_id)
     try:
-        description = await handle.describe()
+        async for event in handle.fetch_history_events(page_size=1):
+            started = event.workflow_execution_started_event_attributes
+            break
+        else:
+            return None
     except RPCError as err:
         # Gone since it was listed (retention): the row is still worth writing, unchained.
         log.warning("%s/%s: no chain of runs read: %s", execution.id, execution.run_id, err)
         return None
-    return description.raw_description.workflow_execution_info.first_run_id or None
+    continued_from = started.continued_execution_run_id
+    if (
+        not continued_from
+        or started.initiator != ContinueAsNewInitiator.CONTINUE_AS_NEW_INITIATOR_WORKFLOW
+    ):
+        return None
+    header = started.header.fields.get(TASK_CARRY_HEADER)
+    carry = None if header is None else TaskCarry.from_payload(header)
+    if carry is not None and carry.from_run_id == continued_from:
+        return carry.chain_run_id
+    return started.first_execution_run_id or None
 
 
 async def _task_for(
@@ -149,7 +167,7 @@ async def _task_for(
         attempts=len(attempts),
         spend_micros=sum(a.cost_micros for a in attempts),
         source="reconcile",
-        chain_run_id=chain_run_id(execution.run_id or "", await _first_run_id(client, execution)),
+        chain_run_id=chain_run_id(execution.run_id or "", await _chain_of(client, execution)),
     )
 
 

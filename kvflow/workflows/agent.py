@@ -72,6 +72,7 @@ from kvflow.workflows.calls import (
     uncancellable,
 )
 from kvflow.workflows.calls import is_cancellation as _is_cancellation
+from kvflow.workflows.carry import TASK_CARRY_PATCH, TaskCarry, carried_into
 from kvflow.workflows.spend import (
     AttemptSpend,
     SpendBreakdown,
@@ -301,12 +302,13 @@ class Agent:
 
     def __init__(self, spec: TaskSpec) -> None:
         self.spec = spec
-        self._started_at = _task_started_at(workflow.info())
-        self._deadline = (
-            self._started_at + timedelta(seconds=spec.latency_budget_s)
-            if spec.latency_budget_s
-            else None
-        )
+        self._run_started_at = _task_started_at(workflow.info())
+        """When this run started (its ledger row's `started_at`)."""
+        self._started_at = self._run_started_at
+        """When the task started: its first run's start, where it continued as new."""
+        self._deadline = self._deadline_from(self._started_at)
+        self._carried: TaskCarry | None = None
+        """What the earlier runs of the task left this one (`TaskCarry`); None: it is the first."""
         self.spend = TaskSpend(spec.tenant)
         """The task's spend meter and the ledger rows the workflow writes."""
         self.steps: list[StepSpend] = self.spend.steps
@@ -325,6 +327,56 @@ class Agent:
         self._entered: Token[Agent | None] | None = None
         """Undoes `Agent.current()` when the `async with` block ends."""
         self._compensating = False
+        self._take_carry()
+
+    def _deadline_from(self, started_at: datetime) -> datetime | None:
+        budget = self.spec.latency_budget_s
+        return started_at + timedelta(seconds=budget) if budget else None
+
+    def _take_carry(self) -> None:
+        """Take the task over from the run this one continued as new from, once.
+
+        Its caps are the task's: the spend, re-placements and start (so the deadline) of its
+        earlier runs count here (`kvflow.workflows.carry`). Tried again on entering the block,
+        for an agent made before the workflow's run started (in `@workflow.init`).
+        """
+        if self._carried is not None:
+            return
+        carry = carried_into(workflow.info().continued_run_id)
+        if carry is None or not workflow.patched(TASK_CARRY_PATCH):
+            return
+        self._carried = carry
+        self._started_at = carry.started_at
+        self._deadline = self._deadline_from(carry.started_at)
+
+    def carry(self) -> TaskCarry:
+        """The task as its next run takes it over when it continues as new (`TaskCarry`)."""
+        info = workflow.info()
+        before = self._carried
+        return TaskCarry(
+            from_run_id=info.run_id,
+            chain_run_id=before.chain_run_id if before else info.run_id,
+            started_at=self._started_at,
+            spend_micros=self.task_spend_micros,
+            retries=self._task_retries,
+            steps_done=self._steps_done,
+        )
+
+    @property
+    def task_spend_micros(self) -> int:
+        """What the task has spent across its runs: `spend_micros` and its earlier runs'."""
+        return self.spend_micros + (self._carried.spend_micros if self._carried else 0)
+
+    @property
+    def _task_retries(self) -> int:
+        """Re-placements the task has used across its runs."""
+        return self.retries + (self._carried.retries if self._carried else 0)
+
+    @property
+    def _steps_done(self) -> int:
+        """Model calls the task has completed across its runs."""
+        done = sum(1 for s in self.steps if s.kind == "infer" and s.outcome == "ok")
+        return done + (self._carried.steps_done if self._carried else 0)
 
     # ---- the task's bracket ------------------------------------------------------------------
 
@@ -346,6 +398,7 @@ class Agent:
         return None if self._compensating else self._deadline
 
     async def __aenter__(self) -> Agent:
+        self._take_carry()
         self._entered = _CURRENT.set(self)
         return self
 
@@ -395,6 +448,23 @@ class Agent:
             # End the workflow as cancelled, not failed: the cancellation reached us wrapped
             # in the activity's error.
             raise asyncio.CancelledError from exc
+
+    def _refuse_outside_block(self, method: str, step: str) -> None:
+        """Fail the workflow at a call made outside `async with agent:`.
+
+        Only the block opens and closes the task: a call outside it would spend with no task
+        row, no outcome and no compensation, and the task would show `running` for good.
+        Non-retryable, so the workflow fails at once instead of its workflow task retrying.
+        """
+        if self._entered is not None:
+            return
+        raise errors.task_error(
+            errors.TaskErrorType.OUTSIDE_TASK,
+            f"agent.{method}({step!r}) was called outside the task's block; write the calls "
+            f"inside it:\n\n    async with agent:\n        ... = await agent.{method}(...)\n\n"
+            "(the block opens the task, books its spend and closes it with its outcome)",
+            step=step,
+        )
 
     # ---- model calls -------------------------------------------------------------------------
 
@@ -454,6 +524,7 @@ class Agent:
         "required", "none" or the name of the one tool it must call. Running the tools is the
         caller's: their results go back as `ChatMessage(role="tool", tool_call_id=...)`.
         """
+        self._refuse_outside_block("infer", step)
         record = StepSpend(index=len(self.steps) + 1, name=step, kind="infer", model=model)
         self.steps.append(record)
         problem = call_input_problem(
@@ -617,7 +688,7 @@ class Agent:
                     verdict.control_plane_fault
                     and call.outage_replacements < MAX_OUTAGE_REPLACEMENTS
                 )
-                if not free and self.retries >= self.spec.retry_budget:
+                if not free and self._task_retries >= self.spec.retry_budget:
                     record.outcome = errors.TaskErrorType.RETRY_BUDGET_EXHAUSTED
                     raise self._error(
                         errors.TaskErrorType.RETRY_BUDGET_EXHAUSTED,
@@ -688,7 +759,7 @@ class Agent:
     async def _place(self, call: _Call) -> Placement:
         """Ask the scheduler; wait out admission refusals (saturated fleet, circuits open)."""
         record, checkpoint = call.record, call.checkpoint
-        done = sum(1 for s in self.steps if s.kind == "infer" and s.outcome == "ok")
+        done = self._steps_done
         waiting_since: datetime | None = None
         asked_at = workflow.now()
         step_slo = self.spec.step_slo_s
@@ -711,7 +782,7 @@ class Agent:
                 step_deadline_s_remaining=step_remaining,
                 steps_remaining=max(1, self.spec.expected_steps - done),
                 previous_replica=self._last_replica,
-                spent_micros=self.spend_micros,
+                spent_micros=self.task_spend_micros,
                 budget_micros=self.spec.budget_micros,
                 exclude=call.exclude,
                 workflow_id=workflow.info().workflow_id,
@@ -721,7 +792,7 @@ class Agent:
                 expected_tool_s=self.spec.expected_tool_s if done == 0 else 0.0,
                 attempt=call.attempt,
                 # Re-placements made before this request: this one is already counted.
-                task_retries=self.retries
+                task_retries=self._task_retries
                 - (1 if call.attempt > 1 and not call.after_outage else 0),
                 after_control_plane_fault=call.after_outage,
             )
@@ -1000,6 +1071,7 @@ class Agent:
         without a compensation is left to stop on its own.
         """
         name = step or (activity if isinstance(activity, str) else activity.__name__)
+        self._refuse_outside_block("tool", name)
         record = StepSpend(index=len(self.steps) + 1, name=name, kind="tool")
         self.steps.append(record)
         policy = retry_policy or TOOL_RETRY
@@ -1279,7 +1351,8 @@ class Agent:
                 await bounded_local(END_TASK_ACTIVITY, workflow.info().workflow_id, bool)
             except FailureError as err:
                 workflow.logger.warning("scheduler: the task's end was not heard: %s", err)
-        await self.spend.close(outcome, started_at=self._started_at)
+        chain = self._carried.chain_run_id if self._carried else None
+        await self.spend.close(outcome, started_at=self._run_started_at, chain=chain)
 
 
 _CONTROL_PLANE_FIXES: dict[str, tuple[errors.TaskErrorType, str]] = {

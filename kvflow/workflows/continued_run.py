@@ -16,6 +16,10 @@ search attributes: the closing run's, with `KvflowOutcome = 'running'` and witho
 closing run's spend, steps and re-placements (the next run publishes its own). A
 `continue_as_new` given its own `search_attributes` keeps them. Runs recorded before this
 (patch `kvflow-continued-run-outcome`) replay as they ran.
+
+It also carries the task into the next run (`kvflow.workflows.carry.TaskCarry`: spend,
+re-placements used, the task's start and chain of runs), as a header of the next run's start,
+so that the task's caps hold across its runs.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from temporalio import workflow
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.worker import (
     ContinueAsNewInput,
+    ExecuteWorkflowInput,
     Interceptor,
     WorkflowInboundInterceptor,
     WorkflowInterceptorClassInput,
@@ -34,6 +39,7 @@ from temporalio.worker import (
 
 from kvflow.workflows import search_attributes as attrs
 from kvflow.workflows.agent import CONTINUED_RUN_OUTCOME_PATCH, Agent
+from kvflow.workflows.carry import TASK_CARRY_HEADER, TaskCarry, arrived
 
 PER_RUN = frozenset(key.name for key in (attrs.SPEND_MICROS, attrs.STEPS, attrs.RETRIES))
 """kvflow's search attributes that count one run's work: the next run starts without them."""
@@ -56,18 +62,31 @@ def next_run_attributes(current: TypedSearchAttributes) -> TypedSearchAttributes
 
 class _Outbound(WorkflowOutboundInterceptor):
     def continue_as_new(self, input: ContinueAsNewInput) -> NoReturn:
+        agent = Agent.current()
         if (
             input.search_attributes is None
-            and Agent.current() is not None
+            and agent is not None
             and workflow.patched(CONTINUED_RUN_OUTCOME_PATCH)
         ):
             input.search_attributes = next_run_attributes(workflow.info().typed_search_attributes)
+        if agent is not None:
+            # A header is no command attribute that replay compares: no patch needed here.
+            input.headers = {**input.headers, TASK_CARRY_HEADER: agent.carry().to_payload()}
         super().continue_as_new(input)
 
 
 class _Inbound(WorkflowInboundInterceptor):
     def init(self, outbound: WorkflowOutboundInterceptor) -> None:
         super().init(_Outbound(outbound))
+
+    async def execute_workflow(self, input: ExecuteWorkflowInput) -> Any:
+        header = input.headers.get(TASK_CARRY_HEADER)
+        carry = None if header is None else TaskCarry.from_payload(header)
+        if header is not None and carry is None:
+            # The task still runs, with caps counted from this run's start.
+            workflow.logger.warning("kvflow: the task's carry from its last run is unreadable")
+        arrived(carry)
+        return await super().execute_workflow(input)
 
 
 class ContinuedRunInterceptor(Interceptor):

@@ -41,6 +41,9 @@ class TaskErrorType(StrEnum):
     """A context reference names content the store does not hold (workers use other stores)."""
     CONTROL_PLANE_FAILED = "ControlPlaneFailed"
     """A control-plane activity (place, observe, context store) kept failing past its bound."""
+    OUTSIDE_TASK = "OutsideTask"
+    """`Agent.infer` or `Agent.tool` was called outside `async with agent:`, where no task is
+    open to book it; the message shows the block to write. Nothing was spent."""
 
 
 def task_error(error_type: str, message: str, **details: Any) -> ApplicationError:

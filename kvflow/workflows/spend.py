@@ -210,8 +210,13 @@ class TaskSpend:
             f"ledger: {len(activity_ids)} cut attempt(s) resumed",
         )
 
-    async def close(self, outcome: TaskOutcome, *, started_at: datetime) -> None:
+    async def close(
+        self, outcome: TaskOutcome, *, started_at: datetime, chain: str | None = None
+    ) -> None:
         """Write the task row with the workflow's figures at the close.
+
+        `chain` is the first run of the task when the task continued as new into this run
+        (`TaskRecord.chain_run_id`); None: this run is the task's first.
 
         Every attempt is billed at its row's figures: the result's or the error's (the GPU
         worker computed both from the same count) or, for a lost attempt, the row read back
@@ -234,7 +239,7 @@ class TaskSpend:
             spend_micros=self.spend_micros,
             compensation_micros=sum(s.cost_micros for s in self.steps if s.kind == "compensation"),
             source="workflow",
-            chain_run_id=chain_run_id(info.run_id, info.first_execution_run_id),
+            chain_run_id=chain_run_id(info.run_id, chain),
         )
         await self.write(RECORD_TASK_ACTIVITY, record, f"ledger: task {outcome.value}")
 
