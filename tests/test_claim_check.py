@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import secrets
 import uuid
 from pathlib import Path
@@ -28,7 +29,9 @@ from temporalio.worker import Replayer
 
 from kvflow.activities.claim_check import (
     CLAIM_CHECK_ENCODING,
+    REPLAY_NAMESPACE,
     SCOPE_METADATA,
+    WORKFLOW_METADATA,
     ClaimCheckCodec,
     ClaimCheckMissing,
     ClaimCheckRefused,
@@ -326,3 +329,48 @@ async def test_a_clients_own_codec_is_kept_and_the_claim_check_stores_what_it_ma
         assert await converter.decode([reference, inline], [str, str]) == [large, small]
     finally:
         await handle.terminate()
+
+
+async def test_a_reference_opens_in_no_other_namespace_but_under_the_replayer(tmp_path: Path):
+    codec = ClaimCheckCodec(DirectoryContextStore(tmp_path / "context"))
+    large = _payload(10_000)
+    in_a = WorkflowSerializationContext(namespace="team-a", workflow_id="report-1")
+    [reference] = await codec.with_context(in_a).encode([large])
+    # The same workflow id in another namespace is another workflow.
+    in_b = WorkflowSerializationContext(namespace="team-b", workflow_id="report-1")
+    with pytest.raises(ClaimCheckRefused, match="belongs to another workflow"):
+        await codec.with_context(in_b).decode([reference])
+    # The Replayer decodes a fetched history under a namespace of its own.
+    replay = WorkflowSerializationContext(namespace=REPLAY_NAMESPACE, workflow_id="report-1")
+    assert await codec.with_context(replay).decode([reference]) == [large]
+    other = WorkflowSerializationContext(namespace=REPLAY_NAMESPACE, workflow_id="report-2")
+    with pytest.raises(ClaimCheckRefused):
+        await codec.with_context(other).decode([reference])
+
+
+async def test_a_reference_whose_scope_is_not_its_workflows_opens_nothing(tmp_path: Path):
+    codec = ClaimCheckCodec(DirectoryContextStore(tmp_path / "context"))
+    [reference] = await codec.with_context(_workflow("globex-task")).encode([_payload(10_000)])
+    forged = Payload()
+    forged.CopyFrom(reference)
+    forged.metadata[WORKFLOW_METADATA] = b"acme-task"  # claimed for acme's own workflow
+    for reader in (codec, codec.with_context(_workflow("acme-task"))):
+        with pytest.raises(ClaimCheckMissing, match="not that of the workflow it names"):
+            await reader.decode([forged])
+
+
+async def test_an_earlier_versions_reference_still_opens_in_its_workflow(tmp_path: Path):
+    store = DirectoryContextStore(tmp_path / "context")
+    large = _payload(10_000)
+    # As versions before namespaces wrote it: the scope of the workflow id alone, named alone.
+    scope = hashlib.sha256(b"globex-task").hexdigest()[:32]
+    digest = store.put_bytes(large.SerializeToString(), scope)
+    reference = Payload(
+        metadata={"encoding": CLAIM_CHECK_ENCODING, SCOPE_METADATA: scope.encode()},
+        data=digest.encode(),
+    )
+    codec = ClaimCheckCodec(store)
+    assert await codec.with_context(_workflow("globex-task")).decode([reference]) == [large]
+    assert await codec.decode([reference]) == [large]
+    with pytest.raises(ClaimCheckRefused):
+        await codec.with_context(_workflow("acme-task")).decode([reference])

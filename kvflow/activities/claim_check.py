@@ -8,19 +8,37 @@ original payload's serialized bytes) after storing those bytes in the context st
 fetches and restores the original. Workflow code never sees the references: the codec runs in
 the worker and the client, outside the sandbox.
 
-Each payload is stored under the scope of the workflow it belongs to: Temporal hands the codec
-the payload's workflow id (its serialization context) wherever it encodes or decodes one for a
-workflow, in clients, workflow workers, GPU workers and replayers alike. The reference names
-its scope (`kvflow-scope` metadata), and a codec that knows its workflow opens references of
-that workflow only: a digest copied from one task's history into another's (or read through
-`Agent.read`, which reads text, never payloads) opens nothing. A codec without a workflow (a
-tool decoding a fetched history) follows the scope the reference names. Every process that
-decodes must use the same context store.
+**The scope.** Each payload is stored under the scope of the workflow it belongs to: Temporal
+hands the codec the payload's namespace and workflow id (its serialization context) wherever it
+encodes or decodes one for a workflow, in clients, workflow workers, GPU workers and replayers
+alike; it never hands it the run id (a client encodes a workflow's input before the run
+exists). The scope is the first 32 hex characters of SHA-256 over the namespace and the
+workflow id (`workflow_scope`), and the reference names it together with the namespace and the
+workflow id it was made of (`kvflow-scope`, `kvflow-namespace`, `kvflow-workflow` metadata), so
+that anyone can check that a scope is that workflow's without a lookup (`reference_scope`):
 
-Payloads encoded outside any workflow, and those of earlier versions, carry no scope: any
-workflow's codec resolves them, from the payloads of no workflow. Workflows started by a
-schedule are encoded under the schedule's workflow-id prefix, not their own id, so they do
-not open their large inputs; give them inputs under the threshold.
+- a codec that knows its workflow opens references of that workflow only (its namespace, its
+  id: a digest copied from one task's history into another's, or into a workflow of the same
+  id in another namespace, opens nothing), except under the Replayer's namespace
+  (`REPLAY_NAMESPACE`), where a fetched history is decoded under a namespace of its own and
+  only the workflow id is checked;
+- a codec without a workflow (a tool decoding a fetched history) follows the scope the
+  reference names, once it checks out;
+- the codec server (`kvflow.workers.codec_server`), whose callers write the metadata they send,
+  refuses a reference whose scope is not the digest of the namespace and the workflow id it
+  names, so forged metadata leads to no other workflow's folder, and it grants a payload to
+  the tenant of that workflow id in that namespace, asked of Temporal.
+
+Runs are not told apart: a workflow id reused, by the same tenant or another, shares its scope
+with its earlier runs. The codec server therefore grants a scope only when every run of the id
+belongs to one tenant, and denies it otherwise.
+
+Every process that decodes must use the same context store. Earlier versions' references stay
+readable as they were: those scoped by the workflow id alone (`legacy_workflow_scope`, no
+namespace), and unscoped payloads (encoded outside any workflow, or before scopes), which any
+workflow's codec resolves, from the payloads of no workflow. Workflows started by a schedule
+are encoded under the schedule's workflow-id prefix, not their own id, so they do not open
+their large inputs; give them inputs under the threshold.
 """
 
 from __future__ import annotations
@@ -51,6 +69,12 @@ CLAIM_CHECK_ENCODING = b"kvflow/claim-check"
 """The `encoding` metadata of a payload that stands for one in the context store."""
 SCOPE_METADATA = "kvflow-scope"
 """The metadata key of a reference that names the scope (the workflow) its payload belongs to."""
+NAMESPACE_METADATA = "kvflow-namespace"
+"""The metadata key of a reference that names the namespace its scope was made of."""
+WORKFLOW_METADATA = "kvflow-workflow"
+"""The metadata key of a reference that names the workflow id its scope was made of."""
+REPLAY_NAMESPACE = "ReplayNamespace"
+"""The namespace `temporalio.worker.Replayer` decodes under unless told another."""
 _DIGEST = re.compile(rb"[0-9a-f]{64}")
 
 
@@ -65,21 +89,84 @@ class ClaimCheckRefused(ClaimCheckMissing):
 def workflow_scope(context: SerializationContext | None) -> str | None:
     """The scope of the workflow `context` names: 32 hex characters; None outside a workflow.
 
-    A digest of the workflow id, so that the store's folder names do not hold it. Not of the
-    namespace: a replayer decodes under a namespace of its own (`ReplayNamespace`).
+    A digest of the namespace and the workflow id (`scope_of`), so that the store's folder
+    names hold neither, and so that a workflow id used in two namespaces has two scopes.
     """
     if not isinstance(context, WorkflowSerializationContext | ActivitySerializationContext):
         return None
     if not context.workflow_id:
         return None  # an activity started by a client, outside any workflow
-    return hashlib.sha256(context.workflow_id.encode("utf-8")).hexdigest()[:32]
+    return scope_of(context.namespace, context.workflow_id)
+
+
+def scope_of(namespace: str, workflow_id: str) -> str:
+    """The scope of the payloads of `workflow_id` in `namespace`: 32 hex characters."""
+    # Both parts length-prefixed: no two (namespace, id) pairs hash the same bytes.
+    named = f"kvflow-scope-2\n{len(namespace)}:{namespace}{len(workflow_id)}:{workflow_id}"
+    return hashlib.sha256(named.encode("utf-8")).hexdigest()[:32]
+
+
+def legacy_workflow_scope(workflow_id: str) -> str:
+    """The scope earlier versions gave a workflow's payloads: a digest of its id alone."""
+    return hashlib.sha256(workflow_id.encode("utf-8")).hexdigest()[:32]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceScope:
+    """What a claim-check reference says of the workflow it belongs to (`reference_scope`).
+
+    `scope` None: a payload of no workflow. `namespace` and `workflow_id` None: a reference of
+    an earlier version, whose scope is the workflow id's digest alone (or that names none).
+    """
+
+    scope: str | None
+    namespace: str | None = None
+    workflow_id: str | None = None
+
+    @property
+    def legacy(self) -> bool:
+        """Whether the reference names a scope but not what it was made of (earlier versions)."""
+        return self.scope is not None and self.workflow_id is None
+
+
+class ClaimCheckForged(ClaimCheckMissing):
+    """A reference whose scope is not the digest of the namespace and workflow id it names."""
+
+
+def reference_scope(payload: Payload) -> ReferenceScope:
+    """The scope a claim-check reference names, checked; `ClaimCheckForged` when it lies.
+
+    A reference that names a namespace and a workflow id must name their scope: its metadata
+    can be written by anyone who sends it (a codec server's caller), its folder cannot.
+    """
+
+    def text(key: str) -> str | None:
+        value = payload.metadata.get(key)
+        return None if value is None else value.decode("utf-8", "replace")
+
+    scope, namespace, workflow_id = (
+        text(SCOPE_METADATA), text(NAMESPACE_METADATA), text(WORKFLOW_METADATA)
+    )  # fmt: skip
+    if namespace is None and workflow_id is None:
+        return ReferenceScope(scope)
+    if scope is None or namespace is None or workflow_id is None:
+        raise ClaimCheckForged(
+            "a claim-checked payload names part of its workflow only (scope, namespace and "
+            "workflow id go together)"
+        )
+    if scope_of(namespace, workflow_id) != scope:
+        raise ClaimCheckForged(
+            f"a claim-checked payload's scope {scope[:12]}… is not that of the workflow it names"
+        )
+    return ReferenceScope(scope, namespace, workflow_id)
 
 
 class ClaimCheckCodec(PayloadCodec, WithSerializationContext):
     """Offloads payloads larger than `threshold_bytes` (serialized) to `store`.
 
     Temporal hands each payload's workflow to `with_context`; the codec it returns stores under,
-    and opens only, that workflow's scope. `scope` None: a codec outside any workflow.
+    and opens only, that workflow's scope (`namespace`, `workflow_id`; None: a codec outside
+    any workflow, which follows the scope each reference names).
     """
 
     def __init__(
@@ -87,20 +174,29 @@ class ClaimCheckCodec(PayloadCodec, WithSerializationContext):
         store: ContextStore,
         threshold_bytes: int = INLINE_LIMIT_BYTES,
         *,
-        scope: str | None = None,
+        namespace: str | None = None,
+        workflow_id: str | None = None,
     ) -> None:
         if threshold_bytes < 0:
             raise ValueError(f"threshold_bytes must be >= 0, not {threshold_bytes}")
         self.store = store
         self.threshold_bytes = threshold_bytes
-        self.scope = scope
+        self.namespace = namespace
+        self.workflow_id = workflow_id
+        self.scope = None if workflow_id is None else scope_of(namespace or "", workflow_id)
+        """Where this codec stores payloads; None: a codec outside any workflow."""
 
     def with_context(self, context: SerializationContext) -> Self:
         """The codec for the payloads of the workflow `context` names."""
-        scope = workflow_scope(context)
-        if scope == self.scope:
+        namespace, workflow_id = None, None
+        if workflow_scope(context) is not None:
+            assert isinstance(context, WorkflowSerializationContext | ActivitySerializationContext)
+            namespace, workflow_id = context.namespace, context.workflow_id
+        if (namespace, workflow_id) == (self.namespace, self.workflow_id):
             return self
-        return type(self)(self.store, self.threshold_bytes, scope=scope)
+        return type(self)(
+            self.store, self.threshold_bytes, namespace=namespace, workflow_id=workflow_id
+        )
 
     async def encode(self, payloads: Sequence[Payload]) -> list[Payload]:
         """Each payload, or a reference to it when it is larger than the threshold."""
@@ -116,9 +212,22 @@ class ClaimCheckCodec(PayloadCodec, WithSerializationContext):
         data = payload.SerializeToString()
         digest = await asyncio.to_thread(self.store.put_bytes, data, self.scope)
         metadata = {"encoding": CLAIM_CHECK_ENCODING}
-        if self.scope is not None:
+        if self.scope is not None and self.workflow_id is not None:
             metadata[SCOPE_METADATA] = self.scope.encode("ascii")
+            metadata[NAMESPACE_METADATA] = (self.namespace or "").encode("utf-8")
+            metadata[WORKFLOW_METADATA] = self.workflow_id.encode("utf-8")
         return Payload(metadata=metadata, data=digest.encode("ascii"))
+
+    def _refuses(self, named: ReferenceScope) -> bool:
+        """Whether a reference naming `named` belongs to another workflow than this codec's."""
+        if self.workflow_id is None or named.scope is None:
+            return False  # a codec outside any workflow, or a payload of none
+        if named.workflow_id is None:  # an earlier version's: the workflow id's digest alone
+            return named.scope != legacy_workflow_scope(self.workflow_id)
+        if named.workflow_id != self.workflow_id:
+            return True
+        # The Replayer decodes a fetched history under a namespace of its own.
+        return named.namespace != self.namespace and self.namespace != REPLAY_NAMESPACE
 
     async def _decode_one(self, payload: Payload) -> Payload:
         if not is_claim_check(payload):
@@ -126,15 +235,14 @@ class ClaimCheckCodec(PayloadCodec, WithSerializationContext):
         if not _DIGEST.fullmatch(payload.data):
             raise ClaimCheckMissing(f"a claim-checked payload names no digest: {payload.data!r}")
         digest = payload.data.decode("ascii")
-        named = payload.metadata.get(SCOPE_METADATA)
-        scope = None if named is None else named.decode("ascii", "replace")
-        if self.scope is not None and scope is not None and scope != self.scope:
+        named = reference_scope(payload)
+        if self._refuses(named):
             raise ClaimCheckRefused(
                 f"claim-checked payload {digest[:12]}… belongs to another workflow than the "
                 "one decoding it; a reference copied from another task's history opens nothing"
             )
         try:
-            data = await asyncio.to_thread(self.store.get_bytes, digest, scope)
+            data = await asyncio.to_thread(self.store.get_bytes, digest, named.scope)
         except ContextNotFound as missing:
             # e.g. "claim-checked payload: content 0a1b2c… is not in .kvflow/context; ..."
             raise ClaimCheckMissing(
