@@ -41,6 +41,10 @@ CROSSING_WITHOUT_A_SIGNATURE: dict[str, type] = {
 }
 """Wire types no activity or workflow signature names: set at run time, read back by type."""
 
+WIRE_MODULES = ("kvflow.activities.wire", "kvflow.scheduler.placement", "kvflow.ledger.records")
+"""Modules of wire types: each model in them, or in `kvflow.workflows`, is one (continue-as-new
+carries and headers, memos: what no signature names)."""
+
 
 def _kvflow_modules() -> Iterator[types.ModuleType]:
     for info in pkgutil.walk_packages(kvflow.__path__, "kvflow."):
@@ -101,6 +105,17 @@ def wire_types() -> dict[type, str]:
             _types_inside(annotation, where, found)
     for where, crossing in CROSSING_WITHOUT_A_SIGNATURE.items():
         _types_inside(crossing, where, found)
+    for module in _kvflow_modules():
+        if module.__name__ in WIRE_MODULES or module.__name__.startswith("kvflow.workflows."):
+            for name, value in vars(module).items():
+                # The module's own models, not what they hold: a ledger row's prices are the
+                # fleet file's (read from disk), and no signature sends an attempt row.
+                if (
+                    inspect.isclass(value)
+                    and issubclass(value, BaseModel)
+                    and value.__module__ == module.__name__
+                ):
+                    found.setdefault(value, f"{module.__name__}.{name}")
     return found
 
 
