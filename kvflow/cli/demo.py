@@ -30,8 +30,8 @@ from kvflow.workers.devserver import DEFAULT_STATE_DIR, DevServerError, Embedded
 from kvflow.workers.vllm_server import Engine
 
 
-class _StopOnSigterm:
-    """A SIGTERM handler that stops the demo in order, as Ctrl-C does.
+class StopOnSigterm:
+    """A SIGTERM handler that stops `kvflow demo` (or `kvflow dev`) in order, as Ctrl-C does.
 
     While the demo's event loop runs, it cancels the loop's main task (what asyncio does on
     Ctrl-C), so the workers and the simulators shut down in order; before and after, it
@@ -45,6 +45,7 @@ class _StopOnSigterm:
         self.received = False
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
+        """Stop the running loop's main task, or interrupt when no loop runs."""
         if self.received:
             return
         self.received = True
@@ -190,7 +191,7 @@ def demo(
     else:
         where = f"{len(urls) or replicas or 2} vLLM server(s), prices of fleet {fleet}"
     # SIGTERM stops the stack as Ctrl-C does, so no vLLM or Temporal process is left behind.
-    sigterm = _StopOnSigterm()
+    sigterm = StopOnSigterm()
     signal.signal(signal.SIGTERM, sigterm)
 
     async def run() -> None:

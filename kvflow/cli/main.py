@@ -22,6 +22,8 @@ from kvflow.cli.bench import bench_app
 from kvflow.cli.codec import codec_app_cli
 from kvflow.cli.context import context_app
 from kvflow.cli.demo import demo
+from kvflow.cli.dev import dev
+from kvflow.cli.init import init
 from kvflow.cli.ledger import ledger_app, report_command
 from kvflow.cli.sim import sim_app
 from kvflow.cli.worker import worker_app
@@ -48,6 +50,8 @@ fleet_app = typer.Typer(help="Inspect and validate fleet.toml.", no_args_is_help
 app.add_typer(fleet_app, name="fleet")
 app.add_typer(worker_app, name="worker")
 app.command()(demo)
+app.command()(dev)
+app.command()(init)
 app.add_typer(ledger_app, name="ledger")
 app.add_typer(context_app, name="context")
 app.add_typer(sim_app, name="sim")
@@ -58,9 +62,21 @@ app.command("report")(report_command)
 
 @fleet_app.command("check")
 def fleet_check(
-    file: Annotated[Path, typer.Argument(help="the fleet file to validate, e.g. fleet.toml")],
+    file: Annotated[
+        Path | None,
+        typer.Argument(help="the fleet file to validate (default: fleet.toml here)"),
+    ] = None,
 ) -> None:
     """Validate FILE and print the fleet; exit 2 listing every problem if it is invalid."""
+    if file is None:
+        file = Path("fleet.toml")
+        if not file.is_file():
+            fail(
+                f"no fleet file given, and there is no {file.resolve()}: run `kvflow init` to "
+                "write a commented one here, or name the file: kvflow fleet check PATH"
+            )
+    elif not file.exists():
+        fail(f"{file}: no such file; `kvflow init` writes a commented fleet.toml to start from")
     fleet = load_fleet_or_exit(file)
     t = fleet.temporal
     out.print(

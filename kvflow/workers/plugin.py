@@ -65,6 +65,7 @@ from kvflow.scheduler.config import SchedulerConfig
 from kvflow.scheduler.fleet import task_queue_for
 from kvflow.workers.config import FleetConfig, load_fleet
 from kvflow.workers.control_plane import ControlPlane
+from kvflow.workers.dev_endpoints import EndpointsFileError, endpoints_file, read_endpoints_file
 from kvflow.workers.replica import check_endpoint, resolve_replica
 from kvflow.workers.search_attributes import ensure_search_attributes
 from kvflow.workflows.continued_run import ContinuedRunInterceptor
@@ -99,7 +100,10 @@ class KvflowPlugin(SimplePlugin):
         replica: `POOL/INDEX`: makes this a GPU worker's plugin for that replica.
         endpoint: the GPU worker's vLLM base URL (default: the pool's `endpoints` entry).
         endpoints: for a workflow worker, the vLLM URL of each replica (`POOL/INDEX`) of a
-            simulated pool, whose URLs the fleet cannot know.
+            simulated pool, whose URLs the fleet cannot know. By default they are read from
+            the file `kvflow dev` writes (`.kvflow/dev.toml` in the working directory, or
+            `$KVFLOW_ENDPOINTS_FILE`; see `kvflow.workers.dev_endpoints`). A simulated replica
+            without a URL makes the worker refuse to start, saying how to give one.
         ledger: where a worker writes attempt and task rows: a ledger URL (`sqlite:///...`,
             `postgresql://...`, created and migrated if needed) or an open ledger; by default
             `$KVFLOW_LEDGER_URL`, else `sqlite:///.kvflow/ledger.db` (what `kvflow report`
@@ -165,6 +169,8 @@ class KvflowPlugin(SimplePlugin):
         self._owns_inference = False
         self._client: Client | None = None
         self._claim_check_bytes = claim_check_bytes
+        self._endpoints_problem: str | None = None
+        """Why this workflow worker's plugin cannot reach a simulated replica (raised at start)."""
         self._spooler: SpooledAttemptWriter | None = None
         if fleet is not None and replica is not None:
             binding = resolve_replica(fleet, replica, endpoint)
@@ -179,6 +185,7 @@ class KvflowPlugin(SimplePlugin):
             )
             self._owns_inference = True
         elif fleet is not None:
+            endpoints = self._resolve_endpoints(fleet, endpoints)
             self.control_plane = ControlPlane(
                 fleet,
                 endpoints=endpoints,
@@ -217,6 +224,59 @@ class KvflowPlugin(SimplePlugin):
             run_context=self._running if activities else None,
         )
 
+    def _resolve_endpoints(
+        self, fleet: FleetConfig, given: Mapping[str, str] | None
+    ) -> Mapping[str, str] | None:
+        """The URLs of the simulated replicas: `given`, else the endpoints file of `kvflow dev`.
+
+        A replica left without one would look down to the scheduler, and every task would fail
+        after its placement timeout: `_endpoints_problem` says so, and the worker refuses to
+        start with it.
+        """
+        simulated = [
+            name
+            for pool in fleet.pools
+            if isinstance(pool.endpoints, str)
+            for name in pool.replica_names()
+        ]
+        if not simulated:
+            return given
+        source = "endpoints="
+        if given is None:
+            path = endpoints_file()
+            try:
+                found = read_endpoints_file(path)
+            except EndpointsFileError as exc:
+                self._endpoints_problem = str(exc)
+                return None
+            if found is not None and not found.writer_runs():
+                self._endpoints_problem = (
+                    f"the endpoints file {path} was written by `kvflow dev` (pid {found.pid}), "
+                    "which no longer runs: start `kvflow dev` again, or delete the file and "
+                    "pass KvflowPlugin(fleet, endpoints={...})"
+                )
+                return None
+            if found is not None:
+                given, source = found.endpoints, f"the endpoints file {path}"
+        missing = [name for name in simulated if name not in (given or {})]
+        if missing:
+            shown = ", ".join(missing[:4]) + (
+                f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+            )
+            where = (
+                f"{source} lacks them"
+                if given is not None
+                else f"no endpoints= was given and there is no {endpoints_file()}"
+            )
+            self._endpoints_problem = (
+                f"KvflowPlugin(fleet) has no vLLM URL for the simulated replica(s) {shown} "
+                f'(their pool says endpoints = "simulated"; {where}): run `kvflow dev` in this '
+                "directory (it starts them and writes the file this plugin reads), or pass "
+                'KvflowPlugin(fleet, endpoints={"POOL/INDEX": "http://HOST:PORT", ...}), or '
+                "list the pool's vLLM URLs in the fleet file"
+            )
+        return given
+
     def configure_client(self, config: ClientConfig) -> ClientConfig:
         """Refuse a framework plugin kvflow replaces; then kvflow's converter and tracing."""
         _refuse_replaced_plugins(config.get("plugins") or ())
@@ -224,6 +284,9 @@ class KvflowPlugin(SimplePlugin):
 
     def configure_worker(self, config: WorkerConfig) -> WorkerConfig:
         """Register this role's activities; a GPU worker must poll its replica's queue."""
+        if self._endpoints_problem is not None and self._owns_control_plane:
+            # At the worker's start, not as every task failing a minute later on "replica down".
+            raise ValueError(self._endpoints_problem)
         self._client = config["client"]
         _refuse_replaced_plugins(config.get("plugins") or ())
         self._warn_if_client_cannot_read_claim_checks(self._client)
