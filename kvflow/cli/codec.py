@@ -15,8 +15,11 @@ from kvflow.ports import port_is_free
 from kvflow.workers.codec_server import (
     DEFAULT_CODEC_PORT,
     DEFAULT_UI_ORIGINS,
+    ENCODE_QUOTA_BYTES,
+    ENCODE_QUOTA_WINDOW_S,
     CodecAccess,
     CodecConfigError,
+    EncodeQuota,
     PayloadOpener,
     WorkflowTenants,
     check_exposure,
@@ -74,6 +77,15 @@ def serve_command(
             "of a callable that makes one: decoded after the claim check",
         ),
     ] = None,
+    encode_quota_mib: Annotated[
+        float,
+        typer.Option(
+            "--encode-quota-mib",
+            min=0,
+            help="MiB of payloads each caller may send to /encode (which stores them) per "
+            "minute; 0: none",
+        ),
+    ] = ENCODE_QUOTA_BYTES / 2**20,
 ) -> None:
     """Decode claim-checked payloads for the Temporal Web UI and `temporal --codec-endpoint`."""
     try:
@@ -98,7 +110,8 @@ def serve_command(
         return await Client.connect(**connect_config)
 
     opener = PayloadOpener(store, tenant_of=WorkflowTenants(connect), codec=own)
-    app = codec_app(opener, access, ui_origins=origins)
+    quota = EncodeQuota(int(encode_quota_mib * 2**20), ENCODE_QUOTA_WINDOW_S)
+    app = codec_app(opener, access, ui_origins=origins, encode_quota=quota)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if access.open:
         out.print(
