@@ -22,6 +22,7 @@ from kvflow.activities.inference import InferenceActivities, ReplicaBinding
 from kvflow.activities.wire import InferenceRequest
 from kvflow.scheduler.blocks import block_hashes, tenant_cache_salt
 from kvflow.scheduler.core import Scheduler
+from kvflow.scheduler.fleet import Fleet
 from kvflow.scheduler.kv_events import KvEventSubscriber
 from kvflow.scheduler.placement import Placement, PlacementRequest
 from tests.fixtures_vllm import VllmServedModel
@@ -36,14 +37,16 @@ NAMESPACE = "default"
 async def test_vllm_gives_another_tenant_no_cached_tokens_for_an_identical_prompt(
     vllm_server: VllmServedModel, tmp_path: Path
 ) -> None:
-    fleet = one_pool_fleet(
+    data = one_pool_fleet(
         vllm_server.model,
         endpoints=[vllm_server.base_url],
         context_length=vllm_server.max_model_len,
-    )
+    ).model_dump(mode="json")
+    data["tenants"].append({"name": "globex", "tier": 2})
+    fleet = Fleet.model_validate(data)
     scheduler = Scheduler(fleet)
     binding = ReplicaBinding(pool=fleet.pools[0], index=0, base_url=vllm_server.base_url)
-    text = f"[{uuid.uuid4().hex}] " + " ".join(f"step{i % 13} tool{i % 5}" for i in range(300))
+    text = f"[{uuid.uuid4().hex}] " + " ".join(f"step{i % 13} tool{i % 5}" for i in range(160))
     subscriber = KvEventSubscriber(
         scheduler,
         "cpu/0",
