@@ -16,9 +16,7 @@ from typing import Any, NoReturn
 from rich.console import Console
 from temporalio.client import Client
 
-from kvflow import DEFAULT_WORKFLOW_QUEUE
-from kvflow.activities.claim_check import claim_check_converter
-from kvflow.activities.context_store import DEFAULT_CONTEXT_DIR, DirectoryContextStore
+from kvflow import DEFAULT_WORKFLOW_QUEUE, KvflowPlugin
 
 
 def arguments(description: str, *, tenant: str, seed_help: str) -> argparse.ArgumentParser:
@@ -31,20 +29,20 @@ def arguments(description: str, *, tenant: str, seed_help: str) -> argparse.Argu
     parser.add_argument(
         "--context-dir",
         type=Path,
-        default=DEFAULT_CONTEXT_DIR,
-        help="the workers' context store (where payloads over 2 KB are kept)",
+        default=None,
+        help="the workers' context store, where payloads over 2 KB are kept (default: "
+        "KvflowPlugin's, .kvflow/context)",
     )
     return parser
 
 
-async def connect(address: str, context_dir: Path = DEFAULT_CONTEXT_DIR) -> Client:
-    """A client with the data converter kvflow's workers use.
+async def connect(address: str, context_dir: Path | None = None) -> Client:
+    """A client through `KvflowPlugin`: the data converter and tracing kvflow's workers use.
 
-    Pydantic models; payloads over 2 KB are kept in the context store at `context_dir`, which
-    must be the workers' `--context-dir`.
+    Pydantic models; payloads over 2 KB are kept in the context store at `context_dir` (default
+    `.kvflow/context`), which must be the workers' own.
     """
-    store = DirectoryContextStore(context_dir)
-    return await Client.connect(address, data_converter=claim_check_converter(store))
+    return await Client.connect(address, plugins=[KvflowPlugin(context_dir=context_dir)])
 
 
 def run(start: Coroutine[Any, Any, None], address: str) -> NoReturn:

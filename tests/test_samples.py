@@ -32,6 +32,7 @@ from kvflow.workers.config import load_fleet
 from kvflow.workflows import errors
 from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
 from samples.support_triage import activities as desk
+from tests.public_api import internal_imports
 from tests.stacks import Stack, assert_replays, fails_for_its_deadline, fleet_stack
 from tests.waiting import slowdown
 
@@ -323,3 +324,23 @@ def test_example_inputs_are_the_same_for_the_same_seed():
         first = sample.example_input(random.Random(42), "acme")
         again = sample.example_input(random.Random(42), "acme")
         assert first == again and first.spec.tenant == "acme"
+
+
+@pytest.mark.timeout(60)
+def test_every_sample_imports_only_kvflows_public_api():
+    # A sample is copied into a user's project: it must teach `from kvflow import ...`, and
+    # the framework adapter by name, never kvflow's own modules (they may move).
+    files = sorted((FLEET_FILE.parent / "samples").rglob("*.py"))
+    assert len(files) > 15
+    found = [hit for path in files for hit in internal_imports(path)]
+    assert not found, "samples import below kvflow:\n" + "\n".join(found)
+
+
+@pytest.mark.timeout(60)
+def test_every_sample_starter_connects_through_kvflow_plugin():
+    # The starters' shared client and the framework samples' own: KvflowPlugin, as a user's.
+    root = FLEET_FILE.parent / "samples"
+    for path in [root / "starter.py", *root.glob("*/starter.py"), *root.glob("*/worker.py")]:
+        text = path.read_text()
+        if "Client.connect(" in text:
+            assert "KvflowPlugin(" in text, f"{path} connects without KvflowPlugin"

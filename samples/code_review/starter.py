@@ -12,8 +12,7 @@ from pathlib import Path
 from rich.console import Console
 from temporalio.client import WorkflowFailureError
 
-from kvflow.scheduler.fleet import format_usd
-from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
+from kvflow import SPEND_QUERY, SpendBreakdown, format_usd
 
 from ..starter import arguments, connect, run
 from . import CodeReview, example_input
@@ -25,7 +24,7 @@ async def start(
     tenant: str,
     seed: int,
     budget: float | None,
-    context_dir: Path,
+    context_dir: Path | None,
 ) -> None:
     """Run one review to its end and print it, with the model and replica of each step."""
     client = await connect(address, context_dir)

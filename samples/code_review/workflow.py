@@ -14,8 +14,7 @@ from pydantic import BaseModel, Field
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from kvflow.activities.wire import ChatMessage
-    from kvflow.workflows.agent import Agent, TaskSpec
+    from kvflow import Agent, ChatMessage, TaskSpec
 
 MODEL = "llama-3.1-8b"
 

@@ -29,7 +29,7 @@ async def start(
     task_queue: str,
     tenant: str,
     seed: int,
-    context_dir: Path,
+    context_dir: Path | None,
     fleet_file: Path,
     endpoints: dict[str, str],
 ) -> None:

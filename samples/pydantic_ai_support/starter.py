@@ -17,7 +17,9 @@ from ..starter import arguments, connect, run
 from . import TASK_QUEUE, PydanticAISupport, example_input
 
 
-async def start(address: str, task_queue: str, tenant: str, seed: int, context_dir: Path) -> None:
+async def start(
+    address: str, task_queue: str, tenant: str, seed: int, context_dir: Path | None
+) -> None:
     """Run one question to its answer and print it, where each call ran and what it cost."""
     client = await connect(address, context_dir)
     task = example_input(random.Random(seed), tenant)

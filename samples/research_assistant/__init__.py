@@ -12,7 +12,7 @@ from .workflow import ResearchAssistant, ResearchTask
 
 with unsafe.imports_passed_through():
     # The workflow's sandbox imports this package too: share these modules with it.
-    from kvflow.workflows.agent import TaskSpec
+    from kvflow import TaskSpec
 
 WORKFLOW = ResearchAssistant
 """The workflow class to register on the workflow worker."""

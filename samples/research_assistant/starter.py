@@ -11,14 +11,15 @@ from pathlib import Path
 
 from rich.console import Console
 
-from kvflow.scheduler.fleet import format_usd
-from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
+from kvflow import SPEND_QUERY, SpendBreakdown, format_usd
 
 from ..starter import arguments, connect, run
 from . import ResearchAssistant, example_input
 
 
-async def start(address: str, task_queue: str, tenant: str, seed: int, context_dir: Path) -> None:
+async def start(
+    address: str, task_queue: str, tenant: str, seed: int, context_dir: Path | None
+) -> None:
     """Run one task to its end and print what it found and what it cost."""
     client = await connect(address, context_dir)
     task = example_input(random.Random(seed), tenant)

@@ -13,7 +13,7 @@ from .workflow import SupportTask, SupportTriage, Ticket
 
 with unsafe.imports_passed_through():
     # The workflow's sandbox imports this package too: share these modules with it.
-    from kvflow.workflows.agent import TaskSpec
+    from kvflow import TaskSpec
 
     from . import activities
 

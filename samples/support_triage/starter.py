@@ -15,14 +15,15 @@ from pathlib import Path
 from rich.console import Console
 from temporalio.client import WorkflowFailureError
 
-from kvflow.scheduler.fleet import format_usd
-from kvflow.workflows.agent import SPEND_QUERY, SpendBreakdown
+from kvflow import SPEND_QUERY, SpendBreakdown, format_usd
 
 from ..starter import arguments, connect, run
 from . import SupportTriage, example_input
 
 
-async def start(address: str, task_queue: str, tenant: str, seed: int, context_dir: Path) -> None:
+async def start(
+    address: str, task_queue: str, tenant: str, seed: int, context_dir: Path | None
+) -> None:
     """Run one ticket to its end and print the triage, the refund and the reply."""
     client = await connect(address, context_dir)
     task = example_input(random.Random(seed), tenant)
