@@ -46,7 +46,7 @@ import httpx
 from temporalio.client import Client, ClientConfig
 from temporalio.contrib.opentelemetry import TracingInterceptor
 from temporalio.plugin import SimplePlugin
-from temporalio.worker import Worker, WorkerConfig, WorkflowRunner
+from temporalio.worker import WorkerConfig, WorkflowRunner
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 
 from kvflow.activities.claim_check import claim_check_of, with_claim_check
@@ -68,6 +68,7 @@ from kvflow.workers.control_plane import ControlPlane
 from kvflow.workers.dev_endpoints import EndpointsFileError, endpoints_file, read_endpoints_file
 from kvflow.workers.replica import check_endpoint, resolve_replica
 from kvflow.workers.search_attributes import ensure_search_attributes
+from kvflow.workers.stopping import BoundedWorker
 from kvflow.workflows.continued_run import ContinuedRunInterceptor
 from kvflow.workflows.deadline import TaskDeadlineInterceptor
 
@@ -102,8 +103,9 @@ class KvflowPlugin(SimplePlugin):
         endpoints: for a workflow worker, the vLLM URL of each replica (`POOL/INDEX`) of a
             simulated pool, whose URLs the fleet cannot know. By default they are read from
             the file `kvflow dev` writes (`.kvflow/dev.toml` in the working directory, or
-            `$KVFLOW_ENDPOINTS_FILE`; see `kvflow.workers.dev_endpoints`). A simulated replica
-            without a URL makes the worker refuse to start, saying how to give one.
+            `$KVFLOW_ENDPOINTS_FILE`; see `kvflow.workers.dev_endpoints`). With no URL for
+            any simulated replica the worker refuses to start, saying how to give them; a
+            replica left out of a partial list is down (a warning names it).
         ledger: where a worker writes attempt and task rows: a ledger URL (`sqlite:///...`,
             `postgresql://...`, created and migrated if needed) or an open ledger; by default
             `$KVFLOW_LEDGER_URL`, else `sqlite:///.kvflow/ledger.db` (what `kvflow report`
@@ -229,9 +231,9 @@ class KvflowPlugin(SimplePlugin):
     ) -> Mapping[str, str] | None:
         """The URLs of the simulated replicas: `given`, else the endpoints file of `kvflow dev`.
 
-        A replica left without one would look down to the scheduler, and every task would fail
-        after its placement timeout: `_endpoints_problem` says so, and the worker refuses to
-        start with it.
+        A replica without one looks down to the scheduler; with none at all, every task would
+        fail after its placement timeout: `_endpoints_problem` says so, and the worker refuses
+        to start with it.
         """
         simulated = [
             name
@@ -242,7 +244,7 @@ class KvflowPlugin(SimplePlugin):
         if not simulated:
             return given
         source = "endpoints="
-        if given is None:
+        if not given:
             path = endpoints_file()
             try:
                 found = read_endpoints_file(path)
@@ -259,21 +261,29 @@ class KvflowPlugin(SimplePlugin):
             if found is not None:
                 given, source = found.endpoints, f"the endpoints file {path}"
         missing = [name for name in simulated if name not in (given or {})]
-        if missing:
-            shown = ", ".join(missing[:4]) + (
-                f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        shown = ", ".join(missing[:4]) + (
+            f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        )
+        if missing and len(missing) < len(simulated):
+            # A partial list is a choice (one simulator started by hand): the rest are down.
+            log.warning(
+                "no vLLM URL for the simulated replica(s) %s in %s: the scheduler sees them down",
+                shown,
+                source,
             )
+        elif missing:
             where = (
-                f"{source} lacks them"
-                if given is not None
+                f"{source} names none of them"
+                if given
                 else f"no endpoints= was given and there is no {endpoints_file()}"
             )
             self._endpoints_problem = (
                 f"KvflowPlugin(fleet) has no vLLM URL for the simulated replica(s) {shown} "
-                f'(their pool says endpoints = "simulated"; {where}): run `kvflow dev` in this '
-                "directory (it starts them and writes the file this plugin reads), or pass "
-                'KvflowPlugin(fleet, endpoints={"POOL/INDEX": "http://HOST:PORT", ...}), or '
-                "list the pool's vLLM URLs in the fleet file"
+                f'(their pool says endpoints = "simulated"; {where}), so every task would '
+                "wait for a replica that is down: run `kvflow dev` in this directory (it starts "
+                "them and writes the file this plugin reads), or pass KvflowPlugin(fleet, "
+                'endpoints={"POOL/INDEX": "http://HOST:PORT", ...}), or list the pool\'s vLLM '
+                "URLs in the fleet file"
             )
         return given
 
@@ -383,8 +393,10 @@ _SDK_MAX_THROTTLE = timedelta(seconds=60)
 """`Worker`'s default `max_heartbeat_throttle_interval`: the value that says "not set"."""
 
 
-def role_worker(client: Client, plugin: KvflowPlugin, **options: Any) -> Worker:
+def role_worker(client: Client, plugin: KvflowPlugin, **options: Any) -> BoundedWorker:
     """A `Worker` on `client` with `plugin` in a worker role (GPU worker, control plane).
+
+    A `BoundedWorker`: its stop ends, within `stop_timeout` (an option besides `Worker`'s).
 
     kvflow's own processes connect their client with `KvflowPlugin()` (the converter and the
     codec) and give the worker a second `KvflowPlugin` that carries its role. Temporal warns
@@ -395,7 +407,7 @@ def role_worker(client: Client, plugin: KvflowPlugin, **options: Any) -> Worker:
         warnings.filterwarnings(
             "ignore", message=r"The same plugin type .*KvflowPlugin", category=UserWarning
         )
-        return Worker(client, plugins=[plugin], **options)
+        return BoundedWorker(client, plugins=[plugin], **options)
 
 
 _AGENTS_PLUGIN = "KvflowAgentsPlugin() from kvflow.contrib.openai_agents"
