@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import socket
 import uuid
@@ -176,6 +177,28 @@ async def test_a_tenant_reads_its_own_workflows_payload_and_not_another_tenants(
     await _visible(tenants.client, f"WorkflowId = '{workflow_id}' AND KvflowTenant IS NOT NULL", 1)
     assert "GLOBEX-CONFIDENTIAL" in await _decode(tenants.url, globex, GLOBEX)
     assert "GLOBEX-CONFIDENTIAL" not in await _decode(tenants.url, globex, ACME)
+
+
+@pytest.mark.timeout(120)
+async def test_an_earlier_versions_reference_opens_for_its_workflows_tenant(tenants: Tenants):
+    workflow_id = f"report-{uuid.uuid4().hex[:8]}"
+    await _start_closed(tenants.client, workflow_id, "acme", "x " * 1500)
+    # A payload as versions before namespaces stored it: under the workflow id's digest alone.
+    scope = hashlib.sha256(workflow_id.encode()).hexdigest()[:32]
+    original = Payload(metadata={"encoding": b"json/plain"}, data=b'"ACME-PLANS of old"')
+    digest = DirectoryContextStore(tenants.context_dir).put_bytes(
+        original.SerializeToString(), scope
+    )
+    reference = {
+        "metadata": {
+            "encoding": base64.b64encode(b"kvflow/claim-check").decode(),
+            "kvflow-scope": base64.b64encode(scope.encode()).decode(),
+        },
+        "data": base64.b64encode(digest.encode()).decode(),
+    }
+    await _visible(tenants.client, f"WorkflowId = '{workflow_id}' AND KvflowTenant = 'acme'", 1)
+    assert "ACME-PLANS of old" in await _decode(tenants.url, [reference], ACME)
+    assert "ACME-PLANS of old" not in await _decode(tenants.url, [reference], GLOBEX)
 
 
 async def _namespace_with_tenants(client: Client) -> str:
@@ -347,9 +370,7 @@ def test_a_web_page_cannot_make_the_tokenless_server_store_anything(tmp_path: Pa
             timeout=10,
         )
         assert rebound.status_code == 403, rebound.text
-        assert not list((tmp_path / "context").rglob("*")) or not [
-            p for p in (tmp_path / "context").rglob("*") if p.is_file()
-        ]
+        assert not [p for p in (tmp_path / "context").rglob("*") if p.is_file()]
         # The UI, at this server's address, still encodes.
         fine = httpx.post(f"{server.url}/encode", content=body,
                           headers={"Content-Type": "application/json"}, timeout=10)  # fmt: skip
