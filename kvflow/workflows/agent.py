@@ -32,7 +32,10 @@ One `infer` call does what the control plane needs, durably:
 `async with agent:` brackets the task: on success it records the task as succeeded; on failure
 or cancellation it runs the saga's compensations in reverse and records the outcome. An
 exception that does not end the workflow (a bug in workflow code: Temporal fails the workflow
-task and retries it) records nothing and undoes nothing. The money path (`TaskSpend`) lives in
+task and retries it) records nothing and undoes nothing. A model or tool call outside the
+block has no task to book it, and fails the workflow (`OutsideTask`). A task that continues
+as new inside the block goes on in the next run with its caps, spend and deadline
+(`kvflow.workflows.carry`). The money path (`TaskSpend`) lives in
 `kvflow.workflows.spend`. Every
 attempt's cost is summed (failed ones included); after each step the search attributes and the
 workflow's current details show spend, steps and retries, and the `kvflow_spend` query returns
@@ -211,10 +214,14 @@ class TaskSpec(BaseModel):
         gt=0,
         le=MAX_LATENCY_BUDGET_S,
         allow_inf_nan=False,
-        description="seconds from the workflow's start to its deadline; None: no deadline",
+        description="seconds from the task's start (its first run's, when it continues as "
+        "new) to its deadline; None: no deadline",
     )
     retry_budget: int = Field(
-        default=3, ge=0, le=MAX_RETRY_BUDGET, description="re-placements the task may use"
+        default=3,
+        ge=0,
+        le=MAX_RETRY_BUDGET,
+        description="re-placements the task may use over all its runs",
     )
     expected_steps: int = Field(
         default=1, ge=1, le=MAX_EXPECTED_STEPS, description="model calls the task will make"
@@ -253,7 +260,7 @@ class TaskSpec(BaseModel):
         default=None,
         ge=0,
         le=MAX_BUDGET_MICROS,
-        description="the most the task may spend, in micro-dollars; None: no cap",
+        description="the most the task may spend over all its runs, in micro-dollars; None: no cap",
     )
 
 
