@@ -8,8 +8,9 @@ module writes FOCUS 1.2 (the current release, the first with token-priced SaaS e
 
 The rows
 --------
-The tasks are those that closed in the report's range, and the rows are read with the report
-in one snapshot (`Ledger.report_and_attempts`), so the file and the report cannot disagree.
+The tasks are those that closed in the report's range, and their attempts are read with the
+report in one snapshot (`Ledger.report_and_attempt_sums`), so the file and the report cannot
+disagree.
 The day of every row is the UTC day the task closed on, the report's `day`. Rows are of two
 kinds:
 
@@ -77,10 +78,11 @@ from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
 from enum import StrEnum
+from typing import NamedTuple
 
 from kvflow.ledger.records import AttemptOutcome, AttemptRecord, TaskOutcome
 from kvflow.ledger.report import Report, ReportQuery, TaskFacts
-from kvflow.ledger.store import Ledger
+from kvflow.ledger.store import AttemptSums, Ledger
 from kvflow.scheduler.fleet import micros_to_usd
 
 FOCUS_VERSION = "1.2"
@@ -200,15 +202,31 @@ class AttemptPart:
     """Dollars: tokens × price, exactly."""
 
 
-def attempt_parts(attempt: AttemptRecord) -> list[AttemptPart]:
-    """An attempt's tokens by type, each at the price stored with it.
+def attempt_sums(attempt: AttemptRecord) -> AttemptSums:
+    """One attempt row as the export reads attempts (`Ledger.report_and_attempt_sums`)."""
+    return AttemptSums(
+        workflow_id=attempt.workflow_id,
+        run_id=attempt.run_id,
+        pool=attempt.pool,
+        model=attempt.model,
+        outcome=attempt.outcome,
+        prices=attempt.prices,
+        input_tokens=attempt.prompt_tokens - attempt.cached_tokens,
+        cached_tokens=attempt.cached_tokens,
+        completion_tokens=attempt.completion_tokens,
+        cost_micros=attempt.cost_micros,
+    )
 
-    Types without tokens are left out. The parts add up to the attempt's bill less its
+
+def attempt_parts(attempt: AttemptSums) -> list[AttemptPart]:
+    """Attempts' tokens by type, each at the price stored with them.
+
+    Types without tokens are left out. The parts add up to the attempts' bill less its
     rounding (`attempt_rounding`).
     """
     prices = attempt.prices
     tokens = {
-        TokenType.INPUT: attempt.prompt_tokens - attempt.cached_tokens,
+        TokenType.INPUT: attempt.input_tokens,
         TokenType.CACHED_INPUT: attempt.cached_tokens,
         TokenType.OUTPUT: attempt.completion_tokens,
     }
@@ -229,14 +247,13 @@ def attempt_parts(attempt: AttemptRecord) -> list[AttemptPart]:
     ]
 
 
-def attempt_rounding(attempt: AttemptRecord, parts: Sequence[AttemptPart]) -> Decimal:
-    """The attempt's bill (whole micro-dollars) less its tokens × prices, in dollars."""
+def attempt_rounding(attempt: AttemptSums, parts: Sequence[AttemptPart]) -> Decimal:
+    """The attempts' bill (whole micro-dollars each) less their tokens × prices, in dollars."""
     return micros_to_usd(attempt.cost_micros) - sum((part.cost for part in parts), Decimal(0))
 
 
-@dataclass(frozen=True, slots=True)
-class ChargeKey:
-    """What one FOCUS row is the charge of.
+class ChargeKey(NamedTuple):
+    """What one FOCUS row is the charge of (a tuple: hashed once per attempt part).
 
     Usage of one token type at one price; with `token_type` None, the group's rounding.
     """
@@ -282,10 +299,14 @@ class FocusExport:
 
 def focus_export(
     tasks: Sequence[TaskFacts],
-    attempts: Iterable[AttemptRecord],
+    attempts: Iterable[AttemptSums],
     account: FocusAccount | None = None,
 ) -> FocusExport:
-    """The FOCUS charges of `tasks` from their attempt rows (those of other tasks are ignored)."""
+    """The FOCUS charges of `tasks` from their attempts (those of other tasks are ignored).
+
+    `attempts` may be rows (`attempt_sums`) or their sums by run, pool, model, outcome and
+    prices, as `Ledger.report_and_attempt_sums` reads them: the charges are the same.
+    """
     by_key = {task.key: task for task in tasks}
     charges: dict[ChargeKey, Charge] = defaultdict(Charge)
     for attempt in attempts:
@@ -305,7 +326,9 @@ def focus_export(
         )
         parts = attempt_parts(attempt)
         for part in parts:
-            charge = charges[_with_part(group, part)]
+            charge = charges[
+                group._replace(token_type=part.token_type, price_per_mtok=part.price_per_mtok)
+            ]
             charge.tokens += part.tokens
             charge.cost += part.cost
             if wasted:
@@ -323,19 +346,6 @@ def focus_export(
     return FocusExport(charges=kept, account=account or FocusAccount())
 
 
-def _with_part(group: ChargeKey, part: AttemptPart) -> ChargeKey:
-    return ChargeKey(
-        day=group.day,
-        tenant=group.tenant,
-        workflow_type=group.workflow_type,
-        outcome=group.outcome,
-        pool=group.pool,
-        model=group.model,
-        token_type=part.token_type,
-        price_per_mtok=part.price_per_mtok,
-    )
-
-
 def ledger_focus_export(
     ledger: Ledger, query: ReportQuery, account: FocusAccount | None = None
 ) -> tuple[Report, FocusExport]:
@@ -344,7 +354,7 @@ def ledger_focus_export(
     Both come from one snapshot of the ledger, in a number of statements that does not grow
     with the number of tasks.
     """
-    report, attempts = ledger.report_and_attempts(
+    report, attempts = ledger.report_and_attempt_sums(
         ReportQuery(group_by=(), since=query.since, until=query.until, tenant=query.tenant)
     )
     return report, focus_export(report.tasks, attempts, account)

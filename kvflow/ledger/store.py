@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
 from types import TracebackType
@@ -41,7 +42,6 @@ from kvflow.ledger.records import (
 )
 from kvflow.ledger.report import (
     AttemptTotals,
-    ChainEnds,
     Report,
     ReportQuery,
     SpendSlice,
@@ -110,6 +110,28 @@ _TASK_STORED_COLUMNS = tuple(
 _WASTED_ATTEMPT_OUTCOMES = (AttemptOutcome.FAILED.value, AttemptOutcome.CANCELLED.value)
 # Keeps `IN (...)` lists well under SQLite's and PostgreSQL's parameter limits.
 _KEY_CHUNK = 200
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptSums:
+    """The attempts of one run on one pool and model, with one outcome and prices, summed.
+
+    What the FOCUS export prices (`Ledger.report_and_attempt_sums`): tokens × prices is
+    linear, so the sum of the parts is the parts of the sum.
+    """
+
+    workflow_id: str
+    run_id: str
+    pool: str
+    model: str
+    outcome: AttemptOutcome
+    prices: TokenPrices
+    input_tokens: int
+    """Prompt tokens the engine computed (prompt less cached)."""
+    cached_tokens: int
+    completion_tokens: int
+    cost_micros: int
+    """What the attempts were billed, each rounded to the micro-dollar."""
 
 
 def default_ledger_url() -> str:
@@ -577,19 +599,17 @@ class Ledger(ABC):
                 str(r[7]) for r in task_rows if r[5] != continued and r[7] not in (None, r[1])
             }
             chain_ends = self._rows_by_chain(
-                "SELECT chain_run_id, run_id, closed_at, outcome FROM tasks "
-                "WHERE outcome <> ? AND chain_run_id IN",
-                open_chains | ended_chains,
+                "SELECT chain_run_id, outcome FROM tasks WHERE outcome <> ? AND chain_run_id IN",
+                open_chains,
                 continued,
             )
             earlier_rows = self._rows_by_chain(
-                "SELECT c.chain_run_id, c.closed_at, a.model, a.pool, SUM(a.cost_micros) "
-                "FROM attempts a "
+                "SELECT c.chain_run_id, a.model, a.pool, SUM(a.cost_micros) FROM attempts a "
                 "JOIN tasks c ON a.workflow_id = c.workflow_id AND a.run_id = c.run_id "
                 "WHERE c.outcome = ? AND c.chain_run_id IN",
                 ended_chains,
                 continued,
-                suffix="GROUP BY c.chain_run_id, c.run_id, c.closed_at, a.model, a.pool",
+                suffix="GROUP BY c.chain_run_id, a.model, a.pool",
             )
             _, attempt_rows = self._execute(
                 "SELECT a.workflow_id, a.run_id, a.model, a.pool, COUNT(*), SUM(a.cost_micros), "
@@ -606,31 +626,25 @@ class Ledger(ABC):
                 f"WHERE t.workflow_id IS NULL AND {unclosed_filter}",
                 unclosed_params,
             )
-        ends = ChainEnds(
-            (str(chain), str(run), self._time_out(closed), TaskOutcome(outcome))
-            for chain, run, closed, outcome in chain_ends
-        )
+        ended = {str(chain): TaskOutcome(outcome) for chain, outcome in chain_ends}
         earlier: dict[str, list[SpendSlice]] = defaultdict(list)
-        for chain, closed, model, pool, spend in earlier_rows:
-            end = ends.end_of(str(chain), self._time_out(closed))
-            if end is not None:
-                earlier[end[0]].append(SpendSlice(str(model), str(pool), int(spend)))
+        for chain, model, pool, spend in earlier_rows:
+            earlier[str(chain)].append(SpendSlice(str(model), str(pool), int(spend)))
         tasks = []
         for r in task_rows:
             outcome = TaskOutcome(r[5])
-            closed_at = self._time_out(r[4])
-            end = None if outcome.final else ends.end_of(str(r[7] or r[1]), closed_at)
+            chain = str(r[7] or r[1])
             tasks.append(
                 TaskFacts(
                     workflow_id=str(r[0]),
                     run_id=str(r[1]),
                     tenant=str(r[2]),
                     workflow_type=str(r[3]),
-                    closed_at=closed_at,
+                    closed_at=self._time_out(r[4]),
                     outcome=outcome,
                     spend_at_close_micros=int(r[6]),
-                    chain_outcome=None if end is None else end[1],
-                    earlier_spend=tuple(earlier.get(str(r[1]), ())) if outcome.final else (),
+                    chain_outcome=None if outcome.final else ended.get(chain),
+                    earlier_spend=tuple(earlier.get(chain, ())) if outcome.final else (),
                 )
             )
         # PostgreSQL sums BIGINT as NUMERIC (Decimal); int() makes both backends alike.
@@ -658,22 +672,54 @@ class Ledger(ABC):
             unclosed_spend_micros=int(unclosed_spend or 0),
         )
 
-    def report_and_attempts(self, query: ReportQuery) -> tuple[Report, list[AttemptRecord]]:
-        """The report of `query` and every attempt row of the tasks it counts, in one snapshot.
+    def report_and_attempt_sums(self, query: ReportQuery) -> tuple[Report, list[AttemptSums]]:
+        """The report of `query` and the attempts of the tasks it counts, summed, in one snapshot.
 
         What the FOCUS export reads: one statement for the attempts whatever the number of
         tasks, and rows written meanwhile cannot make the file and the report disagree.
         """
         task_filter, params = self._filter(query, "t.closed_at", "t.tenant")
-        columns = ", ".join(f"a.{column}" for column in _ATTEMPT_COLUMNS)
+        keys = (
+            "a.workflow_id, a.run_id, a.pool, a.model, a.outcome, a.input_per_mtok_usd, "
+            "a.cached_input_per_mtok_usd, a.output_per_mtok_usd"
+        )
         with self._lock, self._read_snapshot():
             report = self.report(query)
             _, rows = self._execute(
-                f"SELECT {columns} FROM attempts a JOIN tasks t "
-                f"ON a.workflow_id = t.workflow_id AND a.run_id = t.run_id WHERE {task_filter}",
+                f"SELECT {keys}, SUM(a.prompt_tokens - a.cached_tokens), SUM(a.cached_tokens), "
+                "SUM(a.completion_tokens), SUM(a.cost_micros) FROM attempts a JOIN tasks t "
+                f"ON a.workflow_id = t.workflow_id AND a.run_id = t.run_id WHERE {task_filter} "
+                f"GROUP BY {keys}",
                 params,
             )
-        return report, [self._attempt_from_row(row) for row in rows]
+        # One TokenPrices per price list, not per row: a ledger has few.
+        prices: dict[tuple[object, ...], TokenPrices] = {}
+        sums = []
+        for row in rows:
+            listed = tuple(row[5:8])
+            if listed not in prices:
+                inp, cached, out = (Decimal(str(price)) for price in listed)
+                prices[listed] = TokenPrices(
+                    input_per_mtok_usd=inp,
+                    cached_input_per_mtok_usd=cached,
+                    output_per_mtok_usd=out,
+                )
+            # PostgreSQL sums BIGINT as NUMERIC (Decimal); int() makes both backends alike.
+            sums.append(
+                AttemptSums(
+                    workflow_id=str(row[0]),
+                    run_id=str(row[1]),
+                    pool=str(row[2]),
+                    model=str(row[3]),
+                    outcome=AttemptOutcome(row[4]),
+                    prices=prices[listed],
+                    input_tokens=int(row[8]),
+                    cached_tokens=int(row[9]),
+                    completion_tokens=int(row[10]),
+                    cost_micros=int(row[11]),
+                )
+            )
+        return report, sums
 
     @contextmanager
     def _read_snapshot(self) -> Iterator[None]:
