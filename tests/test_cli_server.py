@@ -6,6 +6,7 @@ Both must leave nothing behind however they end: Ctrl-C, SIGTERM, even SIGKILL.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -224,12 +225,12 @@ def test_server_killed_with_sigkill_takes_the_temporal_server_with_it(tmp_path: 
 
 def _start_demo(
     port: int, ui_port: int, state_dir: Path, *, in_background: bool = False
-) -> tuple[subprocess.Popen[str], int]:
+) -> tuple[subprocess.Popen[str], int, str]:
     """`kvflow demo --keep-running` with one task, up to "The stack stays up".
 
     With `in_background` it runs as `sh -c 'kvflow demo ... &'` starts it: a non-interactive
     shell starts a background job with SIGINT ignored. Returns the process whose output to
-    read (kvflow, or the shell) and kvflow's pid.
+    read (kvflow, or the shell), kvflow's pid, and what it printed up to there.
     """
     command = [
         str(KVFLOW),
@@ -258,12 +259,12 @@ def _start_demo(
         if in_background:
             seen = _read_until(process, "kvflow pid")
             pid = int(seen.rsplit("kvflow pid", 1)[1].split()[0])
-        _read_until(process, "The stack stays up", timeout_s=240)
+        seen = _read_until(process, "The stack stays up", timeout_s=240)
     except BaseException:
         os.kill(pid, signal.SIGKILL)
         process.kill()
         raise
-    return process, pid
+    return process, pid, seen
 
 
 def _simulators_and_temporal(pid: int) -> set[int]:
@@ -279,7 +280,7 @@ def _simulators_and_temporal(pid: int) -> set[int]:
 @pytest.mark.timeout(360)
 def test_demo_killed_with_sigkill_takes_its_simulators_and_temporal_with_it(tmp_path: Path):
     port, ui_port = free_port(), free_port()
-    process, pid = _start_demo(port, ui_port, tmp_path)
+    process, pid, _ = _start_demo(port, ui_port, tmp_path)
     children = _simulators_and_temporal(pid)
     process.kill()
     process.wait(timeout=30)
@@ -293,8 +294,14 @@ def test_demo_killed_with_sigkill_takes_its_simulators_and_temporal_with_it(tmp_
 @pytest.mark.timeout(360)
 def test_demo_in_a_shells_background_stops_in_order_on_sigterm(tmp_path: Path):
     port, ui_port = free_port(), free_port()
-    shell, pid = _start_demo(port, ui_port, tmp_path, in_background=True)
+    shell, pid, shown = _start_demo(port, ui_port, tmp_path, in_background=True)
     children = _simulators_and_temporal(pid)
+    # The stack stays up: each simulated replica's URL is printed, and it answers there.
+    urls = re.findall(r"^\s+(\S+/\d+)\s+(http://127\.0\.0\.1:\d+)$", shown, re.M)
+    assert {name for name, _ in urls} == {"h200/0", "h200/1", "h100/0", "h100/1", "l4/0", "l4/1"}
+    for name, url in urls:
+        if name != "h200/1":  # the demo's crash fault may have ended that one
+            assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 200, name
     try:
         os.kill(pid, signal.SIGTERM)
         try:

@@ -5,7 +5,8 @@ one GPU worker per replica of the fleet, the workflow worker with the three samp
 a mix of agent tasks for the fleet's tenants at a rate that saturates the fleet for a while,
 with faults injected: one replica crashes mid-stream, one runs slow. A live display shows tasks
 per tenant, fleet load and cache hits; the end shows the finance report, where the calls went,
-and the Temporal UI address with a query for the failed tasks.
+and, with `--keep-running` (the stack stays up), the Temporal UI address with a query for the
+failed tasks and each simulated replica's URL.
 
 On real vLLM servers (`--endpoints`, or `--engine vllm` which starts them) the fleet's pools
 give way to one pool, `vllm`, with a replica per server; its GPU generation and prices are the
@@ -542,18 +543,37 @@ async def run_demo(
             highlight=False,
             soft_wrap=True,
         )
-        if ui_url:
-            console.print(f"Temporal UI: {ui_url}", highlight=False)
+        if keep_running:
+            if ui_url:
+                console.print(f"Temporal UI: {ui_url}", highlight=False)
+                if failures is not None:
+                    console.print(
+                        f"Tasks that did not succeed: {failed_tasks_url(ui_url)}",
+                        highlight=False,
+                        soft_wrap=True,
+                    )
+            _print_replicas(console, embedded)
+            console.print("The stack stays up; Ctrl-C or SIGTERM stops it.")
+            await asyncio.Event().wait()
+        elif ui_url and failures is not None:
+            # The UI stops with the stack, now: a link to it would be dead.
             console.print(
-                f"Tasks that did not succeed: {failed_tasks_url(ui_url)}",
+                "The Temporal UI stops with the demo: run it with --keep-running to look at the "
+                "tasks that did not succeed there (the stack then stays up until Ctrl-C).",
                 highlight=False,
                 soft_wrap=True,
             )
-        if keep_running:
-            console.print("The stack stays up; Ctrl-C or SIGTERM stops it.")
-            await asyncio.Event().wait()
     await ledger.close()
     return runs
+
+
+def _print_replicas(console: Console, embedded: EmbeddedFleet) -> None:
+    """Each simulated replica's URL, for `KvflowPlugin(fleet, endpoints={...})` or curl."""
+    if not embedded.sims:
+        return
+    console.print("Simulated replicas (vLLM's OpenAI API and /metrics):", highlight=False)
+    for name, sim in embedded.sims.items():
+        console.print(f"  {name:<8} {sim.base_url}", highlight=False)
 
 
 async def _await(run: TaskRun, tally: Tally) -> None:
