@@ -341,8 +341,6 @@ class WorkflowTenants:
         self._legacy: _ExpiringCache[str, dict[str, str]] = _ExpiringCache(max_namespaces, clock)
         self._listed_at: dict[str, tuple[float, datetime]] = {}
         self._lock = asyncio.Lock()
-        self.visibility_calls = 0
-        """How many calls this lookup made to Temporal (for the log and its tests)."""
 
     async def _namespace_client(self, namespace: str) -> Client | None:
         """A client of `namespace` if Temporal has it (within the call budget); else None."""
@@ -376,7 +374,6 @@ class WorkflowTenants:
 
     async def _call(self, call: Awaitable[Any]) -> Any:
         """`call`'s answer; None when Temporal says not found or fails (logged)."""
-        self.visibility_calls += 1
         try:
             return await call
         except RPCError as exc:
@@ -539,7 +536,7 @@ class PayloadOpener:
                 named = None
             scope = named.scope if named is not None else None
             label = f"workflow {scope[:12]}" if scope else "unscoped payload"
-            tenant = await self._owner(named, namespace, caller)
+            tenant = await self._tenant_of_reference(named, namespace, caller)
             if named is None or not caller.may_read(tenant):
                 tally.count(tally.refused, label)
                 return _text_payload(NOT_YOURS)
@@ -562,7 +559,7 @@ class PayloadOpener:
                 payload = opened
         return await self._with_context_texts(payload, caller, tally)
 
-    async def _owner(
+    async def _tenant_of_reference(
         self, named: ReferenceScope | None, namespace: str, caller: Caller
     ) -> str | None:
         """The tenant a reference's payload belongs to, as far as Temporal can tell; else None.
