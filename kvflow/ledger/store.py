@@ -42,6 +42,7 @@ from kvflow.ledger.records import (
 )
 from kvflow.ledger.report import (
     AttemptTotals,
+    ChainEnds,
     Report,
     ReportQuery,
     SpendSlice,
@@ -599,17 +600,19 @@ class Ledger(ABC):
                 str(r[7]) for r in task_rows if r[5] != continued and r[7] not in (None, r[1])
             }
             chain_ends = self._rows_by_chain(
-                "SELECT chain_run_id, outcome FROM tasks WHERE outcome <> ? AND chain_run_id IN",
-                open_chains,
+                "SELECT chain_run_id, run_id, closed_at, outcome FROM tasks "
+                "WHERE outcome <> ? AND chain_run_id IN",
+                open_chains | ended_chains,
                 continued,
             )
             earlier_rows = self._rows_by_chain(
-                "SELECT c.chain_run_id, a.model, a.pool, SUM(a.cost_micros) FROM attempts a "
+                "SELECT c.chain_run_id, c.closed_at, a.model, a.pool, SUM(a.cost_micros) "
+                "FROM attempts a "
                 "JOIN tasks c ON a.workflow_id = c.workflow_id AND a.run_id = c.run_id "
                 "WHERE c.outcome = ? AND c.chain_run_id IN",
                 ended_chains,
                 continued,
-                suffix="GROUP BY c.chain_run_id, a.model, a.pool",
+                suffix="GROUP BY c.chain_run_id, c.run_id, c.closed_at, a.model, a.pool",
             )
             _, attempt_rows = self._execute(
                 "SELECT a.workflow_id, a.run_id, a.model, a.pool, COUNT(*), SUM(a.cost_micros), "
@@ -626,25 +629,31 @@ class Ledger(ABC):
                 f"WHERE t.workflow_id IS NULL AND {unclosed_filter}",
                 unclosed_params,
             )
-        ended = {str(chain): TaskOutcome(outcome) for chain, outcome in chain_ends}
+        ends = ChainEnds(
+            (str(chain), str(run), self._time_out(closed), TaskOutcome(outcome))
+            for chain, run, closed, outcome in chain_ends
+        )
         earlier: dict[str, list[SpendSlice]] = defaultdict(list)
-        for chain, model, pool, spend in earlier_rows:
-            earlier[str(chain)].append(SpendSlice(str(model), str(pool), int(spend)))
+        for chain, closed, model, pool, spend in earlier_rows:
+            end = ends.end_of(str(chain), self._time_out(closed))
+            if end is not None:
+                earlier[end[0]].append(SpendSlice(str(model), str(pool), int(spend)))
         tasks = []
         for r in task_rows:
             outcome = TaskOutcome(r[5])
-            chain = str(r[7] or r[1])
+            closed_at = self._time_out(r[4])
+            end = None if outcome.final else ends.end_of(str(r[7] or r[1]), closed_at)
             tasks.append(
                 TaskFacts(
                     workflow_id=str(r[0]),
                     run_id=str(r[1]),
                     tenant=str(r[2]),
                     workflow_type=str(r[3]),
-                    closed_at=self._time_out(r[4]),
+                    closed_at=closed_at,
                     outcome=outcome,
                     spend_at_close_micros=int(r[6]),
-                    chain_outcome=None if outcome.final else ended.get(chain),
-                    earlier_spend=tuple(earlier.get(chain, ())) if outcome.final else (),
+                    chain_outcome=None if end is None else end[1],
+                    earlier_spend=tuple(earlier.get(str(r[1]), ())) if outcome.final else (),
                 )
             )
         # PostgreSQL sums BIGINT as NUMERIC (Decimal); int() makes both backends alike.
