@@ -30,6 +30,7 @@ from kvflow.activities.control_plane import ControlPlaneActivities
 from kvflow.ledger.records import TaskOutcome
 from kvflow.ledger.report import ReportQuery
 from kvflow.ledger.store import Ledger
+from kvflow.simulator.faults import FaultDice, FaultSpec
 from kvflow.workflows import errors
 from kvflow.workflows.agent import TaskSpec
 from tests import agent_workflows as wf
@@ -281,6 +282,39 @@ async def _estimates(handle: WorkflowHandle[Any, Any]) -> list[int]:
                     if isinstance(answer, dict) and answer.get("placement"):
                         found.append(int(answer["placement"]["est_cost_micros"]))
     return found
+
+
+async def test_a_continued_task_keeps_its_retry_budget(temporal_client: Client, tmp_path: Path):
+    # One replica, whose first and third answers are 503s: each run's call fails once.
+    rate = 0.5
+    pools = [PoolPlan("one", faults=FaultSpec(error_rate=rate, error_code=503))]
+    async with fleet_stack(temporal_client, tmp_path, pools, seed=_seed_failing(rate)) as s:
+        task = wf.ContinueInput(spec=_spec(retry_budget=1), model=MODEL, runs_left=1)
+        handle = await s.start(wf.ContinueOnce.run, task)
+        with pytest.raises(WorkflowFailureError) as failure:
+            await _result(handle)
+        cause = failure.value.cause
+        assert isinstance(cause, ApplicationError)
+        # Run 1 used the task's one re-placement: run 2's failed call has none left.
+        assert cause.type == errors.TaskErrorType.RETRY_BUDGET_EXHAUSTED, cause.message
+        assert "1 re-placements are used up" in cause.message
+        runs = await _runs(s, handle.id, 2)
+        assert [outcome for _, outcome, _ in runs] == [
+            TaskOutcome.CONTINUED_AS_NEW,
+            TaskOutcome.FAILED,
+        ]
+        attempts = [await s.ledger.attempts_for(handle.id, run) for run, *_ in runs]
+        assert [len(run_attempts) for run_attempts in attempts] == [2, 1]
+
+
+def _seed_failing(rate: float) -> int:
+    """A simulator seed whose `error_rate` fails the first and third requests only of four."""
+    seed = 0
+    while True:
+        dice = FaultDice(seed)
+        if [dice.fails(rate) for _ in range(4)] == [True, False, True, False]:
+            return seed
+        seed += 1
 
 
 async def _run_id(handle: WorkflowHandle[Any, Any]) -> str:
