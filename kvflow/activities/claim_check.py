@@ -29,16 +29,26 @@ that anyone can check that a scope is that workflow's without a lookup (`referen
   names, so forged metadata leads to no other workflow's folder, and it grants a payload to
   the tenant of that workflow id in that namespace, asked of Temporal.
 
+Why that is safe: the folder a reader opens is the digest of what the reference names, so a
+reference that names another namespace or workflow than the one whose payload it carries
+leads to a folder where that payload is not; and the owner is what Temporal records for that
+workflow id in that namespace, never what the caller says.
+
 Runs are not told apart: a workflow id reused, by the same tenant or another, shares its scope
 with its earlier runs. The codec server therefore grants a scope only when every run of the id
 belongs to one tenant, and denies it otherwise.
 
-Every process that decodes must use the same context store. Earlier versions' references stay
-readable as they were: those scoped by the workflow id alone (`legacy_workflow_scope`, no
-namespace), and unscoped payloads (encoded outside any workflow, or before scopes), which any
-workflow's codec resolves, from the payloads of no workflow. Workflows started by a schedule
-are encoded under the schedule's workflow-id prefix, not their own id, so they do not open
-their large inputs; give them inputs under the threshold.
+Every process that decodes must use the same context store, and workers must run this version
+before clients do: an earlier version's worker refuses a reference whose scope covers the
+namespace, as belonging to another workflow. Earlier versions' references stay readable as
+they were: those scoped by the workflow id alone (`legacy_workflow_scope`; they name no
+namespace, so the codec server looks their workflow up in the request's namespace, and where
+one store serves several namespaces they are no safer than before), and unscoped payloads
+(encoded outside any workflow, or before scopes), which any workflow's codec resolves, from
+the payloads of no workflow, and the codec server opens for callers of every tenant only.
+
+Workflows started by a schedule are encoded under the schedule's workflow-id prefix, not their
+own id, so they do not open their large inputs; give them inputs under the threshold.
 """
 
 from __future__ import annotations
