@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -27,10 +28,12 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
 from kvflow.activities.control_plane import ControlPlaneActivities
+from kvflow.ledger.errors import LedgerSchemaError
 from kvflow.ledger.records import TaskOutcome
 from kvflow.ledger.report import ReportQuery
 from kvflow.ledger.store import Ledger
 from kvflow.simulator.faults import FaultDice, FaultSpec
+from kvflow.workers.reconcile import reconcile
 from kvflow.workflows import errors
 from kvflow.workflows.agent import TaskSpec
 from tests import agent_workflows as wf
@@ -43,6 +46,7 @@ from tests.test_scheduler_kv_admission import (
     task_call,
 )
 from tests.test_scheduler_placement import make_fleet, placed, refused
+from tests.test_workflow_bookkeeping import TaskRowsFail
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(120)
@@ -91,7 +95,7 @@ async def test_a_workflow_retry_after_a_continued_run_is_a_task_of_its_own(
         handle = await s.client.start_workflow(
             wf.ContinueOnce.run,
             wf.ContinueInput(spec=_spec(), model=MODEL, runs_left=1, fail_first_try=True),
-            id="retried-after-continuing",
+            id=f"retried-after-continuing-{uuid.uuid4()}",
             task_queue=s.task_queue,
             retry_policy=RetryPolicy(
                 initial_interval=timedelta(milliseconds=100), maximum_attempts=2
@@ -119,6 +123,41 @@ async def test_a_workflow_retry_after_a_continued_run_is_a_task_of_its_own(
         assert second
 
 
+async def test_reconcile_chains_a_retry_apart_from_the_runs_it_retried(
+    temporal_client: Client, tmp_path: Path
+):
+    async with fleet_stack(temporal_client, tmp_path, [PoolPlan("only")]) as s:
+        # The same three runs, none of whose rows the workflow can write.
+        broken = TaskRowsFail(s.ledger, LedgerSchemaError("schema version 9"), times=100)
+        s.control.activities.ledger = broken
+        handle = await s.client.start_workflow(
+            wf.ContinueOnce.run,
+            wf.ContinueInput(spec=_spec(), model=MODEL, runs_left=1, fail_first_try=True),
+            id=f"reconciled-retry-{uuid.uuid4()}",
+            task_queue=s.task_queue,
+            retry_policy=RetryPolicy(
+                initial_interval=timedelta(milliseconds=100), maximum_attempts=2
+            ),
+        )
+        await _result(handle)
+        assert broken.calls == 3
+        written: dict[str, tuple[TaskOutcome, str]] = {}
+
+        async def reconciled() -> bool:
+            result = await reconcile(s.ledger, temporal_client, query=f"WorkflowId = '{handle.id}'")
+            written.update((row.run_id, (row.outcome, row.chain)) for row in result.written)
+            return len(written) == 3
+
+        await eventually(reconciled, within=30, what="reconcile writes the three rows")
+        by_outcome = {outcome: (run, chain) for run, (outcome, chain) in written.items()}
+        continued, _ = by_outcome[TaskOutcome.CONTINUED_AS_NEW]
+        # From the runs' start events: the continued run's next run is its task; the retry,
+        # though it names the same first run, is a task of its own.
+        assert by_outcome[TaskOutcome.FAILED][1] == continued
+        retry, chain = by_outcome[TaskOutcome.SUCCEEDED]
+        assert chain == retry
+
+
 async def test_a_cron_run_is_a_task_of_its_own_beside_one_that_continued_as_new(
     temporal_client: Client, tmp_path: Path
 ):
@@ -128,7 +167,7 @@ async def test_a_cron_run_is_a_task_of_its_own_beside_one_that_continued_as_new(
         handle = await s.client.start_workflow(
             wf.CronContinuesOnce.run,
             wf.CronInput(spec=_spec(), model=MODEL),
-            id="cron-continuing",
+            id=f"cron-continuing-{uuid.uuid4()}",
             task_queue=s.task_queue,
             cron_schedule="@every 1s",
         )
