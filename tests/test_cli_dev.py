@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from temporalio import workflow
+from temporalio import activity
 from temporalio.client import Client
 from temporalio.worker import Worker
 
@@ -82,13 +82,9 @@ def test_dev_runs_the_starter_init_wrote_and_ctrl_c_leaves_no_process(tmp_path: 
     assert not (tmp_path / ".kvflow" / "dev.toml").exists()
 
 
-@workflow.defn
-class Idle:
-    """A workflow for a worker that is never meant to start."""
-
-    @workflow.run
-    async def run(self) -> None:
-        return None
+@activity.defn
+async def idle() -> None:
+    """An activity for a worker that is never meant to start."""
 
 
 def _worker_plugin(tmp_path: Path) -> KvflowPlugin:
@@ -107,7 +103,7 @@ async def test_worker_without_replica_urls_refuses_to_start_naming_endpoints_and
     monkeypatch.delenv(ENDPOINTS_FILE_ENV, raising=False)
     plugin = _worker_plugin(tmp_path)
     with pytest.raises(ValueError) as refused:
-        Worker(temporal_client, task_queue="no-urls", workflows=[Idle], plugins=[plugin])
+        Worker(temporal_client, task_queue="no-urls", activities=[idle], plugins=[plugin])
     message = str(refused.value)
     assert "endpoints=" in message and "kvflow dev" in message
     assert "h200/0" in message
@@ -127,6 +123,6 @@ async def test_worker_refuses_an_endpoints_file_whose_kvflow_dev_has_stopped(
     monkeypatch.setenv(ENDPOINTS_FILE_ENV, str(path))
     plugin = _worker_plugin(tmp_path)
     with pytest.raises(ValueError) as refused:
-        Worker(temporal_client, task_queue="stale-urls", workflows=[Idle], plugins=[plugin])
+        Worker(temporal_client, task_queue="stale-urls", activities=[idle], plugins=[plugin])
     message = str(refused.value)
     assert str(path) in message and "no longer runs" in message and "kvflow dev" in message
