@@ -3,7 +3,8 @@
 It checks its vLLM endpoint before it polls (a worker in front of a dead server would only
 collect calls to fail them), runs at most the pool's `max_concurrency` calls at once, and on
 shutdown gives in-flight calls `graceful_shutdown_s` to finish before they are cancelled; a
-cancelled call reaches the workflow as a failure and is re-placed elsewhere.
+cancelled call reaches the workflow as a failure and is re-placed elsewhere. The stop itself
+ends `STOP_ALLOWANCE` after that at the latest, even with a call that does not (`BoundedWorker`).
 
 Attempt rows go to the ledger through a `SpooledAttemptWriter`: a write the ledger refuses is
 retried, then kept in a spool file under `spool_dir` (in memory while that disk refuses it too)
