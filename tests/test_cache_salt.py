@@ -10,6 +10,7 @@ events); and a prompt the fleet shares on purpose (`[cache] shared_prefixes`), s
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
@@ -34,13 +35,14 @@ from kvflow.scheduler.blocks import (
 )
 from kvflow.scheduler.core import Scheduler
 from kvflow.scheduler.fleet import Fleet
-from kvflow.scheduler.kv_events import decode_event_batch
+from kvflow.scheduler.kv_events import KvEventSubscriber, decode_event_batch
 from kvflow.scheduler.placement import Placement, PlacementRequest
 from kvflow.scheduler.prefix_index import BlockStored, PrefixIndex
 from kvflow.simulator import SimServer
 from kvflow.simulator.workloads import WORKLOADS, Workload
 from kvflow.workers.config import FleetConfigError, load_fleet
 from tests.fleets import one_pool_fleet
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -175,8 +177,8 @@ async def test_a_system_prompt_the_fleet_shares_is_cached_across_tenants(
 # ---- the scheduler's prefix index -----------------------------------------------------------------
 
 
-def two_tenant_fleet(replicas: int = 2, **cache: Any) -> Fleet:
-    data = one_pool_fleet("m", replicas=replicas).model_dump(mode="json")
+def two_tenant_fleet(replicas: int = 2, model: str = "m", **cache: Any) -> Fleet:
+    data = one_pool_fleet(model, replicas=replicas).model_dump(mode="json")
     data["tenants"].append({"name": "globex", "tier": 2})
     if cache:
         data["cache"] = cache
@@ -253,6 +255,57 @@ def test_the_precise_index_hashes_a_salted_vllm_event_under_its_salt() -> None:
     assert index.match(block_hashes(tokens, 16), now=0.0) == {}
     [event] = events
     assert isinstance(event, BlockStored) and event.cache_salt == salt
+
+
+async def test_the_simulators_kv_events_index_a_tenants_blocks_under_its_salt(
+    sim_server_factory: Callable[..., SimServer], tmp_path: Path
+) -> None:
+    # The simulator publishes the salt in its KV events as vLLM does; the precise index that
+    # re-hashes their token ids then holds acme's blocks under acme's salt only.
+    endpoint = f"ipc://{tmp_path}/events.sock"
+    sim = sim_server_factory(kv_events_endpoint=endpoint, kv_events_topic="kv")
+    fleet = two_tenant_fleet(replicas=1, model=sim.model)
+    scheduler = Scheduler(fleet)
+    subscriber = KvEventSubscriber(scheduler, "cpu/0", endpoint, topic="kv")
+    listening = asyncio.create_task(subscriber.run())
+    try:
+        await subscriber.wait_ready()
+        prompt = SYSTEM + QUESTION
+        acme = tenant_cache_salt(NAMESPACE, "acme")
+        async with httpx.AsyncClient(base_url=sim.base_url, timeout=30) as http:
+            sent = await http.post(
+                "/v1/completions",
+                json={"model": sim.model, "prompt": prompt, "max_tokens": 1, "cache_salt": acme},
+            )
+            assert sent.status_code == 200, sent.text
+            tokens = (await http.post("/tokenize", json={"prompt": prompt})).json()["tokens"]
+        await eventually(
+            lambda: scheduler.status()[0].blocks_indexed >= 4,
+            within=30,
+            what="the scheduler indexes acme's blocks from the simulator's KV events",
+            interval=0.02,
+        )
+
+        def expected(tenant: str) -> int:
+            salt = tenant_cache_salt(NAMESPACE, tenant)
+            placement = scheduler.place(
+                PlacementRequest(
+                    model=sim.model,
+                    block_hashes=block_hashes(tokens, scheduler.block_size, cache_salt=salt),
+                    prompt_tokens=len(tokens),
+                    max_output_tokens=1,
+                    tenant=tenant,
+                    workflow_id=f"wf-{tenant}",
+                )
+            )
+            assert isinstance(placement, Placement)
+            return placement.expected_cached_tokens
+
+        assert expected("acme") >= 4 * sim.block_size
+        assert expected("globex") == 0
+    finally:
+        subscriber.stop()
+        await asyncio.wait_for(listening, timeout=5)
 
 
 # ---- the fleet file -------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 
 from kvflow.cli.main import app
 from kvflow.ledger.store import connect_ledger
-from kvflow.scheduler.fleet import Fleet, ModelSpec, Pool, Tenant, TokenPrices
+from kvflow.scheduler.fleet import CacheConfig, Fleet, ModelSpec, Pool, Tenant, TokenPrices
 from kvflow.scheduler.gpus import GpuGeneration
 from kvflow.simulator import SimServer
 from kvflow.workers.config import (
@@ -92,7 +92,8 @@ def toml_document(document: dict[str, Any]) -> str:
 # ---- valid fleet documents, from the models' fields ------------------------------------------
 
 FLEET_KEYS: dict[type[Any], set[str]] = {
-    FleetConfig: {"models", "pools", "tenants", "temporal"},
+    FleetConfig: {"models", "pools", "tenants", "temporal", "cache"},
+    CacheConfig: {"shared_prefixes"},
     ModelSpec: {
         "name",
         "parameters_b",
@@ -219,7 +220,16 @@ def valid_fleets(draw: st.DrawFn) -> dict[str, Any]:
             "tls": st.just(tls),
         },
     )
-    return _some(draw, document, {"temporal": st.just(temporal)})
+    cache = _some(
+        draw,
+        {},
+        {
+            "shared_prefixes": st.lists(
+                st.from_regex(r"sha256:[0-9a-f]{64}", fullmatch=True), max_size=2
+            )
+        },
+    )
+    return _some(draw, document, {"temporal": st.just(temporal), "cache": st.just(cache)})
 
 
 # ---- mutations: what a hand-edited file gets wrong ------------------------------------------

@@ -1108,6 +1108,7 @@ class EngineCore:
             hashes[first:last],
             hashes[first - 1] if first > 0 else None,
             tokens[first * block_size : last * block_size] if tokens is not None else [],
+            request.cache_salt if first == 0 else None,
         )
         request.num_hashed_blocks = full
 

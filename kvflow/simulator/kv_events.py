@@ -6,7 +6,7 @@ maps, events tagged by their class name in a `type` field::
     EventBatch      {"ts": float, "events": [...], "data_parallel_rank": 0}
     BlockStored     {"type": "BlockStored", "block_hashes": [u64...], "parent_block_hash": u64
                      | None, "token_ids": [int...], "block_size": int, "lora_id": None,
-                     "medium": "GPU", "lora_name": None}
+                     "medium": "GPU", "lora_name": None, "extra_keys"?: [[salt], None...]}
     BlockRemoved    {"type": "BlockRemoved", "block_hashes": [u64...], "medium": "GPU"}
     AllBlocksCleared {"type": "AllBlocksCleared"}
 
@@ -59,6 +59,9 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    extra_keys: list[list[Any] | None] | None = None
+    """Per block, the extra keys its hash covers, as vLLM publishes them: the request's
+    `cache_salt` in the prompt's first block; absent when no block has any."""
 
 
 class BlockRemoved(KVCacheEvent):

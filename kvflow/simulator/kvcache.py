@@ -231,8 +231,13 @@ class BlockPool:
         hashes: Sequence[int],
         parent: int | None,
         token_ids: list[int],
+        cache_salt: str | None = None,
     ) -> None:
-        """Register newly full `blocks` under `hashes` and report them as one `BlockStored`."""
+        """Register newly full `blocks` under `hashes` and report them as one `BlockStored`.
+
+        `cache_salt` is the request's when `blocks` start at its first block (`parent` None):
+        the event lists it among that block's extra keys, as vLLM does.
+        """
         if not self.enable_caching:
             return
         cached = self._cached
@@ -254,6 +259,11 @@ class BlockPool:
                     lora_id=None,
                     medium=MEDIUM_GPU,
                     lora_name=None,
+                    extra_keys=(
+                        [[cache_salt], *([None] * (len(hashes) - 1))]
+                        if cache_salt and parent is None and hashes
+                        else None
+                    ),
                 )
             )
 
