@@ -203,7 +203,9 @@ def test_readme_walkthrough_runs_a_sample_end_to_end(
         started.append(gpu)
         gpu.wait_for("polls kvflow.gpu.h100.0")
         # The README's program, saved as the README says, run as it says.
-        [program] = re.findall(r"Save this as `article.py`:\n\n```python\n(.*?)```", README, re.S)
+        [program] = re.findall(
+            r"Save this as `article.py`:\n\n(?:<!--.*?-->\n)?```python\n(.*?)```", README, re.S
+        )
         article = tmp_path / "article.py"
         article.write_text(_sub(program, {"127.0.0.1:8100": f"127.0.0.1:{sim}"}))
         written = run(_sub(_line(".venv/bin/python article.py"), {"article.py": str(article)}), env)
