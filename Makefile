@@ -43,10 +43,11 @@ test: $(STAMP) vllm-env
 	$(BIN)/pytest -n 2 --dist loadfile
 
 # The documentation site (mkdocs.yml, docs/), built as CI builds it: --strict turns a broken
-# link, a missing page or an API entry that no longer resolves into a failure. About 5 s;
+# link or anchor, a missing page or an API entry that no longer resolves into a failure (not
+# -q, which hides the warnings --strict counts). About 5 s;
 # the pages land in .kvflow/site (git-ignored); `mkdocs serve` shows them while editing.
 docs: $(STAMP)
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # Tests judged on the pace of a real vLLM engine beside this process (the deadline pause on
 # real vLLM): on a loaded 2-core machine the API server's delays of seconds spoil their rounds,
