@@ -34,7 +34,8 @@ from tests.history import payloads_in
 from tests.stacks import MODEL, PoolPlan, fleet_stack, task_spec
 
 STARTED = EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED
-README = Path(__file__).resolve().parent.parent / "README.md"
+# The page that tells a user what to do when a client cannot read a payload.
+SECURITY_PAGE = Path(__file__).resolve().parent.parent / "docs" / "operators" / "security.md"
 
 
 @dataclass
@@ -122,7 +123,7 @@ async def test_demo_client_on_the_stacks_context_dir_reads_the_claim_checked_ans
 
 
 @pytest.mark.timeout(240)
-async def test_a_client_without_kvflows_plugin_cannot_read_it_and_the_readme_says_why(
+async def test_a_client_without_kvflows_plugin_cannot_read_it_and_the_docs_say_why(
     closed_task: ClosedTask,
 ):
     plain = await Client.connect(closed_task.address, namespace=closed_task.namespace)
@@ -130,9 +131,9 @@ async def test_a_client_without_kvflows_plugin_cannot_read_it_and_the_readme_say
 
     with pytest.raises(KeyError, match="Unknown payload encoding kvflow/claim-check"):
         await handle.result()
-    readme = await asyncio.to_thread(README.read_text, encoding="utf-8")
-    assert "Unknown payload encoding kvflow/claim-check" in readme
-    assert f"plugins=[{KvflowPlugin.__name__}(context_dir=" in readme
+    page = await asyncio.to_thread(SECURITY_PAGE.read_text, encoding="utf-8")
+    assert "Unknown payload encoding kvflow/claim-check" in page
+    assert f"plugins=[{KvflowPlugin.__name__}(context_dir=" in page
 
 
 @pytest.mark.timeout(60)

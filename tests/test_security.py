@@ -164,12 +164,12 @@ def test_cli_names_the_api_key_variable_never_its_value(
     assert canary not in caplog.text
 
 
-def test_readme_security_example_connects_with_tls_and_the_named_key(canary: str) -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
-    # The README's one fleet-file example with a [temporal] table.
+def test_documented_security_example_connects_with_tls_and_the_named_key(canary: str) -> None:
+    page = Path(__file__).resolve().parent.parent / "docs" / "operators" / "security.md"
+    # The security page's one fleet-file example with a [temporal] table.
     [table] = [
         parsed["temporal"]
-        for block in re.findall(r"```toml\n(.*?)```", readme, flags=re.S)
+        for block in re.findall(r"```toml\n(.*?)```", page.read_text(encoding="utf-8"), flags=re.S)
         if "temporal" in (parsed := tomllib.loads(block))
     ]
     connection = TemporalConnection.model_validate({**table, "api_key_env": SECRET_VAR})
