@@ -1,7 +1,8 @@
 """The README's commands and its example workflow, run as a reader would run them.
 
-Every shell line of the README must appear in `WALKTHROUGH` or `ELSEWHERE`, so the README
-cannot drift from what is tested. The walkthrough runs each line as written, with only the
+Every shell line of the README and of the documentation site's pages (docs/) must appear in
+`WALKTHROUGH` or `ELSEWHERE`, or be a benchmark command that tests/test_docs.py parses, so
+neither can drift from what is tested. The walkthrough runs each line as written, with only the
 substitutions listed beside it (free ports instead of the defaults, a temporary ledger and
 output files), against a dev server started the README's way.
 """
@@ -30,10 +31,10 @@ ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
 
-def shell_lines() -> list[str]:
-    """Every command line of the README's ```sh blocks, without trailing comments."""
+def shell_lines(text: str = README) -> list[str]:
+    """Every command line of the ```sh blocks of `text`, without trailing comments."""
     lines: list[str] = []
-    for block in re.findall(r"```sh\n(.*?)```", README, flags=re.S):
+    for block in re.findall(r"```sh\n(.*?)```", text, flags=re.S):
         for line in block.splitlines():
             command = re.sub(r"\s+#.*$", "", line).strip()
             if command:
@@ -115,11 +116,31 @@ def walkthrough_env(tmp_path: Path) -> Iterator[dict[str, str]]:
     }
 
 
+# Benchmark commands run for minutes: tests/test_docs.py parses each against its command.
+BENCHMARKS = (".venv/bin/kvflow bench ", ".venv/bin/python -m kvflow.bench.")
+
+
 def test_every_readme_command_is_exercised():
     lines = shell_lines()
     assert lines, "the README has no shell commands?"
     missing = [line for line in lines if line not in WALKTHROUGH and line not in ELSEWHERE]
     assert not missing, f"README commands no test runs: {missing}"
+
+
+def test_every_command_of_the_documentation_pages_is_exercised():
+    pages = sorted((ROOT / "docs").rglob("*.md"))
+    lines = {
+        line: page.relative_to(ROOT)
+        for page in pages
+        for line in shell_lines(page.read_text(encoding="utf-8"))
+    }
+    assert ".venv/bin/python article.py" in lines, "the pages lost the README's walkthrough?"
+    missing = [
+        f"{page}: {line}"
+        for line, page in lines.items()
+        if line not in WALKTHROUGH and line not in ELSEWHERE and not line.startswith(BENCHMARKS)
+    ]
+    assert not missing, f"documentation commands no test runs: {missing}"
 
 
 # The README's lines, exactly; the tests below run each (see the substitutions there).
