@@ -184,7 +184,10 @@ def server(
         bool, typer.Option("--in-memory", help="keep no SQLite file; state is lost at exit")
     ] = False,
 ) -> None:
-    """Run the embedded Temporal dev server (with the Web UI) until Ctrl-C."""
+    """Run the embedded Temporal dev server (with the Web UI) until Ctrl-C.
+
+    Temporal only: `kvflow dev` also runs the fleet's simulated replicas and GPU workers.
+    """
     # The UI decodes claim-checked payloads (prompts, answers) through it: text, not references.
     codec = local_codec_server(state_dir / "context", ui_port)
     temporal = EmbeddedTemporal(
