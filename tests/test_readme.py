@@ -143,6 +143,14 @@ def test_every_command_of_the_documentation_pages_is_exercised():
     assert not missing, f"documentation commands no test runs: {missing}"
 
 
+def test_every_walkthrough_line_is_still_shown_to_a_reader():
+    # The walkthrough runs these lines: one that no page shows any more tests nothing a
+    # reader runs.
+    texts = [README, *(page.read_text(encoding="utf-8") for page in (ROOT / "docs").rglob("*.md"))]
+    shown = {line for text in texts for line in shell_lines(text)}
+    assert [line for line in WALKTHROUGH if line not in shown] == []
+
+
 # The README's lines, exactly; the tests below run each (see the substitutions there).
 WALKTHROUGH: list[str] = [
     ".venv/bin/kvflow fleet check fleet.toml",
