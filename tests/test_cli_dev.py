@@ -126,3 +126,49 @@ async def test_worker_refuses_an_endpoints_file_whose_kvflow_dev_has_stopped(
         Worker(temporal_client, task_queue="stale-urls", activities=[idle], plugins=[plugin])
     message = str(refused.value)
     assert str(path) in message and "no longer runs" in message and "kvflow dev" in message
+
+
+@pytest.mark.timeout(60)
+async def test_a_partial_endpoints_list_starts_the_worker_and_names_the_replicas_left_down(
+    temporal_client: Client,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+):
+    # One simulator started by hand, as the README's program does: a choice, not a mistake.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(ENDPOINTS_FILE_ENV, raising=False)
+    plugin = KvflowPlugin(
+        load_fleet(EXAMPLE_FLEET),
+        endpoints={"h100/0": f"http://127.0.0.1:{free_port()}"},
+        ledger=f"sqlite:///{tmp_path / 'ledger.db'}",
+        context_dir=tmp_path / "context",
+    )
+    with caplog.at_level("WARNING", logger="kvflow.workers.plugin"):
+        Worker(temporal_client, task_queue="one-url", activities=[idle], plugins=[plugin])
+    [warning] = [r.getMessage() for r in caplog.records if "no vLLM URL" in r.getMessage()]
+    assert "h200/0" in warning and "h100/0," not in warning
+
+
+@pytest.mark.timeout(60)
+def test_dev_refuses_to_start_where_another_kvflow_dev_serves(tmp_path: Path):
+    # This test's own process stands for the running one: it is alive.
+    write_endpoints_file(
+        tmp_path / ".kvflow" / "dev.toml",
+        {},
+        temporal_address="127.0.0.1:1",
+        ui_url=None,
+        pid=os.getpid(),
+    )
+    done = subprocess.run(
+        [str(KVFLOW), "dev", "--port", str(free_port()), "--ui-port", str(free_port())],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    message = " ".join(done.stderr.split())
+    assert f"another `kvflow dev` (pid {os.getpid()}) serves this directory" in message
+    assert "Traceback" not in done.stderr
