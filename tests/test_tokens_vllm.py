@@ -191,6 +191,8 @@ async def _placed_and_cached(server: VllmServedModel, tokenizer: str) -> tuple[i
                         "messages": messages,
                         "max_tokens": 2,
                         "ignore_eos": True,
+                        # The tenant's salt, as the GPU worker sends the call.
+                        "cache_salt": await activities.cache_salt(place),
                     },
                 )
                 response.raise_for_status()

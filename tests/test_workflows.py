@@ -111,7 +111,11 @@ async def test_five_step_task_runs_where_the_scheduler_placed_each_step(
 ):
     pools = [PoolPlan("fast", gpu="H200", replicas=2), PoolPlan("slow", gpu="L4")]
     async with fleet_stack(temporal_client, tmp_path, pools) as s:
-        handle = await s.start(wf.MultiStepAgent.run, wf.StepsInput(spec=task_spec(), model=MODEL))
+        # A system prompt of several index entries (64 tokens each), so that every later step
+        # finds the conversation's prefix where the first step left it.
+        context = "You are a careful research agent. " * 12
+        task = wf.StepsInput(spec=task_spec(), model=MODEL, context=context)
+        handle = await s.start(wf.MultiStepAgent.run, task)
         out = await handle.result()
         assert len(out.replicas) == 5
 
