@@ -114,8 +114,8 @@ async def test_five_step_task_runs_where_the_scheduler_placed_each_step(
         # A system prompt of several index entries (64 tokens each), so that every later step
         # finds the conversation's prefix where the first step left it.
         context = "You are a careful research agent. " * 12
-        task = wf.StepsInput(spec=task_spec(), model=MODEL, context=context)
-        handle = await s.start(wf.MultiStepAgent.run, task)
+        steps = wf.StepsInput(spec=task_spec(), model=MODEL, context=context)
+        handle = await s.start(wf.MultiStepAgent.run, steps)
         out = await handle.result()
         assert len(out.replicas) == 5
 
