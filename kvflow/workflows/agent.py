@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
@@ -53,7 +54,8 @@ from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, TypeVar, cast, overload
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 from temporalio import workflow
 from temporalio.common import Priority, RetryPolicy, SearchAttributeUpdate
 from temporalio.exceptions import (
@@ -204,33 +206,25 @@ class TaskSpec(BaseModel):
 
     Out-of-range budgets are refused where the spec is built, before the task starts: a
     negative one, and one too large to be meant (30 days, 100 re-placements, 10,000 steps,
-    10 repairs, $1,000,000), which is usually a unit mistake. The tenant is checked against
-    the fleet at the first model call (`InvalidTask`).
+    10 repairs, $1,000,000), which is usually a unit mistake. The refusal names the field, its
+    unit and its range, and shows the value in human units, e.g. "latency_budget_s must be
+    more than 0 s and at most 30 days (2,592,000 s); got 3,456,000 s (40 days)". The tenant is
+    checked against the fleet at the first model call (`InvalidTask`).
     """
 
     tenant: str = Field(min_length=1, description="a tenant of the fleet file's [[tenants]]")
     latency_budget_s: float | None = Field(
         default=None,
-        gt=0,
-        le=MAX_LATENCY_BUDGET_S,
-        allow_inf_nan=False,
         description="seconds from the task's start (its first run's, when it continues as "
         "new) to its deadline; None: no deadline",
     )
     retry_budget: int = Field(
         default=3,
-        ge=0,
-        le=MAX_RETRY_BUDGET,
         description="re-placements the task may use over all its runs",
     )
-    expected_steps: int = Field(
-        default=1, ge=1, le=MAX_EXPECTED_STEPS, description="model calls the task will make"
-    )
+    expected_steps: int = Field(default=1, description="model calls the task will make")
     step_slo_s: float | None = Field(
         default=None,
-        gt=0,
-        le=MAX_LATENCY_BUDGET_S,
-        allow_inf_nan=False,
         description=(
             "seconds each model call should end within (an objective, not a timeout): a call "
             "past it is reported late, and a late tier-1 call makes lower tiers wait where "
@@ -241,27 +235,104 @@ class TaskSpec(BaseModel):
     )
     expected_tool_s: float = Field(
         default=0.0,
-        ge=0,
-        le=MAX_LATENCY_BUDGET_S,
-        allow_inf_nan=False,
         description=(
             "seconds the task expects to spend in its tools in all; at the first model call "
             "the scheduler adds it to the model time of `expected_steps` calls to judge "
             "whether the fleet's load would make the task miss its deadline (`Overloaded`)"
         ),
     )
-    schema_repairs: int = Field(
-        default=2,
-        ge=0,
-        le=MAX_SCHEMA_REPAIRS,
-        description="re-asks for schema-invalid output",
-    )
+    schema_repairs: int = Field(default=2, description="re-asks for schema-invalid output")
     budget_micros: int | None = Field(
         default=None,
-        ge=0,
-        le=MAX_BUDGET_MICROS,
         description="the most the task may spend over all its runs, in micro-dollars; None: no cap",
     )
+
+    @field_validator("latency_budget_s", "step_slo_s")
+    @classmethod
+    def _positive_seconds(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value is not None:
+            # Each None means something else: say which, so the fix is clear.
+            none = (
+                "None for no deadline"
+                if info.field_name == "latency_budget_s"
+                else ("None for no per-step objective")
+            )
+            _check_seconds(info.field_name, value, low_exclusive=True, none=none)
+        return value
+
+    @field_validator("expected_tool_s")
+    @classmethod
+    def _tool_seconds(cls, value: float, info: ValidationInfo) -> float:
+        _check_seconds(info.field_name, value, low_exclusive=False, none=None)
+        return value
+
+    @field_validator("retry_budget", "expected_steps", "schema_repairs")
+    @classmethod
+    def _count(cls, value: int, info: ValidationInfo) -> int:
+        name = info.field_name or ""
+        low, high, unit = _COUNT_RANGES[name]
+        if not low <= value <= high:
+            raise _budget_error(
+                f"{name} must be between {low:,} and {high:,} {unit}; got {value:,}"
+            )
+        return value
+
+    @field_validator("budget_micros")
+    @classmethod
+    def _micros(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= MAX_BUDGET_MICROS:
+            raise _budget_error(
+                "budget_micros must be between $0 and "
+                f"${MAX_BUDGET_MICROS // 1_000_000:,} ({MAX_BUDGET_MICROS:,} micro-dollars: "
+                f"$2.50 is 2,500,000), or None for no cap; got {value:,} micro-dollars "
+                f"({_usd_grouped(value)})"
+            )
+        return value
+
+
+_COUNT_RANGES: dict[str, tuple[int, int, str]] = {
+    "retry_budget": (0, MAX_RETRY_BUDGET, "re-placements"),
+    "expected_steps": (1, MAX_EXPECTED_STEPS, "model calls"),
+    "schema_repairs": (0, MAX_SCHEMA_REPAIRS, "re-asks"),
+}
+"""Each count field of `TaskSpec`: its lowest and highest value, and what it counts."""
+
+
+def _budget_error(message: str) -> PydanticCustomError:
+    # A custom error keeps pydantic's generic "Value error, " prefix off the message.
+    return PydanticCustomError("task_budget", message)
+
+
+def _check_seconds(
+    name: str | None, value: float, *, low_exclusive: bool, none: str | None
+) -> None:
+    """Refuse a `TaskSpec` duration outside (0 or [0) .. 30 days], naming unit and range."""
+    low = "more than 0 s" if low_exclusive else "at least 0 s"
+    ok = math.isfinite(value) and (value > 0 if low_exclusive else value >= 0)
+    if ok and value <= MAX_LATENCY_BUDGET_S:
+        return
+    got = _seconds_and_duration(value) if math.isfinite(value) else f"{value}"
+    alternative = f", or {none}" if none else ""
+    raise _budget_error(
+        f"{name} must be {low} and at most 30 days ({MAX_LATENCY_BUDGET_S:,} s), in seconds "
+        f"(2 minutes is 120){alternative}; got {got}"
+    )
+
+
+def _seconds_and_duration(seconds: float) -> str:
+    """`seconds`, and in days, hours or minutes where that reads better: "3,456,000 s (40 days)"."""
+    shown = f"{int(seconds):,} s" if seconds == int(seconds) else f"{seconds:,.6g} s"
+    for unit, size in (("days", 86_400), ("hours", 3_600), ("minutes", 60)):
+        if abs(seconds) >= 2 * size:
+            return f"{shown} ({seconds / size:,.4g} {unit})"
+    return shown
+
+
+def _usd_grouped(micros: int) -> str:
+    """Micro-dollars as dollars with thousands grouped and no float: "$12,345.5", "-$0.000001"."""
+    whole, fraction = divmod(abs(micros), 1_000_000)
+    cents = f".{fraction:06d}".rstrip("0").rstrip(".")
+    return f"{'-' if micros < 0 else ''}${whole:,}{cents}"
 
 
 @dataclass
