@@ -398,17 +398,11 @@ def test_near_capacity_the_batching_bound_is_below_every_policy_and_above_the_id
         run = run_policy(
             policy, spec=spec, fleet=fleet, task_rate=rate, seed=0, plan=plan, workload=drawn
         )
-        tasks = {state.task.index: state.task for state in run.runner.states}
-        records = [
-            r
-            for r in run.runner.sim.records
-            if counted(tasks[int(r.request.request_id.split("/")[0].removeprefix("task-"))])
-            and r.output_tokens > 1
-        ]
-        decode_s = sum(r.e2e_latency - r.ttft for r in records)
-        tokens = sum(r.output_tokens - 1 for r in records)
-        assert decode_s / tokens >= bound.tpot_s, policy
-        assert figures(run.outcome, 0.0).mean_model_s >= bound.mean_model_s, policy
+        measured = figures(run.outcome, 0.0).mean_model_s
+        assert measured >= bound.mean_model_s, policy
+        # And over the very tasks the policy finished.
+        least = bound.of(run.outcome.succeeded)
+        assert least is not None and measured >= least, policy
     # Beyond what the replicas' whole time can serve there is no bound to give.
     assert batching_bound(arrivals, fleet, spec, task_rate=rate * 10, counted=counted) is None
 
@@ -416,8 +410,8 @@ def test_near_capacity_the_batching_bound_is_below_every_policy_and_above_the_id
 @pytest.mark.timeout(120)
 def test_the_batching_bound_says_which_tiers_steps_fit_at_the_loads_pace() -> None:
     # Overload's tier-1 steps are due in 6 s, tier 3's in 20 s, tier 5's in 90 s. At a light
-    # load every step fits at the least mean time per token; at 1.5 tasks/s on 2 H100s the
-    # pace (about 12 ms a token) stretches tier 1's longest answers past 6 s, and only there.
+    # load every step fits at the least mean time per token; at 2 tasks/s on 2 H100s the
+    # pace (about 13 ms a token) stretches tier 1's longest answers past 6 s, and only there.
     spec = WORKLOADS["overload"]
     fleet = bench_fleet("overload", 2)
     drawn = Workload(
@@ -438,7 +432,7 @@ def test_the_batching_bound_says_which_tiers_steps_fit_at_the_loads_pace() -> No
         return bound.in_time_by_tier
 
     assert in_time(0.6) == {"1": 1.0, "3": 1.0, "5": 1.0}
-    heavy = in_time(1.5)
+    heavy = in_time(2.0)
     assert heavy["1"] < 0.95 and heavy["3"] == heavy["5"] == 1.0
 
 
@@ -695,6 +689,7 @@ def test_each_goal_of_a_workload_is_judged_on_kvflows_ratio_and_states_its_bound
         "goodput ≥ 1.3× the best anchor's",
         "tier-1 SLO attainment ≥ 99% at 150% of capacity",
         "wasted-spend share ≤ half the best anchor's",
+        "batching bound ≤ every policy's mean model time",
     ]
     assert all("bound" in g.detail for g in goals.values())
     ratio = result.summaries["sglang-tuned"].ratios["goodput_tasks_per_s"]

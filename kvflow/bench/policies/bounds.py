@@ -467,24 +467,87 @@ def success_ceiling(
 
 @dataclass(frozen=True)
 class BatchingBound:
-    """How fast tokens can come out at a load: the floor under batching (`batching_bound`)."""
+    """How fast a loaded fleet can answer: the floor under batching (`batching_bound`)."""
 
     tpot_s: float
-    """The least mean time per output token of any schedule serving the load."""
+    """The least mean time a call waits per step it takes part in (a step per output token),
+    over the counted tasks: the bound on model time over their steps taken."""
     idle_tpot_s: float
     """The mean time per output token of each call alone on a replica."""
     prefill_share: float
-    """Share of each replica's time its prefills take (every earlier block cached)."""
+    """Share of the replicas' time the prefills' compute takes (every earlier block cached)."""
     kv_read_share: float
-    """Share of the rest its decode steps spend reading the sequences' KV."""
+    """Share of the replicas' time the steps spend reading the sequences' KV."""
     mean_model_s: float
-    """Mean model time of the counted tasks with every output token at `tpot_s`."""
+    """The least mean model time of the counted tasks (the bound)."""
     p99_model_s: float = 0.0
-    """The 99th percentile of the same."""
+    """The 99th percentile of model time with every step at `tpot_s`: an estimate at the
+    mean pace, not a bound (a schedule may speed the slowest tasks at the others' cost)."""
     in_time_by_tier: dict[str, float] = field(default_factory=dict)
     """Per tier, the share of the counted tasks whose every step fits its allowance (where
     the workload declares one) and whose task fits its deadline at `tpot_s`: where it reaches
     a tier's goal, the load's pace does not rule the goal out; batches above the mean do."""
+    per_task: dict[int, tuple[float, float, float, float, float]] = field(default_factory=dict)
+    """Counted task index → its (weighted steps, Σ √(w·κ), Σ w·κ, Σ κ, compute seconds), to
+    bound the mean over a subset (`of`)."""
+    counted: int = 0
+    """Tasks counted."""
+    task_rate: float = 0.0
+    replicas: int = 0
+    weights_s: float = 0.0
+    """a: a step's weight read and overhead."""
+    kv_s: float = 0.0
+    """β: seconds to read one token's KV."""
+    overhead_s: float = 0.0
+
+    def of(self, indexes: Iterable[int]) -> float | None:
+        """The bound on mean model time over the counted tasks `indexes` (a policy's successes).
+
+        Only their work is counted as load, the least the fleet must have done for them; None
+        when none is counted or their work alone exceeds the replicas' time.
+        """
+        chosen = [self.per_task[i] for i in indexes if i in self.per_task]
+        if not chosen or not self.counted:
+            return None
+        totals = [sum(column) for column in zip(*chosen, strict=True)]
+        seconds = _least_model_seconds(
+            totals,
+            scale=self.task_rate / self.counted,
+            replicas=self.replicas,
+            weights_s=self.weights_s,
+            kv_s=self.kv_s,
+            overhead_s=self.overhead_s,
+        )
+        return None if seconds is None else seconds / len(chosen)
+
+
+def _least_model_seconds(
+    totals: Sequence[float],
+    *,
+    scale: float,
+    replicas: int,
+    weights_s: float,
+    kv_s: float,
+    overhead_s: float,
+) -> float | None:
+    """The least total model time of tasks whose summed participations are `totals`.
+
+    `totals` = (Σ w, Σ √(w·κ), Σ w·κ, Σ κ, compute seconds) over the tasks; `scale` turns
+    them into their work per second. None when that work exceeds the replicas' time.
+    Derivation: `batching_bound`.
+    """
+    weighted, roots, linear, context, compute = totals
+    # The most steps a second the replicas have time for: (6) and (7) of `batching_bound`.
+    steps = (replicas - kv_s * context * scale) / weights_s
+    if overhead_s > 0:
+        steps = min(steps, (replicas - compute * scale) / overhead_s)
+    if steps <= 0:
+        return None
+    # (5): per second, a·Σw + β·max(Σ w·κ, (Σ √(w·κ))² / steps); over `scale`, per task set.
+    per_second = weights_s * weighted * scale + kv_s * max(
+        linear * scale, (roots * scale) ** 2 / steps
+    )
+    return per_second / scale
 
 
 def batching_bound(
@@ -496,23 +559,52 @@ def batching_bound(
     counted: Callable[[Task], bool] = lambda task: True,
     model: str = MODEL,
 ) -> BatchingBound | None:
-    """The least mean time per output token with which the fleet serves `task_rate`.
+    """The least mean model time with which the fleet serves `task_rate`, any policy.
 
-    On the simulated engine a decode step of sequences with K tokens of context in all lasts
-    at least a + β·K: the weights read once (a, with the step's overhead) and every
-    sequence's KV (β a token), the memory-bound part of `PerfModel.step_seconds`. Each output
-    token waits for its whole step. Serving the load, a replica must produce N tokens a
-    second whose contexts sum to C, in the time its prefills leave (1 − p, prefills at full
-    speed with every earlier block cached). Its n steps a second then satisfy n·a + β·C ≤
-    1 − p, and for sequences of equal context the mean time per token is at least
-    a + β·C/n ≥ a / (1 − X), X = β·C / (1 − p): the fewer steps there is time for,
-    the more sequences each holds. No order, placement or admission changes N, C or p; the
-    equal-context step is the one assumption (a schedule could batch short contexts more).
+    The simulated engine (`kvflow.simulator.engine`) runs steps one after another on a
+    replica; a step holds decoding sequences and prefill chunks (chunked prefill) and lasts
 
-    The load is spread evenly over the replicas serving `model`, which must be of one GPU
-    (None otherwise, and when the load needs more than the replicas' whole time).
-    `mean_model_s` prices every output token at the bound and each prefill at full speed
-    with every block an earlier call computed cached, a fan-out step taking its slowest call.
+        d_s = (max(compute_s, memory_s) + o) · slowdown,
+        memory_s = W + β · K_s,   compute_s = φ · T_s + attention,
+
+    with W the weights' read time, β the time to read one token's KV, K_s the step's
+    context plus new tokens over its sequences, T_s its new tokens and o the overhead
+    (`PerfModel`). Write a = W + o. Every inequality below holds for every policy (order,
+    placement, admission, priorities, retries, preemption):
+
+    1. d_s ≥ a + β·K_s, since max(c, m) ≥ m and slowdown ≥ 1.
+    2. A call takes part in at least `output_tokens` steps: the step computing its prompt's
+       last token (and giving the first token) and one decode step per later token. In the
+       first, its computed plus new tokens are its prompt (κ = prompt); in the decode step for
+       token k + 1, prompt + k (κ = prompt + k). Earlier prefill chunks, preemptions and
+       retries only add steps. K_s ≥ Σ κ_j over the participations j in step s.
+    3. A call lasts at least the sum of the steps it takes part in (a replica runs one step
+       at a time); a task step (its calls at once) lasts at least the longest of them, so at
+       least their mean: weight w_j = 1/k for each participation of a step of k calls. The
+       task's model time (arrival to end less its tool pauses) is at least the sum of its
+       steps' times, queues only adding. So Σ model time ≥ Σ_s W_s · d_s, W_s = Σ_{j∈s} w_j.
+    4. By (1), Σ_s W_s·d_s ≥ a·Σ_j w_j + β·Σ_s W_s·K_s, and W_s·K_s ≥ (Σ_{j∈s} √(w_j·κ_j))²
+       (Cauchy–Schwarz within the step), so by Cauchy–Schwarz over the n steps
+       Σ_s W_s·K_s ≥ (Σ_j √(w_j·κ_j))² / n. Also W_s·K_s ≥ Σ_{j∈s} w_j·κ_j.
+    5. Hence Σ model time ≥ a·Σ w + β·max(Σ w·κ, (Σ √(w·κ))² / n): the fewer steps, the
+       more sequences each holds and the longer each lasts.
+    6. The replicas' time bounds n: per second, in steady state, R replicas give
+       R ≥ Σ_s d_s ≥ n·a + β·Σ_s K_s ≥ n·a + β·Σ_j κ_j, so n ≤ (R − β·Σκ) / a, with Σκ over
+       every participation (weight 1).
+    7. And R ≥ Σ_s d_s ≥ n·o + Σ_s compute_s ≥ n·o + φ·(new tokens), so
+       n ≤ (R − φ·new) / o, new tokens at least every block new to the fleet (as in the
+       zero-miss floor: the total of blocks ever computed does not depend on the order) plus
+       one per later output token.
+
+    Putting the least n's bound into (5) bounds the mean model time (`mean_model_s`). It
+    assumes steady state (the counted tasks' work per second is the load's) and one GPU kind
+    serving `model` (None otherwise, and when the load needs more than the replicas' time).
+    What it leaves out can only make a policy slower: prefill compute beyond the memory
+    time, queues, tool pauses beyond their own, recomputed misses.
+
+    `tpot_s` is that bound per weighted participation; `p99_model_s` and `in_time_by_tier`
+    price each call's steps at `tpot_s` (an estimate at the mean pace, not a bound).
+    A policy's mean is over its successful tasks: `BatchingBound.of` bounds that subset.
     """
     serving = [pool for pool in fleet.pools if model in pool.warm_models]
     if not serving or len({(p.gpu, p.gpus_per_replica) for p in serving}) != 1:
@@ -521,17 +613,22 @@ def batching_bound(
     engine = engine_config(spec)
     perf = perf_model(fleet, serving[0], engine)
     block_size = engine.block_size
-    weights_s = perf.weight_bytes / perf.bytes_per_second + perf.step_overhead_s
+    overhead_s = perf.step_overhead_s
+    weights_s = perf.weight_bytes / perf.bytes_per_second + overhead_s
     kv_s = perf.kv_bytes_per_token / perf.bytes_per_second
+    flop_s = 2.0 * perf.parameters / perf.flops_per_second
     seen: set[int] = set()
-    tokens = context = prefill = idle_decode = 0.0
-    per_task: list[list[list[tuple[float, int]]]] = []
+    prefill = idle_decode = decoded_tokens = 0.0
+    per_task: dict[int, tuple[float, float, float, float, float]] = {}
+    shapes: dict[int, list[list[int]]] = {}
     counted_tasks: list[Task] = []
     for task in tasks:
         counts = counted(task)
-        steps: list[list[tuple[float, int]]] = []
+        totals = [0.0, 0.0, 0.0, 0.0, 0.0]
+        steps: list[list[int]] = []
         for step in task.steps:
-            calls: list[tuple[float, int]] = []
+            weight = 1.0 / len(step.calls)
+            outputs: list[int] = []
             for call in step.calls:
                 chain = call.block_hashes
                 matched = _cached_blocks(chain, seen)
@@ -539,50 +636,67 @@ def batching_bound(
                 if not counts:
                     continue
                 hit = min(matched * block_size, call.prompt_tokens - 1)
-                # The prefill step gives the first token; each later one takes a decode step.
-                decoded = max(0, call.output_tokens - 1)
-                tokens += decoded
-                context += decoded * (call.prompt_tokens + call.output_tokens / 2 + 1)
-                prefill_s = perf.prefill_seconds(call.prompt_tokens - hit, hit)
-                prefill += prefill_s
-                idle_decode += decoded * perf.decode_step_seconds(1, call.prompt_tokens)
-                calls.append((prefill_s, decoded))
-            steps.append(calls)
+                prompt = call.prompt_tokens
+                # The engine stops a call at its output cap or the model's length.
+                cap = min(spec.max_tokens, spec.max_model_len - prompt)
+                out = max(1, min(call.output_tokens, cap))
+                outputs.append(out)
+                # κ = prompt + k for k = 0 (the prefill's last step) .. out − 1.
+                kappa_sum = out * prompt + out * (out - 1) / 2
+                roots = sum(math.sqrt(weight * (prompt + k)) for k in range(out))
+                totals[0] += weight * out
+                totals[1] += roots
+                totals[2] += weight * kappa_sum
+                totals[3] += kappa_sum
+                totals[4] += flop_s * (prompt - hit + out - 1)
+                prefill += perf.prefill_seconds(prompt - hit, hit)
+                idle_decode += (out - 1) * perf.decode_step_seconds(1, prompt)
+                decoded_tokens += out - 1
+            steps.append(outputs)
         if counts:
-            per_task.append(steps)
+            per_task[task.index] = (totals[0], totals[1], totals[2], totals[3], totals[4])
+            shapes[task.index] = steps
             counted_tasks.append(task)
-    if not per_task or not tokens:
+    if not per_task or not decoded_tokens:
         return None
-    # Per replica and second, in steady state: the counted tasks' work at `task_rate`.
-    scale = task_rate / len(per_task) / replicas
-    prefill_share = prefill * scale
-    left = 1.0 - prefill_share
-    kv_share = kv_s * context * scale / left if left > 0 else math.inf
-    if kv_share >= 1:
+    count = len(per_task)
+    scale = task_rate / count
+    sums = [sum(column) for column in zip(*per_task.values(), strict=True)]
+    least = _least_model_seconds(
+        sums, scale=scale, replicas=replicas, weights_s=weights_s, kv_s=kv_s,
+        overhead_s=overhead_s,
+    )  # fmt: skip
+    if least is None:
         return None
-    idle_tpot = idle_decode / tokens
-    tpot = max(weights_s / (1 - kv_share), idle_tpot)
-    step_s = [
-        [max((pre + out * tpot for pre, out in calls), default=0.0) for calls in steps]
-        for steps in per_task
-    ]
-    model_s = [sum(steps) for steps in step_s]
+    tpot = least / sums[0]
+    step_s = {
+        index: [max((out * tpot for out in outputs), default=0.0) for outputs in steps]
+        for index, steps in shapes.items()
+    }
     tiers: dict[int, list[bool]] = {}
-    for task, times, total in zip(counted_tasks, step_s, model_s, strict=True):
+    for task in counted_tasks:
+        times = step_s[task.index]
         allowance = task.step_allowance_s
         pauses = sum(step.pause_after_s for step in task.steps)
-        fits = task.arrival + total + pauses <= task.deadline_at and (
+        fits = task.arrival + sum(times) + pauses <= task.deadline_at and (
             allowance is None or all(seconds <= allowance for seconds in times)
         )
         tiers.setdefault(task.tier, []).append(fits)
     return BatchingBound(
         tpot_s=tpot,
-        idle_tpot_s=idle_tpot,
-        prefill_share=prefill_share,
-        kv_read_share=kv_share,
-        mean_model_s=sum(model_s) / len(model_s),
-        p99_model_s=percentile(model_s, 0.99),
+        idle_tpot_s=idle_decode / decoded_tokens,
+        prefill_share=prefill * scale / replicas,
+        kv_read_share=kv_s * sums[3] * scale / replicas,
+        mean_model_s=least / count,
+        p99_model_s=percentile([sum(times) for times in step_s.values()], 0.99),
         in_time_by_tier={str(t): sum(f) / len(f) for t, f in sorted(tiers.items())},
+        per_task=per_task,
+        counted=count,
+        task_rate=task_rate,
+        replicas=replicas,
+        weights_s=weights_s,
+        kv_s=kv_s,
+        overhead_s=overhead_s,
     )
 
 
