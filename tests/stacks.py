@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,11 @@ def cheap_pool_that_crashes(backups: int = 1, backup_slowdown: float = 1.0) -> l
         ),
     ]
 
+
+WORKFLOW_WORKER_STOP = timedelta(seconds=20)
+"""How long the stack's workflow worker may take to stop. Its activities end as soon as they
+are cancelled, so a stop that takes longer is stuck: the test fails naming what still ran
+(`WorkerStopTimeout`), within its own timeout, instead of being cut while it waits."""
 
 LATE_START_TRIES = 3
 """Tries `fails_for_its_deadline` gives a task whose workflow began after its budget."""
@@ -258,6 +264,7 @@ async def fleet_stack(
                 workflows=workflows,
                 activities=activities,
                 task_queue=task_queue,
+                stop_timeout=WORKFLOW_WORKER_STOP,
             )
             async with worker:
                 try:
