@@ -5,14 +5,19 @@ from __future__ import annotations
 import asyncio
 import uuid
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from temporalio import activity, workflow
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Worker
 
+from kvflow.scheduler.fleet import task_queue_for
+from kvflow.workers.config import FleetConfig
 from kvflow.workers.control_plane import ControlPlane
 from kvflow.workers.plugin import KvflowPlugin, role_worker
+from kvflow.workers.replica import GpuWorkerError
 from kvflow.workers.search_attributes import SearchAttributesMissing
 from kvflow.workers.stopping import WorkerStopTimeout
 from kvflow.workers.workflow_worker import workflow_worker
@@ -92,3 +97,23 @@ async def test_a_worker_whose_activity_ignores_its_cancellation_stops_within_its
     finally:
         _released.set()  # the abandoned activity ends, and nothing is left in the loop
         await temporal_client.get_workflow_handle(queue).terminate()
+
+
+@pytest.mark.timeout(30)
+async def test_a_worker_of_the_plugin_whose_vllm_is_down_fails_its_async_with_at_once_naming_it(
+    temporal_client: Client, tmp_path: Path
+) -> None:
+    # As a user builds it: a plain Worker with a GPU worker's KvflowPlugin, its vLLM not up.
+    fleet = FleetConfig(**fleet_for([PoolPlan("gpu")]).model_dump())
+    plugin = KvflowPlugin(
+        fleet,
+        replica="gpu/0",
+        endpoint="http://127.0.0.1:9",  # the discard port: nothing answers
+        ledger=f"sqlite:///{tmp_path}/ledger.db",
+        context_dir=tmp_path / "context",
+        spool_dir=tmp_path / "spool",
+    )
+    worker = Worker(temporal_client, task_queue=task_queue_for("gpu", 0), plugins=[plugin])
+    with pytest.raises(GpuWorkerError, match="vLLM for gpu/0 is not answering"):
+        async with worker:
+            await asyncio.sleep(20)

@@ -32,10 +32,11 @@ role on a client without it logs a warning, since payloads other kvflow processe
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 import warnings
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -46,7 +47,7 @@ import httpx
 from temporalio.client import Client, ClientConfig
 from temporalio.contrib.opentelemetry import TracingInterceptor
 from temporalio.plugin import SimplePlugin
-from temporalio.worker import WorkerConfig, WorkflowRunner
+from temporalio.worker import Worker, WorkerConfig, WorkflowRunner
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 
 from kvflow.activities.claim_check import claim_check_of, with_claim_check
@@ -344,6 +345,30 @@ class KvflowPlugin(SimplePlugin):
             "worker uses",
             self._claim_check_bytes,
         )
+
+    async def run_worker(self, worker: Worker, next: Callable[[Worker], Awaitable[None]]) -> None:
+        """Run `worker` inside this role's context; a context that fails marks it stopped.
+
+        The context's checks (search attributes, the replica's endpoint) run before the worker
+        polls. Should one fail, the SDK never marks the worker stopped (only its own run does),
+        and `Worker.shutdown()`, so the end of `async with worker`, would wait for ever.
+        """
+        ran = False
+
+        async def run(started: Worker) -> None:
+            nonlocal ran
+            ran = True
+            await next(started)
+
+        try:
+            await super().run_worker(worker, run)
+        except BaseException:
+            if not ran:
+                # As the SDK does itself when its own check of the namespace fails at start.
+                stopped = getattr(worker, "_shutdown_complete_event", None)
+                if isinstance(stopped, asyncio.Event):
+                    stopped.set()
+            raise
 
     @asynccontextmanager
     async def _running(self) -> AsyncIterator[None]:
