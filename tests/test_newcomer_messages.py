@@ -1,20 +1,33 @@
 """What a first-time user reads when they get something wrong or watch a task run.
 
-A budget out of range names the field, its unit and its range; the example fleet file explains
-each setting once.
+A budget out of range names the field, its unit and its range; the step counter's numerator and
+denominator count the same thing (model calls); the example fleet file explains each setting once. The task tests run on a real
+Temporal dev server with simulated replicas and real workers (`tests.stacks.fleet_stack`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
+import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
+from temporalio.exceptions import ApplicationError
 
 from kvflow import TaskSpec
+from kvflow.workflows import errors
+from tests import agent_workflows as wf
+from tests.stacks import PoolPlan, Stack, fleet_stack, refund_task
 
 ROOT = Path(__file__).parent.parent
+RESULT_TIMEOUT_S = 60
+"""How long a test waits for a task's result before it calls the task hung."""
 
 # ---- TaskSpec budgets: the refusal says what the field counts and what it takes ----------------
 
@@ -95,3 +108,60 @@ def test_the_example_fleet_file_explains_each_commented_setting_once():
     assert settings, "the example fleet file lost its commented settings"
     repeated = sorted({name for name in settings if settings.count(name) > 1})
     assert repeated == []
+
+
+# ---- tasks on a real stack -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+async def stack(
+    temporal_client: Client, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Stack]:
+    """One pool for the module; its fleet has tenants acme and globex."""
+    async with fleet_stack(
+        temporal_client, tmp_path_factory.mktemp("newcomer"), [PoolPlan("only")]
+    ) as s:
+        yield s
+
+
+async def _failure(handle: WorkflowHandle[Any, Any]) -> ApplicationError:
+    with pytest.raises(WorkflowFailureError) as failed:
+        await asyncio.wait_for(handle.result(), RESULT_TIMEOUT_S)
+    cause = failed.value.cause
+    assert isinstance(cause, ApplicationError), cause
+    return cause
+
+
+async def _summaries(handle: WorkflowHandle[Any, Any], activity_type: str) -> list[str]:
+    """The UI summaries of the activities of `activity_type` the task scheduled, in order."""
+    converter = handle._client.data_converter.payload_converter
+    history = await handle.fetch_history()
+    return [
+        str(converter.from_payload(e.user_metadata.summary, str))
+        for e in history.events
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+        and e.activity_task_scheduled_event_attributes.activity_type.name == activity_type
+    ]
+
+
+@pytest.mark.timeout(120)
+async def test_a_tool_before_the_only_model_call_does_not_push_the_counter_past_its_total(
+    stack: Stack,
+):
+    refund = wf.Refund(account=f"N-{uuid.uuid4().hex[:6]}", amount_cents=300)
+    # One model call declared, one made; the refund tool before it is no model call.
+    handle = await stack.start(wf.RefundThenReply.run, refund_task(refund, expected_steps=1))
+    await asyncio.wait_for(handle.result(), RESULT_TIMEOUT_S)
+
+    [reply] = await _summaries(handle, "kvflow.infer")
+    assert reply.startswith("step 1/1 'reply' · ")
+
+
+@pytest.mark.timeout(120)
+async def test_a_failed_tool_is_named_as_a_tool_not_as_a_numbered_model_call(stack: Stack):
+    trip = wf.Trip(traveller=f"traveller-{uuid.uuid4().hex[:8]}")
+    task = wf.TripInput(spec=TaskSpec(tenant="acme"), trip=trip, charge_attempts=1)
+    cause = await _failure(await stack.start(wf.BookTrip.run, task))
+
+    assert cause.type == errors.TaskErrorType.TOOL_FAILED
+    assert cause.message.startswith("tool 'charge card': "), cause.message

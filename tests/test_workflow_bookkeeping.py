@@ -84,7 +84,7 @@ async def test_unknown_tenant_fails_the_task_at_once_with_its_fix_and_runs_compe
         cause = failed.value.cause
         assert isinstance(cause, ApplicationError) and cause.non_retryable, cause
         assert cause.type == errors.TaskErrorType.INVALID_TASK
-        assert "step 2/2 'reply'" in cause.message
+        assert "step 1/2 'reply'" in cause.message
         assert "unknown tenant 'acmee'" in cause.message and "TaskSpec.tenant" in cause.message
         # Failed as a task (not a workflow task retried forever), undone, and on the ledger.
         history = await handle.fetch_history()

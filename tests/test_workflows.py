@@ -260,9 +260,9 @@ async def test_deadline_too_tight_fails_fast_and_runs_the_compensation(
 
         # A try whose budget was spent before the refund cannot show the reply's refusal.
         handle, cause = await fails_for_its_deadline(
-            start, started_late=lambda message: "step 1/2 'refund'" in message
+            start, started_late=lambda message: "tool 'refund'" in message
         )
-        assert "step 2/2 'reply'" in cause.message
+        assert "step 1/2 'reply'" in cause.message
         assert [refund] == wf.REFUNDS and [refund] == wf.REVERSED
         run_id = (await handle.describe()).run_id or ""
         row = await s.ledger.task(handle.id, run_id)

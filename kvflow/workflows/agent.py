@@ -1373,10 +1373,24 @@ class Agent:
         return "\n".join(lines)
 
     def _summary(self, record: StepSpend, placement: Placement) -> str:
-        total = max(self.spec.expected_steps, record.index)
-        return (
-            f"step {record.index}/{total} '{record.name}' · {placement.model} · {placement.reason}"
-        )[:400]
+        return f"{self._step_label(record)} · {placement.model} · {placement.reason}"[:400]
+
+    def _step_label(self, record: StepSpend) -> str:
+        """How UI summaries and task errors name a step: "step 2/3 'draft'", "tool 'refund'".
+
+        The counter counts model calls only, numerator and denominator alike: its total is
+        `TaskSpec.expected_steps`, the one count a task declares, and that count is of model
+        calls because the scheduler multiplies it by a call's model time to judge the
+        deadline. Counting tools in the numerator only would read "step 4/2". Tool calls and
+        compensations are named by kind instead. The number runs on over the task's runs
+        (continue-as-new), and the total grows when a task makes more calls than it declared.
+        """
+        if record.kind == "infer":
+            before = sum(1 for s in self.steps[: record.index - 1] if s.kind == "infer")
+            number = before + 1 + (self._carried.steps_done if self._carried else 0)
+            total = max(self.spec.expected_steps, number)
+            return f"step {number}/{total} '{record.name}'"
+        return f"{record.kind} '{record.name}'"
 
     def _remaining_s(self) -> float | None:
         if self._deadline is None:
@@ -1386,10 +1400,9 @@ class Agent:
     def _error(
         self, error_type: str, record: StepSpend, what: str, **details: Any
     ) -> ApplicationError:
-        total = max(self.spec.expected_steps, record.index)
         return errors.task_error(
             error_type,
-            f"step {record.index}/{total} '{record.name}': {what}",
+            f"{self._step_label(record)}: {what}",
             step=record.name,
             spend_micros=self.spend_micros,
             **details,
