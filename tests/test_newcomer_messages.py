@@ -1,13 +1,15 @@
 """What a first-time user reads when they get something wrong or watch a task run.
 
 A budget out of range names the field, its unit and its range; the step counter's numerator and
-denominator count the same thing (model calls); the example fleet file explains each setting once. The task tests run on a real
+denominator count the same thing (model calls); an expected failure logs one line, not a
+traceback; the example fleet file explains each setting once. The task tests run on a real
 Temporal dev server with simulated replicas and real workers (`tests.stacks.fleet_stack`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import uuid
 from collections.abc import AsyncIterator
@@ -165,3 +167,54 @@ async def test_a_failed_tool_is_named_as_a_tool_not_as_a_numbered_model_call(sta
 
     assert cause.type == errors.TaskErrorType.TOOL_FAILED
     assert cause.message.startswith("tool 'charge card': "), cause.message
+
+
+def _of_task(caplog: pytest.LogCaptureFixture, handle: WorkflowHandle[Any, Any]) -> list[Any]:
+    """The activity log records of `handle`'s task (other tests' tasks share the process)."""
+    return [
+        r
+        for r in caplog.records
+        if getattr(r, "temporal_activity", {}).get("workflow_id") == handle.id
+    ]
+
+
+def _completions(records: list[logging.LogRecord]) -> list[logging.LogRecord]:
+    return [r for r in records if r.getMessage().startswith("Completing activity as failed")]
+
+
+@pytest.mark.timeout(120)
+async def test_an_unknown_tenant_logs_one_warning_line_and_its_traceback_only_at_debug(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+):
+    caplog.set_level(logging.DEBUG, logger="temporalio.activity")
+    refund = wf.Refund(account=f"N-{uuid.uuid4().hex[:6]}", amount_cents=300)
+    handle = await stack.start(wf.RefundThenReply.run, refund_task(refund, tenant="acmee"))
+    cause = await _failure(handle)
+    assert cause.type == errors.TaskErrorType.INVALID_TASK
+    assert "unknown tenant 'acmee'" in cause.message
+
+    ours = _of_task(caplog, handle)
+    loud = [r for r in ours if r.levelno >= logging.INFO]
+    assert [r for r in loud if r.exc_info] == [], "an expected refusal printed a traceback"
+    [line] = [r for r in loud if "PlacementInputError" in r.getMessage()]
+    assert line.levelno == logging.WARNING
+    assert line.getMessage().startswith(
+        "kvflow.place failed: PlacementInputError: unknown tenant 'acmee'"
+    )
+    # Still there for whoever turns DEBUG on.
+    assert [r.levelno for r in _completions(ours)] == [logging.DEBUG]
+
+
+@pytest.mark.timeout(120)
+async def test_an_unexpected_tool_exception_still_logs_its_traceback(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+):
+    caplog.set_level(logging.DEBUG, logger="temporalio.activity")
+    trip = wf.Trip(traveller=f"traveller-{uuid.uuid4().hex[:8]}")
+    task = wf.TripInput(spec=TaskSpec(tenant="acme"), trip=trip, charge_attempts=1)
+    handle = await stack.start(wf.BookTrip.run, task)
+    await _failure(handle)
+
+    [record] = _completions(_of_task(caplog, handle))
+    assert record.levelno == logging.WARNING and record.exc_info is not None
+    assert isinstance(record.exc_info[1], RuntimeError)

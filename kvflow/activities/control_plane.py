@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from typing import Any, Protocol
 
 from temporalio import activity
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from kvflow.activities.context_store import ContextNotFound, ContextStore, DirectoryContextStore
 from kvflow.activities.errors import capped
@@ -81,8 +81,12 @@ def permanent_errors_fail_at_once() -> Iterator[None]:
         # KeyError's str() quotes its message; the message is its first argument.
         message = str(exc.args[0]) if exc.args else type(exc).__name__
         # Not chained: Temporal would record the cause, with its message uncapped, in history.
+        # BENIGN: an expected refusal, logged as one line, its traceback only at DEBUG.
         raise ApplicationError(
-            capped(message), type=type(exc).__name__, non_retryable=True
+            capped(message),
+            type=type(exc).__name__,
+            non_retryable=True,
+            category=ApplicationErrorCategory.BENIGN,
         ) from None
 
 

@@ -31,7 +31,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import httpx
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from kvflow.activities.wire import AttemptProgress
 from kvflow.scheduler.redact import scrub_secrets
@@ -78,6 +78,9 @@ class InferenceError(Exception):
             *details,
             type=self.error_type,
             non_retryable=not self.retryable,
+            # Classified, so expected: Temporal logs its traceback at DEBUG only, and kvflow's
+            # workers log it as one line (`kvflow.workers.failure_log`).
+            category=ApplicationErrorCategory.BENIGN,
         )
 
 

@@ -67,6 +67,7 @@ from kvflow.scheduler.fleet import task_queue_for
 from kvflow.workers.config import FleetConfig, load_fleet
 from kvflow.workers.control_plane import ControlPlane
 from kvflow.workers.dev_endpoints import EndpointsFileError, endpoints_file, read_endpoints_file
+from kvflow.workers.failure_log import ExpectedFailureLog
 from kvflow.workers.replica import check_endpoint, resolve_replica
 from kvflow.workers.search_attributes import ensure_search_attributes
 from kvflow.workers.stopping import BoundedWorker
@@ -213,6 +214,8 @@ class KvflowPlugin(SimplePlugin):
             data_converter=with_claim_check(store, claim_check_bytes),
             interceptors=[
                 *([TracingInterceptor()] if tracing else []),
+                # Expected failures log one line; their tracebacks only at DEBUG.
+                ExpectedFailureLog(),
                 # Workflow workers: activities a task starts end by its deadline, and a task
                 # that continues as new starts its next run as `running`.
                 *(
@@ -220,8 +223,7 @@ class KvflowPlugin(SimplePlugin):
                     if self.control_plane is not None
                     else []
                 ),
-            ]
-            or None,
+            ],
             activities=activities,
             workflow_runner=_sandbox_passes_kvflow if self.control_plane else None,
             run_context=self._running if activities else None,
