@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Worker
 
 from kvflow.scheduler.fleet import task_queue_for
+from kvflow.simulator import SimServer
 from kvflow.workers.config import FleetConfig
 from kvflow.workers.control_plane import ControlPlane
 from kvflow.workers.plugin import KvflowPlugin, role_worker
@@ -100,20 +102,27 @@ async def test_a_worker_whose_activity_ignores_its_cancellation_stops_within_its
 
 
 @pytest.mark.timeout(30)
-async def test_a_worker_of_the_plugin_whose_vllm_is_down_fails_its_async_with_at_once_naming_it(
-    temporal_client: Client, tmp_path: Path
+async def test_a_worker_of_the_plugin_whose_vllm_is_down_fails_at_once_and_a_retry_starts(
+    temporal_client: Client, tmp_path: Path, sim_server_factory: Callable[..., SimServer]
 ) -> None:
     # As a user builds it: a plain Worker with a GPU worker's KvflowPlugin, its vLLM not up.
     fleet = FleetConfig(**fleet_for([PoolPlan("gpu")]).model_dump())
-    plugin = KvflowPlugin(
-        fleet,
-        replica="gpu/0",
-        endpoint="http://127.0.0.1:9",  # the discard port: nothing answers
-        ledger=f"sqlite:///{tmp_path}/ledger.db",
-        context_dir=tmp_path / "context",
-        spool_dir=tmp_path / "spool",
-    )
-    worker = Worker(temporal_client, task_queue=task_queue_for("gpu", 0), plugins=[plugin])
+
+    def gpu_worker(endpoint: str) -> Worker:
+        plugin = KvflowPlugin(
+            fleet,
+            replica="gpu/0",
+            endpoint=endpoint,
+            ledger=f"sqlite:///{tmp_path}/ledger.db",
+            context_dir=tmp_path / "context",
+            spool_dir=tmp_path / "spool",
+        )
+        return Worker(temporal_client, task_queue=task_queue_for("gpu", 0), plugins=[plugin])
+
     with pytest.raises(GpuWorkerError, match="vLLM for gpu/0 is not answering"):
-        async with worker:
+        async with gpu_worker("http://127.0.0.1:9"):  # the discard port: nothing answers
             await asyncio.sleep(20)
+    # Once vLLM is up, the user's next worker for the same replica starts: the failed one
+    # does not hold the queue.
+    async with gpu_worker(sim_server_factory().base_url) as worker:
+        assert worker.task_queue == task_queue_for("gpu", 0)

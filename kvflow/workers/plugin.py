@@ -349,11 +349,12 @@ class KvflowPlugin(SimplePlugin):
         )
 
     async def run_worker(self, worker: Worker, next: Callable[[Worker], Awaitable[None]]) -> None:
-        """Run `worker` inside this role's context; a context that fails marks it stopped.
+        """Run `worker` inside this role's context; a context that fails stops it too.
 
         The context's checks (search attributes, the replica's endpoint) run before the worker
-        polls. Should one fail, the SDK never marks the worker stopped (only its own run does),
-        and `Worker.shutdown()`, so the end of `async with worker`, would wait for ever.
+        polls. Should one fail, the SDK never marks the worker stopped (only its own run does):
+        `Worker.shutdown()`, so the end of `async with worker`, would wait for ever, and the
+        worker would stay registered for its task queue, refusing the next one built for it.
         """
         ran = False
 
@@ -364,9 +365,14 @@ class KvflowPlugin(SimplePlugin):
 
         try:
             await super().run_worker(worker, run)
+        except Exception:
+            if not ran:
+                await _stop_unstarted(worker, next)
+            raise
         except BaseException:
             if not ran:
-                # As the SDK does itself when its own check of the namespace fails at start.
+                # Cancelled before it ran: only marked stopped, as the SDK does itself when
+                # its own check of the namespace fails at start.
                 stopped = getattr(worker, "_shutdown_complete_event", None)
                 if isinstance(stopped, asyncio.Event):
                     stopped.set()
@@ -404,6 +410,26 @@ class KvflowPlugin(SimplePlugin):
         finally:
             if self._owned_ledger is not None:
                 await self._owned_ledger.close()
+
+
+async def _stop_unstarted(worker: Worker, next: Callable[[Worker], Awaitable[None]]) -> None:
+    """Take a worker that never ran through the SDK's own stop, without it taking any work.
+
+    Its core worker is told to shut down first, so its pollers end at once instead of polling;
+    then its run starts with the stop already asked for, and ends it as every stop ends: the
+    worker marked stopped and no longer registered for its task queue.
+    """
+    bridge = getattr(worker, "_bridge_worker", None)
+    if bridge is not None:
+        bridge.initiate_shutdown()
+    stopping = asyncio.ensure_future(worker.shutdown())
+    await asyncio.sleep(0)  # `Worker.shutdown` marks the worker stopping, then waits
+    try:
+        await next(worker)
+    except Exception as exc:
+        log.debug("stopping a worker that never ran: %s", exc)  # the start's error is raised
+    finally:
+        stopping.cancel()
 
 
 GPU_HEARTBEAT_THROTTLE = timedelta(seconds=1)
