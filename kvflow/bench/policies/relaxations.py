@@ -8,10 +8,14 @@ constraint lifted at a time, on the seeds, tasks and load of `kvflow bench polic
 
 - **a larger KV cache** (`kv_cache_scale`): the same policy on engines with that multiple of
   their cache. Least-recently-used eviction then reaches higher hit rates, and the model time
-  at the floor's hit rate, interpolated between the scales, is the model time of a policy
-  that reached the floor on the fleet as it is (`model_s_at_floor`);
-- **eviction by true return** (`retention_oracle`): engines that evict the conversation coming
-  back last, read from the task's future (`oracle_retention`), which no policy knows;
+  at the floor's hit rate, interpolated between the scales, estimates the model time of a
+  policy that reached the floor on the fleet as it is (`model_s_at_floor`). An estimate, not
+  a bound: a policy can choose which conversations to miss by recompute cost, or move the
+  recompute off the critical path;
+- **eviction by true return** (`retention_oracle`): engines that evict the block whose next
+  use is furthest away, each conversation's return read from the task's future
+  (`ClairvoyantBlockPool`, Belady's order: no eviction order misses fewer blocks on the same
+  uses), which no policy knows;
 - **eviction by the tool's kind** (`kind_oracle`, where the workload has tools): the same, with
   each pause replaced by the typical pause of the tool the call's answer will ask for. A
   policy learns that tool only from the answer, after the call ended, so this too is more
@@ -66,6 +70,12 @@ from kvflow.scheduler.fleet import Fleet
 from kvflow.simulator.policies.base import DEFAULT_MECHANISMS, MECHANISMS
 from kvflow.simulator.workloads import WORKLOADS, Task, Workload, WorkloadSpec
 
+AT_FLOOR = "at the KV-capacity floor's hit rate"
+"""The `against_anchor` key of model time read at the floor's hit rate."""
+AT_FLOOR_ESTIMATE = (
+    "at the KV-capacity floor's hit rate (an estimate: read between larger LRU caches)"
+)
+"""Its label where printed: not a bound, a policy can choose which conversations to miss."""
 SCALES = (1.0, 1.15, 1.3, 1.5, 1.75)
 """KV-cache multiples run by default: from the fleet as it is to past the floor's hit rate."""
 
@@ -314,7 +324,7 @@ def against_anchor(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
         ),
         "model_s": None,
     }
-    out["at the KV-capacity floor's hit rate"] = {
+    out[AT_FLOOR] = {
         "cost": None,
         "model_s": _paired(
             {s["seed"]: s["model_s_at_floor"] for s in seeds if s["model_s_at_floor"]},
@@ -380,7 +390,7 @@ def _table(result: dict[str, Any]) -> Table:
     at_floor = [s["model_s_at_floor"] for s in seeds if s["model_s_at_floor"]]
     model = mean_ci(at_floor)
     table.add_row(
-        "at the KV-capacity floor's hit rate",
+        AT_FLOOR_ESTIMATE,
         _cell([s["floor_hit_rate"] for s in seeds], ".1%"),
         "",
         "" if model is None else f"{model.mean:.1f} ({len(at_floor)} seeds)",
@@ -405,7 +415,9 @@ def _anchor_table(result: dict[str, Any]) -> Table:
         "× cost", "× model time",
     )  # fmt: skip
     for variant, ratios in result["against_anchor"].items():
-        table.add_row(variant, _ratio_cell(ratios["cost"]), _ratio_cell(ratios["model_s"]))
+        # The JSON keeps its key; the table says what the figure is.
+        label = AT_FLOOR_ESTIMATE if variant == AT_FLOOR else variant
+        table.add_row(label, _ratio_cell(ratios["cost"]), _ratio_cell(ratios["model_s"]))
     return table
 
 

@@ -39,13 +39,21 @@ import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from heapq import heappop, heappush
+from typing import Any
 
 from kvflow.bench.policies.router_queue import DISPATCH_INTERVAL_S, RouterQueue
 from kvflow.scheduler.fleet import ExactPrices, Fleet
 from kvflow.scheduler.placement import engine_priority
 from kvflow.simulator.des import DiscreteEventFleet, FleetRequest, FleetView, RequestRecord
 from kvflow.simulator.engine import SimReplica, SimRequest, StepResult
-from kvflow.simulator.kvcache import TaskBlocks
+from kvflow.simulator.kvcache import (
+    MAX_RETENTION_PRIORITY,
+    MIN_RETENTION_PRIORITY,
+    BlockPool,
+    RetentionBlockPool,
+    TaskBlocks,
+)
 from kvflow.simulator.policies.base import (
     DEFAULT_MECHANISMS,
     ENGINE_PRIORITY,
@@ -195,21 +203,196 @@ class Outcome:
     fleet's KV-cache tokens: above 1, the fleet cannot keep every conversation cached."""
 
 
-ORACLE_RETENTION_S = 10.0
-"""What `oracle_retention` keeps a conversation beyond its pause (its next call's queueing)."""
+OVERDUE_S = 10.0
+"""How long past its conversation's return `ClairvoyantBlockPool` still keeps a block for it
+(the next call's queueing): unused by then, the call went elsewhere."""
 
 
 def oracle_retention(pause_s: float, *, last: bool) -> tuple[int, float | None]:
-    """The retention that evicts the conversation returning last: (priority, seconds).
+    """What a call tells `ClairvoyantBlockPool` of its conversation's return: (priority, seconds).
 
-    From the call's true pause, which no policy knows: the sooner back, the higher the
-    priority (100 − 8 · log2(1 + pause), within 36–100, above the engine's default 35) for the
-    pause plus `ORACLE_RETENTION_S`; a task's last call asks for 0, evicted first.
+    From the call's true pause, which no policy knows: the seconds from the call's end to its
+    conversation's next call (the pool's next use). A task's last call never comes back:
+    priority 0 with no seconds, evicted before any conversation that will.
     """
     if last:
-        return 0, None
-    priority = int(100 - 8 * math.log2(1 + pause_s))
-    return max(36, min(100, priority)), pause_s + ORACLE_RETENTION_S
+        return MIN_RETENTION_PRIORITY, None
+    return MAX_RETENTION_PRIORITY, pause_s
+
+
+class ClairvoyantBlockPool(RetentionBlockPool):
+    """A KV block pool that evicts the free block whose next use is furthest away (Belady).
+
+    Each release says when its blocks are next needed (`release`): `now + retention_s`, the
+    conversation's known return; never, for a release with a priority and no seconds (a
+    task's last call, `oracle_retention`); at once, for one with neither (the engine's
+    preemptions and aborts, whose requests come straight back). Free blocks without a hash
+    still go first, as in `BlockPool`; then a heap keyed by next use gives the block needed
+    last. A block several conversations share (a system prompt, a fan-out's prefix) keeps
+    the soonest next use still ahead. Belady's order: no eviction order misses fewer blocks
+    on the same sequence of uses. A relaxation, never a policy: no engine knows the future.
+
+    A conversation's return says when it is back at the router, not where its next call
+    goes: a block still unused `OVERDUE_S` after its return is taken as never needed (the
+    call went to another replica, or its task failed), else it would be kept for ever.
+    """
+
+    __slots__ = ("_due", "_heap", "_next_use")
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        events: list[Any] | None = None,
+    ) -> None:
+        super().__init__(num_blocks, block_size, enable_caching, events)
+        self._heap: list[tuple[float, int, int]] = []
+        """(−next use, release number, block) per free block with a hash; stale entries
+        (the block taken or freed again since: another release number) are skipped."""
+        self._next_use: list[float] = [math.inf] * num_blocks
+        self._due: list[tuple[float, int, int]] = []
+        """(next use, release number, block) of the same entries, soonest first: to find the
+        overdue ones."""
+
+    def next_expiry(self, now: float) -> float | None:
+        """Nothing lapses in this order."""
+        return None
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        """Take a reference on cached `blocks`, taking free ones out of the free structure."""
+        ref_cnt = self._ref_cnt
+        for block in blocks:
+            if ref_cnt[block] == 0:
+                if block in self._free:
+                    del self._free[block]
+                self._seq[block] = 0  # its heap entry, if any, goes stale
+                self._next_use[block] = math.inf  # the use it was kept for is this one
+                self._num_free -= 1
+            ref_cnt[block] += 1
+
+    def allocate(self, count: int, now: float = 0.0) -> list[int] | None:
+        """Take `count` free blocks, those without a hash first, then the ones needed last."""
+        if count > self._num_free:
+            return None
+        self._expire_overdue(now)
+        taken: list[int] = []
+        free = self._free
+        while free and len(taken) < count:
+            taken.append(free.popitem(False)[0])
+        heap, seq, ref_cnt = self._heap, self._seq, self._ref_cnt
+        while len(taken) < count:
+            _, number, block = heappop(heap)
+            if ref_cnt[block] == 0 and seq[block] == number:
+                seq[block] = 0
+                taken.append(block)
+        for block in taken:
+            self._next_use[block] = math.inf
+        self._claim(taken)
+        self._num_free -= count
+        return taken
+
+    def release(
+        self,
+        blocks: Sequence[int],
+        now: float = 0.0,
+        priority: int | None = None,
+        retention_s: float | None = None,
+    ) -> None:
+        """Drop one reference on each of `blocks`; when next a freed one is needed: above."""
+        if retention_s is not None:
+            needed = now + retention_s
+        else:
+            needed = now if priority is None else math.inf
+        ref_cnt, block_hash, seq = self._ref_cnt, self._block_hash, self._seq
+        next_use, heap = self._next_use, self._heap
+        freed = 0
+        reuse_first: list[int] = []
+        for block in reversed(blocks):
+            ref_cnt[block] -= 1
+            # A sharer's return still ahead counts too: the soonest one decides.
+            known = next_use[block]
+            if known <= now or needed < known:
+                next_use[block] = known = needed
+            if ref_cnt[block]:
+                continue
+            freed += 1
+            if block_hash[block] is None:
+                reuse_first.append(block)
+                seq[block] = 0
+                continue
+            self._clock += 1
+            seq[block] = self._clock
+            heappush(heap, (-known, self._clock, block))
+            if known != math.inf:
+                heappush(self._due, (known, self._clock, block))
+        self.releases += freed
+        self._num_free += freed
+        free = self._free
+        for block in reversed(reuse_first):
+            free[block] = None
+            free.move_to_end(block, last=False)
+
+    def _expire_overdue(self, now: float) -> None:
+        """Blocks unused `OVERDUE_S` past their next use are never needed (class docstring)."""
+        due, seq, ref_cnt = self._due, self._seq, self._ref_cnt
+        while due and due[0][0] + OVERDUE_S < now:
+            _, number, block = heappop(due)
+            if ref_cnt[block] == 0 and seq[block] == number:
+                self._next_use[block] = math.inf
+                self._clock += 1
+                seq[block] = self._clock
+                heappush(self._heap, (-math.inf, self._clock, block))
+
+    def evict_first(self, block_hashes: Sequence[int]) -> int:
+        """The free blocks holding `block_hashes` are never needed again (a task ended)."""
+        moved = 0
+        for block in self.blocks_of(block_hashes):
+            if self._ref_cnt[block] == 0 and block not in self._free:
+                self._next_use[block] = math.inf
+                self._clock += 1
+                self._seq[block] = self._clock
+                heappush(self._heap, (-math.inf, self._clock, block))
+                moved += 1
+        return moved
+
+    def reset(self) -> bool:
+        """Forget every cached hash; only possible when no request holds a block."""
+        if self._num_free != self.num_blocks - 1:
+            return False
+        free = self._free
+        for _, number, block in self._heap:
+            if self._seq[block] == number and self._ref_cnt[block] == 0:
+                free[block] = None
+        self._heap.clear()
+        self._due.clear()
+        self._seq = [0] * self.num_blocks
+        self._next_use = [math.inf] * self.num_blocks
+        return BlockPool.reset(self)
+
+
+def install_clairvoyant_pools(replicas: Sequence[SimReplica]) -> None:
+    """Give every engine of `replicas` a `ClairvoyantBlockPool`, before its first request.
+
+    The engines must evict by retention (`EngineConfig.kv_retention`): the pool reads each
+    call's return from the retention it releases its blocks with.
+    """
+    for replica in replicas:
+        for engine in replica.engines.values():
+            if engine._retention_pool is None or engine.requests:
+                raise ValueError(
+                    "clairvoyant eviction needs fresh engines that evict by retention "
+                    "(EngineConfig.kv_retention)"
+                )
+            pool = ClairvoyantBlockPool(
+                engine.num_gpu_blocks,
+                engine.block_size,
+                engine.config.enable_prefix_caching,
+                engine._events,
+            )
+            # The engine reads its pool through these two names only.
+            engine._retention_pool = pool
+            engine.pool = pool
 
 
 class TaskRunner:
@@ -233,13 +416,16 @@ class TaskRunner:
     ) -> None:
         self.policy = policy
         self.retention_oracle = retention_oracle
-        """Replace every call's KV retention by one read from its task's future
+        """Engines that evict the block needed last (`ClairvoyantBlockPool`), each call
+        telling them when its conversation comes back, read from its task's future
         (`oracle_retention`): a relaxation that bounds what eviction order can buy, never a
         policy (needs engines that evict by retention, the kv-retention mechanism)."""
         self.kind_pauses = kind_pauses
         """With `retention_oracle`: read only the kind of the tool the call's answer will
-        ask for, and retain as if its pause were that kind's typical one (the tool kind →
+        ask for, and take its return as that kind's typical pause away (the tool kind →
         seconds given here), never the pause itself. What knowing the tool is worth."""
+        if retention_oracle:
+            install_clairvoyant_pools(replicas)
         self.mechanisms = mechanisms
         self.window = window
         self.model = model
