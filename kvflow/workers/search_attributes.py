@@ -26,8 +26,10 @@ async def ensure_search_attributes(client: Client) -> list[str]:
     """Register the missing kvflow search attributes; return the names that were added."""
     namespace = client.namespace
     try:
+        # A read, so safe to retry: the SDK retries only transient codes (a server busy under
+        # load), and a worker must not refuse to start over one dropped call.
         listed = await client.operator_service.list_search_attributes(
-            ListSearchAttributesRequest(namespace=namespace)
+            ListSearchAttributesRequest(namespace=namespace), retry=True
         )
     except RPCError as exc:
         raise SearchAttributesMissing(
