@@ -34,6 +34,13 @@ added in between wait for the next step, as in vLLM. Two drivers use it: the HTT
 all, KV cache split evenly) and its time (steps of different models take turns). A model that
 is not warm loads on its first request (`PerfModel.load_seconds`) before it computes anything.
 
+`EngineConfig.host_tier` adds a host-memory tier as vLLM's native CPU offloading has it
+(`kvflow.simulator.kvcache.HostTier`): full blocks are written through to host memory as they
+are computed; a waiting request whose prefix continues in host memory past its GPU hit has
+those blocks copied back before it is scheduled (vLLM's asynchronous load: GPU blocks
+allocated for them first, the request waiting meanwhile without holding the queue), and the
+tokens count as cached. With `host_tier` 0 (the default) nothing of it runs.
+
 `EngineConfig.kv_retention` swaps vLLM's eviction order for TensorRT-LLM's retention
 priorities (`kvflow.simulator.kvcache.RetentionBlockPool`): a finished request's blocks are
 kept by its `SimRequest.retention_priority`, for `retention_s` seconds.
@@ -57,6 +64,7 @@ from kvflow.simulator.kvcache import (
     MAX_RETENTION_PRIORITY,
     MIN_RETENTION_PRIORITY,
     BlockPool,
+    HostTier,
     RetentionBlockPool,
 )
 from kvflow.simulator.perf import GB, PerfModel, gpu_profile
@@ -143,6 +151,32 @@ class EngineConfig(BaseModel):
         ),
     )
     enable_kv_events: bool = Field(default=False, description="collect KV-cache events")
+    host_tier: float = Field(
+        default=0.0,
+        ge=0,
+        description=(
+            "host memory for KV blocks, as a multiple of the GPU KV cache (vLLM's native "
+            "offloading, `--kv-offloading-backend native --kv-offloading-size`): full blocks "
+            "are written through to it, evicted least recently used first, and a prefix found "
+            "there is copied back over the GPU's host link before the request runs. 0: none"
+        ),
+    )
+    host_link_gbps: float | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "GB/s of each GPU's link to host memory, shared by copies both ways; default the "
+            "GPU's (`kvflow.simulator.perf.HOST_LINK_GBPS`)"
+        ),
+    )
+    host_store_threshold: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "vLLM's offloading `store_threshold`: a block is written to host memory only after "
+            "that many lookups asked for it past the GPU cache; under 2, every full block is"
+        ),
+    )
     tensor_parallel: int = Field(default=1, ge=1, le=64, description="GPUs per replica")
     mfu: float = Field(default=0.4, gt=0, le=1, description="prefill share of peak FLOP/s")
     bandwidth_efficiency: float = Field(default=0.75, gt=0, le=1)
@@ -169,6 +203,8 @@ class RequestStatus(Enum):
 
     WAITING = "waiting"
     RUNNING = "running"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
+    """Its prefix is being copied back from host memory (vLLM's status of the same name)."""
     PREEMPTED = "preempted"
     FINISHED = "finished"
     ABORTED = "aborted"
@@ -198,10 +234,14 @@ class SimRequest:
         "first_token_time",
         "ignore_eos",
         "last_token_time",
+        "load_end",
+        "load_hashes",
         "max_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_external_tokens",
         "num_hashed_blocks",
+        "num_offered_blocks",
         "num_output_tokens",
         "num_preemptions",
         "num_prompt_tokens",
@@ -280,6 +320,14 @@ class SimRequest:
         self.num_computed_tokens = 0
         self.num_output_tokens = 0
         self.num_hashed_blocks = 0
+        self.num_offered_blocks = 0
+        """Blocks already offered to the host tier (vLLM's next block to offload)."""
+        self.num_external_tokens = 0
+        """Tokens of its prefix copied back from host memory at its latest admission."""
+        self.load_hashes: list[int] = []
+        """While it waits for a copy from host memory: the blocks copied."""
+        self.load_end = 0.0
+        """When that copy ends."""
         self.num_cached_tokens = -1
         self.num_preemptions = 0
         self.block_ids: list[int] = []
@@ -348,6 +396,10 @@ class EngineStats:
     generation_tokens: int = 0
     num_preemptions: int = 0
     requests_finished: int = 0
+    host_hit_tokens: int = 0
+    """Prompt tokens copied back from host memory rather than computed."""
+    host_loads: int = 0
+    """Copies from host memory (one per admission that found its prefix there)."""
     steps: int = 0
     busy_seconds: float = 0.0
     load_seconds: float = 0.0
@@ -458,6 +510,28 @@ class EngineCore:
             self.pool = BlockPool(
                 num_blocks, self.block_size, config.enable_prefix_caching, self._events
             )
+        self.host: HostTier | None = None
+        """The host-memory tier (`EngineConfig.host_tier`); None without one."""
+        if config.host_tier > 0 and config.enable_prefix_caching:
+            self.host = HostTier(
+                max(1, int(config.host_tier * (num_blocks - 1))),
+                self.block_size,
+                self.block_size * perf.kv_bytes_per_token,
+                PerfModel(
+                    gpu=perf.gpu,
+                    model=model,
+                    tensor_parallel=config.tensor_parallel,
+                    host_link_gbps=config.host_link_gbps,
+                ).host_bytes_per_second,
+                store_threshold=config.host_store_threshold,
+                events=self._events,
+            )
+        self._loading: list[SimRequest] = []
+        """Requests waiting for their prefix from host memory, by when the copy ends."""
+        self._being_loaded: set[int] = set()
+        """Hashes of blocks being copied from host memory (not copied twice at once)."""
+        self._store_offers: list[list[int]] = []
+        """Blocks this step writes to host memory once it has computed them."""
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.requests: dict[str, SimRequest] = {}
@@ -551,6 +625,11 @@ class EngineCore:
             # An abort frees at the default priority, whatever the request asked for.
             self.pool.release(request.block_ids, now or 0.0)
             request.block_ids = []
+        elif request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self._loading.remove(request)
+            self._end_load(request)
+            self.pool.release(request.block_ids, now or 0.0)
+            request.block_ids = []
         elif request in self.waiting:
             self.waiting.remove(request)
             if request.block_ids:
@@ -568,12 +647,12 @@ class EngineCore:
 
     @property
     def num_waiting(self) -> int:
-        """Requests queued (new or preempted)."""
-        return len(self.waiting)
+        """Requests queued (new or preempted, or their prefix on its way from host memory)."""
+        return len(self.waiting) + len(self._loading)
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running."""
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._loading)
 
     def kv_cache_usage(self) -> float:
         """Fraction of KV blocks in use (`vllm:kv_cache_usage_perc`)."""
@@ -602,6 +681,8 @@ class EngineCore:
         """When a loading model becomes ready, if that is what the engine waits for."""
         if not self.loaded and self.ready_at is not None and self.has_unfinished_requests():
             return self.ready_at
+        if self._loading:
+            return self._loading[0].load_end
         return None
 
     def begin_step(self, now: float, horizon: float | None = None) -> float | None:
@@ -621,6 +702,14 @@ class EngineCore:
         """
         if self._inflight is not None:
             raise RuntimeError("end_step() must be called before the next begin_step()")
+        host = self.host
+        if host is not None:
+            host.complete_stores(now)
+            if self._loading:
+                self._finish_loads(now)
+                if horizon is not None and self._loading:
+                    # A copy that ends during a run of decode steps joins at the next step.
+                    horizon = min(horizon, self._loading[0].load_end)
         if not self.waiting and not self.running:
             return None
         if not self.loaded:
@@ -653,11 +742,16 @@ class EngineCore:
         if preempted:
             self.stats.num_preemptions += preempted
         if not scheduled:
+            if self._store_offers:
+                self._issue_stores(now)
             return None
         new_tokens, context, pairs, prefill = self._totals
         compute = self._flop_time * new_tokens + self._attention_time * pairs
         memory = self._weight_time + self._kv_time * (context + new_tokens)
         duration = (max(compute, memory) + self._overhead) * self._slowdown
+        if self._store_offers:
+            # The copies start once the step has computed the blocks.
+            self._issue_stores(now + duration)
         self._inflight = scheduled
         self._inflight_preempted = preempted
         self._step_start = now
@@ -871,6 +965,10 @@ class EngineCore:
             if computed // block_size > request.num_hashed_blocks:
                 # As the run's steps would have, each when it was scheduled.
                 self._cache_full_blocks(request, computed)
+            if self.host is not None and computed // block_size > request.num_offered_blocks:
+                self._offer(request, computed)
+        if self._store_offers:
+            self._issue_stores(now)
         stats = self.stats
         stats.steps += steps
         stats.busy_seconds += self._step_duration
@@ -935,6 +1033,7 @@ class EngineCore:
             self._at_risk_band_top(now) if config.deadline_pause or config.deadline_hold else None
         )
         paused_above = at_risk if config.deadline_pause else None
+        host = self.host
         index = 0
         while index < len(running) and budget > 0:
             request = running[index]
@@ -977,6 +1076,8 @@ class EngineCore:
                 request.block_ids.extend(blocks)
             if (computed + num_new) // block_size > request.num_hashed_blocks:
                 self._cache_full_blocks(request, computed + num_new)
+            if host is not None and (computed + num_new) // block_size > request.num_offered_blocks:
+                self._offer(request, computed + num_new)
             append((request, num_new))
             budget -= num_new
             new_tokens += num_new
@@ -992,6 +1093,7 @@ class EngineCore:
             max_seqs = self.config.max_num_seqs
             reserve_full = self.config.scheduler_reserve_full_isl
             stats = self.stats
+            skipped: list[SimRequest] = []
             while waiting and budget > 0 and len(running) < max_seqs:
                 request = waiting[0]
                 if at_risk is not None and request.priority > at_risk:
@@ -1011,16 +1113,36 @@ class EngineCore:
                 num_tokens = request.num_prompt_tokens + request.num_output_tokens
                 hits: list[int] = []
                 hashes = request.block_hashes
-                # Leave at least the last token to compute, as vLLM does.
-                max_blocks = min((num_tokens - 1) // block_size, len(hashes or ()))
-                if hashes:
-                    hits = pool.longest_cached_prefix(hashes, max_blocks)
-                num_cached = len(hits) * block_size
+                held = request.block_ids
+                if held:
+                    # Back from host memory: its blocks are held and its prefix computed.
+                    num_cached = request.num_computed_tokens
+                    max_blocks = 0
+                else:
+                    # Leave at least the last token to compute, as vLLM does.
+                    max_blocks = min((num_tokens - 1) // block_size, len(hashes or ()))
+                    if hashes:
+                        hits = pool.longest_cached_prefix(hashes, max_blocks)
+                    num_cached = len(hits) * block_size
+                    if host is not None and hashes:
+                        found = self._host_lookup(request, hashes, len(hits), max_blocks)
+                        if found < 0:
+                            # vLLM's connector asks to try again: skip it, keep its place.
+                            skipped.append(waiting.popleft())
+                            continue
+                        if found:
+                            if self._start_load(request, hits, found, num_tokens, now):
+                                waiting.popleft()
+                                continue
+                            if reserve_full and self._skip_blocked:
+                                self._blocked = (request, pool.releases, None)
+                            break
                 num_new = num_tokens - num_cached
                 if num_new > budget:
                     num_new = budget
-                needed = -(-(num_cached + num_new) // block_size) - len(hits)
-                want = -(-num_tokens // block_size) - len(hits) if reserve_full else needed
+                owned = len(held) or len(hits)
+                needed = -(-(num_cached + num_new) // block_size) - owned
+                want = -(-num_tokens // block_size) - owned if reserve_full else needed
                 # Free blocks among the hits stop being free once the request takes them.
                 # Counting them walks every hit; it can change the answer only when the
                 # request would not fit with all of them counted out.
@@ -1037,15 +1159,24 @@ class EngineCore:
                 blocks = pool.allocate(needed, now)
                 assert blocks is not None
                 waiting.popleft()
-                request.block_ids = hits + blocks
-                request.num_computed_tokens = num_cached
-                request.num_hashed_blocks = len(hits)
+                if held:
+                    held.extend(blocks)
+                else:
+                    request.block_ids = hits + blocks
+                    request.num_computed_tokens = num_cached
+                    request.num_hashed_blocks = len(hits)
+                    request.num_external_tokens = 0
+                    stats.prefix_cache_queries += num_tokens
+                    stats.prefix_cache_hits += num_cached
                 request.status = RequestStatus.RUNNING
                 running.append(request)
                 if (num_cached + num_new) // block_size > request.num_hashed_blocks:
                     self._cache_full_blocks(request, num_cached + num_new)
-                stats.prefix_cache_queries += num_tokens
-                stats.prefix_cache_hits += num_cached
+                if (
+                    host is not None
+                    and (num_cached + num_new) // block_size > request.num_offered_blocks
+                ):
+                    self._offer(request, num_cached + num_new)
                 if request.first_scheduled_time is None:
                     request.first_scheduled_time = now
                     request.num_cached_tokens = num_cached
@@ -1057,6 +1188,9 @@ class EngineCore:
                 context += num_cached
                 pairs += num_new * (num_cached + num_new * 0.5)
                 prefill += num_new
+            if skipped:
+                for request in reversed(skipped):
+                    self._enqueue(request, front=True)
         self._totals = (new_tokens, context, pairs, prefill)
         return scheduled, preempted
 
@@ -1081,6 +1215,158 @@ class EngineCore:
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self._enqueue(request, front=True)
+
+    # -- the host tier ------------------------------------------------------------------
+
+    def _host_lookup(
+        self, request: SimRequest, hashes: list[int], gpu_hits: int, max_blocks: int
+    ) -> int:
+        """Blocks of the prompt after its `gpu_hits` that can come back from host memory.
+
+        As vLLM's offloading connector answers `get_num_new_matched_tokens`: -1 (try again
+        at a later step) while as many copies are in flight as requests may run, or while
+        another request copies one of those blocks; else every full block of the request is
+        touched and the ready ones after the GPU hit counted (at most to `max_blocks`).
+        """
+        host = self.host
+        assert host is not None
+        if len(self._loading) >= self.config.max_num_seqs:
+            return -1
+        num_full = min(
+            len(hashes), (request.num_prompt_tokens + request.num_output_tokens) // self.block_size
+        )
+        host.touch(hashes[:num_full])
+        if max_blocks <= gpu_hits:
+            return 0
+        found = min(host.lookup(hashes[gpu_hits:num_full]), max_blocks - gpu_hits)
+        being_loaded = self._being_loaded
+        if (
+            found
+            and being_loaded
+            and not being_loaded.isdisjoint(hashes[gpu_hits : gpu_hits + found])
+        ):
+            return -1
+        return found
+
+    def _start_load(
+        self, request: SimRequest, hits: list[int], found: int, num_tokens: int, now: float
+    ) -> bool:
+        """Copy `found` blocks after the GPU `hits` back from host memory; False if no room.
+
+        The request needs free GPU blocks for them (for its whole prompt under
+        `scheduler_reserve_full_isl`), takes its hits and the new blocks at once, and waits
+        until the copy ends (`_finish_loads`); it takes no token budget meanwhile.
+        """
+        host = self.host
+        assert host is not None and request.block_hashes is not None
+        pool = self.pool
+        block_size = self.block_size
+        start = len(hits)
+        want = (
+            -(-num_tokens // block_size) - start
+            if self.config.scheduler_reserve_full_isl
+            else found
+        )
+        available = pool.num_free_blocks
+        if hits and want > available - start:
+            available -= pool.count_free(hits)
+        if want > available:
+            return False
+        self._blocked = None
+        pool.touch(hits)
+        blocks = pool.allocate(found, now)
+        assert blocks is not None
+        load = request.block_hashes[start : start + found]
+        request.block_ids = hits + blocks
+        request.num_computed_tokens = start * block_size
+        request.num_hashed_blocks = start
+        request.num_external_tokens = found * block_size
+        request.num_offered_blocks = start + found
+        request.load_hashes = load
+        # One link, copies in the order issued: ends only grow, so the list stays sorted.
+        request.load_end = host.begin_load(load, now)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self._being_loaded.update(load)
+        self._loading.append(request)
+        stats = self.stats
+        stats.prefix_cache_queries += num_tokens
+        stats.prefix_cache_hits += start * block_size
+        stats.host_hit_tokens += found * block_size
+        stats.host_loads += 1
+        return True
+
+    def _finish_loads(self, now: float) -> None:
+        """Copies from host memory ended by `now`: cache the blocks, queue the requests again.
+
+        As vLLM does when a load ends: the copied blocks enter the GPU prefix cache and the
+        request, its prefix computed, goes back to the front of the waiting queue.
+        """
+        loading = self._loading
+        done = 0
+        while done < len(loading) and loading[done].load_end <= now:
+            done += 1
+        if not done:
+            return
+        finished = loading[:done]
+        del loading[:done]
+        block_size = self.block_size
+        for request in finished:
+            self._end_load(request)
+            hashes = request.block_hashes
+            assert hashes is not None
+            start = request.num_hashed_blocks
+            end = start + len(request.load_hashes)
+            tokens = request.token_ids
+            self.pool.cache_blocks(
+                request.block_ids[start:end],
+                hashes[start:end],
+                hashes[start - 1] if start > 0 else None,
+                tokens[start * block_size : end * block_size] if tokens is not None else [],
+                request.cache_salt if start == 0 else None,
+            )
+            request.num_hashed_blocks = end
+            request.num_computed_tokens = end * block_size
+            request.load_hashes = []
+            request.status = RequestStatus.WAITING
+        for request in reversed(finished):
+            self._enqueue(request, front=True)
+
+    def _end_load(self, request: SimRequest) -> None:
+        """Unpin the host blocks `request` copied."""
+        assert self.host is not None
+        self.host.end_load(request.load_hashes)
+        self._being_loaded.difference_update(request.load_hashes)
+
+    def _offer(self, request: SimRequest, num_tokens: int) -> None:
+        """Offer the request's full blocks not offered yet to host memory (write-through).
+
+        As vLLM's connector: blocks already there are skipped; when the tier cannot make
+        room, nothing is stored and the same blocks are offered at a later step; after a
+        store the request's blocks become the most recently used.
+        """
+        host = self.host
+        assert host is not None
+        hashes = request.block_hashes
+        assert hashes is not None
+        last = min(num_tokens // self.block_size, len(hashes))
+        first = request.num_offered_blocks
+        if last <= first:
+            return
+        fresh = host.prepare_store(hashes[first:last])
+        if fresh is None:
+            return
+        request.num_offered_blocks = last
+        if fresh:
+            host.touch(hashes[:last])
+            self._store_offers.append(fresh)
+
+    def _issue_stores(self, when: float) -> None:
+        """Start the copies of this step's offered blocks at `when` (the step's end)."""
+        host = self.host
+        assert host is not None
+        for fresh in self._store_offers:
+            host.store(fresh, when)
+        self._store_offers.clear()
 
     def _cache_full_blocks(self, request: SimRequest, num_tokens: int) -> None:
         """Register the blocks full within the request's first `num_tokens` tokens."""

@@ -33,6 +33,8 @@ import zmq
 logger = logging.getLogger(__name__)
 
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+"""The medium of blocks in host memory (vLLM's offloading connector, `CPULoadStoreSpec`)."""
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The sequence number that ends a replay answer."""
 

@@ -22,13 +22,19 @@ them (`EngineConfig.kv_retention`; vLLM has no such thing).
 from __future__ import annotations
 
 from bisect import insort
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from heapq import heappop, heappush
 from itertools import islice, takewhile
 from typing import Any, cast
 
-from kvflow.simulator.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
+from kvflow.simulator.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+)
 
 NULL_BLOCK = 0
 """The placeholder block vLLM keeps out of the free queue."""
@@ -677,3 +683,220 @@ class TaskBlocks:
         if self.max_shared is not None:
             while len(self._shared) > self.max_shared:
                 self._shared.popitem(last=False)
+
+
+DEFAULT_STORE_TRACKER_SIZE = 64_000
+"""Hashes the store gate counts at most (vLLM's `max_tracker_size` default)."""
+
+
+class HostTier:
+    """A replica's host-memory copy of full KV blocks: vLLM's native CPU offloading.
+
+    The rules of vLLM's offloading connector with its CPU spec (`vllm/v1/kv_offload/`:
+    `LRUOffloadingManager`, `FilterReusedOffloadingManager`, `CPUOffloadingSpec`; the
+    scheduler side of `OffloadingConnector`), re-implemented at the GPU block size (vLLM's
+    default offloaded block size):
+
+    - Write-through: a block is offered for storing once it is full (`prepare_store`). Blocks
+      already in host memory are skipped; room is made by evicting the least recently used
+      blocks that no transfer uses (a `BlockRemoved` event, medium "CPU"). When not enough
+      can be evicted, nothing of the offer is stored (`None`) and it is offered again later.
+      A stored block is found by `lookup` only once its transfer ends (`complete_stores`,
+      a `BlockStored` event, medium "CPU", without token ids or parent, as vLLM sends them).
+    - `store_threshold` (vLLM's `store_threshold`; under 2: off, vLLM's default): only
+      blocks `lookup` was asked for that many times are stored, counted in an LRU table of
+      `DEFAULT_STORE_TRACKER_SIZE` hashes.
+    - Recency: `touch` makes a request's blocks the most recently used, its first block
+      last (so a prefix's tail is evicted before its head); a lookup and a store touch.
+    - Loads: `lookup` counts the ready blocks from the first asked for; `begin_load` pins
+      them (a block being loaded or stored is never evicted) until `end_load`.
+    - One link per replica carries loads and stores in both directions, one transfer at a
+      time in the order issued, at `bytes_per_second` (`perf.HOST_LINK_GBPS`): a transfer
+      of `n` blocks takes `n · bytes_per_block / bytes_per_second` once the link is free.
+      vLLM copies on separate CUDA streams; one shared rate is the conservative reading of
+      a full-duplex PCIe link.
+    """
+
+    __slots__ = (
+        "_blocks",
+        "_counts",
+        "_events",
+        "_link_free_at",
+        "_stores",
+        "block_size",
+        "bytes_per_block",
+        "bytes_per_second",
+        "loaded_blocks",
+        "num_blocks",
+        "store_threshold",
+        "stored_blocks",
+    )
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        bytes_per_block: int,
+        bytes_per_second: float,
+        *,
+        store_threshold: int = 0,
+        events: list[Any] | None = None,
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a host tier needs at least one block, got {num_blocks}")
+        if bytes_per_second <= 0:
+            raise ValueError(f"the host link needs a positive bandwidth, got {bytes_per_second}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.bytes_per_block = bytes_per_block
+        self.bytes_per_second = bytes_per_second
+        self.store_threshold = store_threshold
+        self._blocks: OrderedDict[int, int] = OrderedDict()
+        """Hash → transfers using it: -1 while being stored, 0 ready, n > 0 being loaded n
+        times. Insertion order is recency: the first key is evicted first."""
+        self._counts: OrderedDict[int, int] = OrderedDict()
+        """Hash → lookups that asked for it (only with a store threshold)."""
+        self._stores: deque[tuple[float, list[int]]] = deque()
+        """(end time, hashes) of stores in flight, in the order they end."""
+        self._link_free_at = 0.0
+        self._events = events
+        self.stored_blocks = 0
+        """Blocks written to host memory so far."""
+        self.loaded_blocks = 0
+        """Blocks read back to the GPU so far."""
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._blocks
+
+    def is_ready(self, block_hash: int) -> bool:
+        """Whether `block_hash` is in host memory and its store has ended."""
+        return self._blocks.get(block_hash, -1) >= 0
+
+    def transfer_seconds(self, num_blocks: int) -> float:
+        """Seconds the link takes for `num_blocks` blocks once it is free."""
+        return num_blocks * self.bytes_per_block / self.bytes_per_second
+
+    def _transfer(self, num_blocks: int, now: float) -> float:
+        """Queue a transfer on the link; when it ends."""
+        start = now if now > self._link_free_at else self._link_free_at
+        end = start + self.transfer_seconds(num_blocks)
+        self._link_free_at = end
+        return end
+
+    @property
+    def busy_until(self) -> float:
+        """When the link has carried every transfer issued so far."""
+        return self._link_free_at
+
+    def next_store_end(self) -> float | None:
+        """When the earliest store in flight ends; None if none is."""
+        return self._stores[0][0] if self._stores else None
+
+    def complete_stores(self, now: float) -> None:
+        """Stores ended by `now` make their blocks findable (`BlockStored`, medium CPU)."""
+        stores = self._stores
+        blocks = self._blocks
+        while stores and stores[0][0] <= now:
+            _, hashes = stores.popleft()
+            done = []
+            for value in hashes:
+                if blocks.get(value) == -1:
+                    blocks[value] = 0
+                    done.append(value)
+            if done and self._events is not None:
+                self._events.append(
+                    BlockStored(
+                        block_hashes=done,
+                        parent_block_hash=None,
+                        token_ids=[],
+                        block_size=self.block_size,
+                        lora_id=None,
+                        medium=MEDIUM_CPU,
+                        lora_name=None,
+                    )
+                )
+
+    def touch(self, block_hashes: Sequence[int]) -> None:
+        """Make the blocks of `block_hashes` held here the most recently used, first last."""
+        blocks = self._blocks
+        move = blocks.move_to_end
+        for value in reversed(block_hashes):
+            if value in blocks:
+                move(value)
+
+    def lookup(self, block_hashes: Sequence[int]) -> int:
+        """How many of `block_hashes`, from the first, are ready in host memory."""
+        if self.store_threshold >= 2:
+            counts = self._counts
+            for value in block_hashes:
+                if value in counts:
+                    counts.move_to_end(value)
+                    counts[value] += 1
+                else:
+                    if len(counts) >= DEFAULT_STORE_TRACKER_SIZE:
+                        counts.popitem(last=False)
+                    counts[value] = 1
+        get = self._blocks.get
+        hits = 0
+        for value in block_hashes:
+            if get(value, -1) < 0:
+                break
+            hits += 1
+        return hits
+
+    def prepare_store(self, block_hashes: Sequence[int]) -> list[int] | None:
+        """Make room for the blocks of `block_hashes` not held yet; the hashes to store.
+
+        None, changing nothing, when too few blocks can be evicted (see the class docstring).
+        """
+        blocks = self._blocks
+        if self.store_threshold >= 2:
+            counts = self._counts
+            threshold = self.store_threshold
+            block_hashes = [v for v in block_hashes if counts.get(v, 0) >= threshold]
+        fresh = [value for value in block_hashes if value not in blocks]
+        excess = len(blocks) + len(fresh) - self.num_blocks
+        evict: list[int] = []
+        if excess > 0:
+            for value, users in blocks.items():
+                if users == 0:
+                    evict.append(value)
+                    if len(evict) == excess:
+                        break
+            else:
+                return None
+            for value in evict:
+                del blocks[value]
+            if self._events is not None:
+                self._events.append(BlockRemoved(block_hashes=evict, medium=MEDIUM_CPU))
+        for value in fresh:
+            blocks[value] = -1
+        return fresh
+
+    def store(self, block_hashes: list[int], now: float) -> float:
+        """Copy the prepared `block_hashes` from the GPU, starting no earlier than `now`.
+
+        Returns when the copy ends (the blocks are findable from then on).
+        """
+        end = self._transfer(len(block_hashes), now)
+        self._stores.append((end, block_hashes))
+        self.stored_blocks += len(block_hashes)
+        return end
+
+    def begin_load(self, block_hashes: Sequence[int], now: float) -> float:
+        """Pin the ready `block_hashes` and copy them to the GPU; when the copy ends."""
+        blocks = self._blocks
+        for value in block_hashes:
+            blocks[value] += 1
+        self.loaded_blocks += len(block_hashes)
+        return self._transfer(len(block_hashes), now)
+
+    def end_load(self, block_hashes: Sequence[int]) -> None:
+        """The load of `block_hashes` ended: unpin them."""
+        blocks = self._blocks
+        for value in block_hashes:
+            if value in blocks:
+                blocks[value] -= 1

@@ -21,6 +21,10 @@ faster than an H100, which is faster than an L4 in both phases.
 
 KV capacity, as vLLM sizes it: `gpu_memory_utilization · memory − weights − reserve`, divided
 by the bytes of one block (`block_size · K`). Cold load time: `W / load_bandwidth`.
+
+A host-memory KV tier moves blocks over each GPU's PCIe link to the host
+(`HOST_LINK_GBPS`): a block of `block_size · K` bytes takes `block_size · K / (link · tp)`
+seconds, each GPU of a tensor-parallel replica carrying its share of every block.
 """
 
 from __future__ import annotations
@@ -32,6 +36,23 @@ from kvflow.scheduler.fleet import ModelSpec
 from kvflow.scheduler.gpus import GPU_PROFILES, GpuGeneration, GpuProfile
 
 GB = 1_000_000_000
+
+HOST_LINK_GBPS: dict[GpuGeneration, float] = {
+    GpuGeneration.L4: 25.0,
+    GpuGeneration.A100: 25.0,
+    GpuGeneration.H100: 50.0,
+    GpuGeneration.H200: 50.0,
+    GpuGeneration.B200: 50.0,
+}
+"""GB/s one GPU copies KV between its memory and pinned host memory, one way, as measured.
+
+A x16 link carries 32 GB/s per direction at PCIe Gen4 (L4, A100) and 64 GB/s at Gen5
+(H100, H200; HGX B200 boards attach the GPU to the host at Gen5 too), by the PCI-SIG
+specifications and NVIDIA's datasheets; pinned-memory copies reach about 80% of that
+(NVIDIA's `bandwidthTest`): about 25 and 50 GB/s. Both directions at once reach about 83
+GB/s on an H100, not 100; the simulator's link shares one rate between them
+(`kvflow.simulator.kvcache.HostTier`).
+"""
 
 
 def gpu_profile(gpu: GpuProfile | GpuGeneration | str) -> GpuProfile:
@@ -63,6 +84,8 @@ class PerfModel:
     dtype_bytes: int = 2
     load_bandwidth_gbps: float = 2.0
     """GB/s at which cold weights are read into GPU memory."""
+    host_link_gbps: float | None = None
+    """GB/s of one GPU's link to host memory (None: `HOST_LINK_GBPS` of the GPU)."""
 
     @property
     def parameters(self) -> float:
@@ -124,6 +147,14 @@ class PerfModel:
     def decode_step_seconds(self, batch: int, mean_context: int) -> float:
         """Seconds of one decode step for `batch` sequences of `mean_context` tokens each."""
         return self.step_seconds(batch, batch * mean_context, batch * (mean_context + 0.5))
+
+    @property
+    def host_bytes_per_second(self) -> float:
+        """Bytes per second the replica moves between GPU and host memory (all its links)."""
+        link = self.host_link_gbps
+        if link is None:
+            link = HOST_LINK_GBPS[self.gpu.generation]
+        return link * GB * self.tensor_parallel
 
     def load_seconds(self) -> float:
         """Seconds to load the weights of a cold model."""
