@@ -5,8 +5,15 @@ No test sleeps: time is what the engine and the host link say a step or a copy c
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
+from kvflow.bench.policies import run_policy
+from kvflow.bench.policies.fleet import bench_fleet
+from kvflow.bench.policies.task_runner import Outcome
 from kvflow.simulator import (
     BUILTIN_MODELS,
     AgentWorkload,
@@ -20,6 +27,7 @@ from kvflow.simulator.engine import RequestStatus
 from kvflow.simulator.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored
 from kvflow.simulator.kvcache import HostTier
 from kvflow.simulator.perf import GB
+from kvflow.simulator.workloads import WORKLOADS
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -27,6 +35,7 @@ MODEL = BUILTIN_MODELS["llama-3.1-8b"]
 BLOCK = 16
 GPU_BLOCKS = 65
 """64 usable blocks of 16 tokens: a 640-token prompt takes 40 of them."""
+KVFLOW = str(Path(sys.executable).with_name("kvflow"))
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -254,3 +263,33 @@ def test_no_host_tier_gives_the_same_run_as_an_engine_without_the_option() -> No
     assert run(EngineConfig(**small, host_tier=0)) == before
     with_host = run(EngineConfig(**small, host_tier=2))
     assert sum(r[1] for r in with_host) > sum(r[1] for r in before)
+
+
+@pytest.mark.timeout(300)
+def test_a_benchmark_run_with_a_host_tier_reloads_evicted_conversations_as_cached() -> None:
+    spec = WORKLOADS["long-agent"]
+    fleet = bench_fleet("long-agent", 2)
+
+    def run(host_tier: float) -> Outcome:
+        return run_policy(
+            "round-robin", spec=spec, fleet=fleet, task_rate=0.5, tasks=6, seed=3,
+            host_tier=host_tier, kv_cache_scale=0.35,  # a small GPU cache: conversations leave it
+        ).outcome  # fmt: skip
+
+    without, with_host = run(0), run(2)
+    assert with_host.tasks == without.tasks == 6
+    assert with_host.prompt_tokens == without.prompt_tokens
+    assert with_host.cached_tokens > without.cached_tokens
+
+
+def test_bench_policies_refuses_a_negative_host_tier_in_words() -> None:
+    done = subprocess.run(
+        [KVFLOW, "bench", "policies", "--host-tier", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "--host-tier" in done.stderr and "multiple of the GPU KV cache" in done.stderr
+    assert "Traceback" not in done.stderr

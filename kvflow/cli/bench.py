@@ -579,6 +579,16 @@ def policies_bench(
     fleet_file: Annotated[
         Path | None, typer.Option("--fleet", help="fleet.toml to simulate instead of the default")
     ] = None,
+    host_tier: Annotated[
+        float,
+        typer.Option(
+            "--host-tier",
+            help=(
+                "host memory for KV blocks per replica, as a multiple of its GPU KV cache "
+                "(vLLM's native offloading), for every policy alike; 0: none"
+            ),
+        ),
+    ] = 0.0,
     json_file: Annotated[
         Path | None, typer.Option("--json", help="also write the figures to this JSON file")
     ] = None,
@@ -598,6 +608,11 @@ def policies_bench(
         raise _usage_error(f"--load: {load} is not a load; give a multiple of capacity in (0, 10]")
     if capacity is not None and (not math.isfinite(capacity) or capacity <= 0):
         raise _usage_error(f"--capacity: {capacity} is not a rate; give tasks per second > 0")
+    if not math.isfinite(host_tier) or not 0 <= host_tier <= 1000:
+        raise _usage_error(
+            f"--host-tier: {host_tier} is not a size; give a multiple of the GPU KV cache "
+            "from 0 (none) to 1000, e.g. 2"
+        )
     for path, flag in ((json_file, "--json"), (plot_file, "--plot")):
         if path is not None and not path.parent.exists():
             raise _usage_error(f"{flag}: folder {path.parent} does not exist")
@@ -645,6 +660,7 @@ def policies_bench(
                     ablate=ablate,
                     workers=workers,
                     extra=extra,
+                    host_tier=host_tier,
                 )
             )
     for result in results:
@@ -677,6 +693,7 @@ def policies_bench(
             "seeds": seed_list,
             "mechanisms": sorted(chosen),
             "quick": quick,
+            "host_tier": host_tier,
             "elapsed_s": round(time.perf_counter() - started, 1),
             "workloads": {r.name: r.as_json() for r in results},
         }

@@ -152,6 +152,7 @@ def measure_capacity(
     max_probes: int = CAPACITY_PROBES,
     workers: int = 1,
     progress: Callable[[str], None] | None = None,
+    host_tier: float = 0.0,
 ) -> Capacity:
     """The highest task rate at which `policy` still turns more load into more goodput.
 
@@ -179,6 +180,7 @@ def measure_capacity(
                 mechanisms=mechanisms,
                 policies=(policy,),
                 extra={},
+                host_tier=host_tier,
             )
             for seed in seeds
         ]
@@ -485,6 +487,7 @@ def run_workload(
     ablate: bool = False,
     workers: int = 1,
     bound_seeds: int = RELAXED_SEEDS,
+    host_tier: float = 0.0,
 ) -> WorkloadResult:
     """Every policy and the greedy reference on workload `name`, on every seed; the sweep.
 
@@ -495,7 +498,8 @@ def run_workload(
     once per axis of its configuration with that axis switched off (`REQUIRED_AXIS`
     excepted), at `load`. `workers` processes share the seeds. Where the KV cache binds model
     time (`RELAXED_SCALES`), its estimate at the KV-capacity floor's hit rate takes `bound_seeds`
-    seeds, the headline ones and, where fewer, the next ones run for it alone.
+    seeds, the headline ones and, where fewer, the next ones run for it alone. `host_tier`
+    gives every replica of every run host memory for KV blocks (`run_policy`).
     """
     started = time.perf_counter()
     if name not in WORKLOADS:
@@ -518,6 +522,7 @@ def run_workload(
         capacity = measure_capacity(
             spec, fleet, seeds=seeds, lifetime_s=lifetime, window_lifetimes=window_lifetimes,
             min_counted=min_counted, mechanisms=mechanisms, max_probes=capacity_probes,
+            host_tier=host_tier,
             workers=workers, progress=progress,
         )  # fmt: skip
     else:
@@ -544,6 +549,7 @@ def run_workload(
             ablate=ablate and head and not more,
             bounds=head,
             relax_scales=scales if head else (),
+            host_tier=host_tier,
         )
 
     names = [*policies, GREEDY_REFERENCE]

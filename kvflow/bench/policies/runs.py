@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import multiprocessing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -147,6 +148,7 @@ def run_policy(
     deadline_pause: bool = False,
     deadline_hold: bool = False,
     even_arrivals: bool = False,
+    host_tier: float = 0.0,
 ) -> PolicyRun:
     """Run one policy on one workload (faults included for `faults`).
 
@@ -161,7 +163,16 @@ def run_policy(
     typical pause (median) of the tool its answer asks for instead of its own. Two more,
     `deadline_pause` and `deadline_hold`, give the engines those `EngineConfig` options;
     `even_arrivals` starts the same tasks evenly spaced (`Workload`), not as a Poisson stream.
+
+    `host_tier` gives every replica host memory for KV blocks of that multiple of its GPU KV
+    cache (`EngineConfig.host_tier`, vLLM's native offloading; 0: none), whatever the policy.
+    A token copied back from host memory is counted among the call's cached tokens, as vLLM
+    reports it (`usage.prompt_tokens_details.cached_tokens`), and billed at the pool's cached
+    input price: that assumes the cached price covers the host memory and the copy, as it
+    covers the GPU memory a GPU hit holds.
     """
+    if not (math.isfinite(host_tier) and host_tier >= 0):
+        raise ValueError(f"host_tier must be a multiple of the GPU KV cache ≥ 0, got {host_tier}")
     factories = policy_factories()
     extra = dict(extra or {})
     if name == "kvflow":
@@ -190,6 +201,8 @@ def run_policy(
                 "deadline_priority_span": TIER_PRIORITY_SPAN,
             }
         )
+    if host_tier:
+        engine = engine.model_copy(update={"host_tier": host_tier})
     slow = {1: 4.0} if spec.name == "faults" and sum(p.replicas for p in fleet.pools) > 2 else {}
     replicas = simulated_replicas(fleet, slow=slow, engine=engine)
     if kv_cache_scale != 1.0:
@@ -284,6 +297,8 @@ class SeedJob:
     relax_scales: tuple[float, ...] = ()
     """With the bounds, also run kvflow on engines with these multiples of their KV cache, to
     read its model time at the KV-capacity floor's hit rate (`SeedResult.model_s_at_floor`)."""
+    host_tier: float = 0.0
+    """Host memory for KV blocks per replica, as a multiple of its GPU KV cache (`run_policy`)."""
 
 
 @dataclass
@@ -344,6 +359,7 @@ def run_seed(job: SeedJob, progress: Callable[[str], None] | None = None) -> See
             run = run_policy(
                 policy, spec=spec, fleet=fleet, task_rate=rate, seed=job.seed, plan=plan,
                 mechanisms=job.mechanisms, extra=job.extra.get(policy), workload=workload,
+                host_tier=job.host_tier,
             )  # fmt: skip
             outcomes[policy] = run.outcome
         reference = outcomes.get(GREEDY_REFERENCE)
@@ -380,7 +396,7 @@ def run_seed(job: SeedJob, progress: Callable[[str], None] | None = None) -> See
                 run = run_policy(
                     "kvflow", spec=spec, fleet=fleet, task_rate=rate, seed=job.seed, plan=plan,
                     mechanisms=job.mechanisms, extra={**base, "scheduler_config": without},
-                    workload=workload,
+                    workload=workload, host_tier=job.host_tier,
                 )  # fmt: skip
                 result.ablations[axis] = measured(run.outcome)
             for lever, default in LEVERS.items():
@@ -391,7 +407,7 @@ def run_seed(job: SeedJob, progress: Callable[[str], None] | None = None) -> See
                 run = run_policy(
                     "kvflow", spec=spec, fleet=fleet, task_rate=rate, seed=job.seed, plan=plan,
                     mechanisms=job.mechanisms, extra={**base, lever: not default},
-                    workload=workload,
+                    workload=workload, host_tier=job.host_tier,
                 )  # fmt: skip
                 result.ablations[name] = measured(run.outcome)
     return result
@@ -424,6 +440,7 @@ def _model_s_at_floor(
             "kvflow", spec=WORKLOADS[job.workload], fleet=job.fleet, task_rate=rate,
             seed=job.seed, plan=plan, mechanisms=job.mechanisms,
             extra=job.extra.get("kvflow"), workload=workload, kv_cache_scale=scale,
+            host_tier=job.host_tier,
         )  # fmt: skip
         larger = figures(run.outcome, 0.0)
         points.append((larger.prefix_hit_rate, larger.mean_model_s))

@@ -367,6 +367,8 @@ class KvflowPolicy:
         tokens_of = self.tokens_of
         with_tokens = self.kv_event_token_ids
         for event in result.kv_events:
+            if getattr(event, "medium", None) not in (None, sim_events.MEDIUM_GPU):
+                continue  # a host-memory copy: the GPU index skips it, as vLLM's decoder does
             if isinstance(event, sim_events.BlockStored) and not with_tokens:
                 events.append(
                     BlockStored(
