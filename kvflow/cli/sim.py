@@ -136,6 +136,19 @@ def serve(
         int | None, typer.Option("--tensor-parallel-size", min=1, max=64)
     ] = None,
     no_prefix_caching: Annotated[bool, typer.Option("--no-enable-prefix-caching")] = False,
+    host_tier: Annotated[
+        float,
+        typer.Option(
+            "--host-tier",
+            min=0,
+            max=1000,
+            help=(
+                "host memory for KV blocks as a multiple of the GPU KV cache, as vLLM's "
+                "native offloading (`--kv-offloading-backend native --kv-offloading-size`) "
+                "gives; 0: none"
+            ),
+        ),
+    ] = 0.0,
     seed: Annotated[int, typer.Option("--seed", help="seeds sampling and error_rate")] = 0,
     kv_events_endpoint: Annotated[
         str | None, typer.Option("--kv-events-endpoint", help="ZMQ PUB endpoint, e.g. ipc://...")
@@ -213,6 +226,7 @@ def serve(
             gpu_memory_utilization=gpu_memory_utilization,
             num_gpu_blocks=num_gpu_blocks,
             enable_prefix_caching=not no_prefix_caching,
+            host_tier=host_tier,
             tensor_parallel=tensor_parallel or gpus_per_replica,
         )
         faults = FaultSpec(
@@ -257,8 +271,9 @@ def serve(
     for name, core in engines.items():
         state = "warm" if core.loaded else f"cold, loads in {core.perf.load_seconds():.1f} s"
         _out.print(
-            f"  {name}: {core.num_gpu_blocks:,} KV blocks, max_model_len {core.max_model_len:,}"
-            f" ({state})",
+            f"  {name}: {core.num_gpu_blocks:,} KV blocks"
+            + (f" + {core.host.num_blocks:,} in host memory" if core.host is not None else "")
+            + f", max_model_len {core.max_model_len:,} ({state})",
             highlight=False,
         )
     if kv_endpoint:
