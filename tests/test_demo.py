@@ -167,6 +167,30 @@ def tasks_per_workflow_type(state_dir: Path) -> dict[str, tuple[int, int]]:
     return {row["workflow_type"]: (row["tasks"], row["succeeded"]) for row in rows}
 
 
+def admission_waits(out: str) -> dict[str, int]:
+    """The "admission waits" column of the demo's last Tasks table, by tenant."""
+    header = [line for line in out.splitlines() if "admission waits" in line][-1]
+    names = [cell.strip() for cell in header.split("┃")[1:-1]]
+    column = names.index("admission waits")
+    rows = [line.split("│")[1:-1] for line in out.splitlines() if line.startswith("│ ")]
+    return {
+        cells[0].strip(): int(cells[column].strip())
+        for cells in rows
+        if len(cells) == len(names) and cells[column].strip().isdigit()
+    }
+
+
+@pytest.mark.timeout(400)
+def test_demo_shows_tier_5_calls_waiting_for_admission_and_tier_1_never(tmp_path: Path):
+    done = run_demo(tmp_path, "--seed", "7")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    waits = admission_waits(done.stdout)
+    # tier 1, tier 3, tier 5 (the example fleet.toml's tenants)
+    assert set(waits) == {"acme", "globex", "initech"}, waits
+    assert waits["initech"] > 0 and waits["acme"] == 0, waits
+    assert "Admission: a call waits" in done.stdout and "75%" in done.stdout
+
+
 def test_demo_mixes_the_agent_framework_samples_into_its_workload(tmp_path: Path):
     done = run_demo(
         tmp_path, "--samples", "openai_agents_travel,pydantic-ai-support", "--tasks", "6"
