@@ -22,10 +22,11 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 from temporalio.exceptions import ApplicationError
 
-from kvflow import TaskSpec
+from kvflow import ChatMessage, TaskSpec
+from kvflow.simulator import FaultSpec
 from kvflow.workflows import errors
 from tests import agent_workflows as wf
-from tests.stacks import PoolPlan, Stack, fleet_stack, refund_task
+from tests.stacks import MODEL, PoolPlan, Stack, fleet_stack, refund_task
 
 ROOT = Path(__file__).parent.parent
 RESULT_TIMEOUT_S = 60
@@ -218,3 +219,26 @@ async def test_an_unexpected_tool_exception_still_logs_its_traceback(
     [record] = _completions(_of_task(caplog, handle))
     assert record.levelno == logging.WARNING and record.exc_info is not None
     assert isinstance(record.exc_info[1], RuntimeError)
+
+
+@pytest.mark.timeout(120)
+async def test_a_replica_answering_500_logs_one_info_line_per_attempt_and_no_traceback(
+    temporal_client: Client, tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    caplog.set_level(logging.DEBUG, logger="temporalio.activity")
+    broken = [PoolPlan("broken", faults=FaultSpec(error=500))]
+    async with fleet_stack(temporal_client, tmp_path, broken) as s:
+        call = wf.CallInput(
+            spec=TaskSpec(tenant="acme", retry_budget=1),
+            model=MODEL,
+            messages=[ChatMessage(role="user", content="Say hello.")],
+        )
+        handle = await s.start(wf.OneCall.run, call)
+        await _failure(handle)
+
+    ours = _of_task(caplog, handle)
+    assert [r for r in ours if r.levelno >= logging.INFO and r.exc_info] == []
+    lines = [r for r in ours if "ReplicaServerError" in r.getMessage() and not r.exc_info]
+    assert lines, "the engine's 500 was not logged"
+    assert all(r.levelno == logging.INFO for r in lines)
+    assert lines[0].getMessage().startswith("kvflow.infer failed: ReplicaServerError: ")
