@@ -573,8 +573,9 @@ def batching_bound(
     placement, admission, priorities, retries, preemption):
 
     1. d_s ≥ a + β·K_s, since max(c, m) ≥ m and slowdown ≥ 1.
-    2. A call takes part in at least `output_tokens` steps: the step computing its prompt's
-       last token (and giving the first token) and one decode step per later token. In the
+    2. A call takes part in at least `output_tokens` steps (within the output cap and the
+       model's length): the step computing its prompt's last token (and giving the first
+       token) and one decode step per later token. In the
        first, its computed plus new tokens are its prompt (κ = prompt); in the decode step for
        token k + 1, prompt + k (κ = prompt + k). Earlier prefill chunks, preemptions and
        retries only add steps. K_s ≥ Σ κ_j over the participations j in step s.
