@@ -794,7 +794,7 @@ def _model_time_goal(result: WorkloadResult, figure: str, target: float) -> Goal
                 f"{result.capacity.tasks_per_s:.4g} --load {result.load:g} --replicas "
                 f"{result.replicas} --anchor {best} --mechanisms {mechanisms} "
                 f"--seeds {RELAXED_SEEDS}` "
-                "(benchmarks/README.md)"
+                "(docs/benchmarks/bounds.md)"
             )
         elif theirs:
             bound = (
