@@ -14,6 +14,7 @@ import pytest
 from kvflow.bench.policies import run_policy
 from kvflow.bench.policies.fleet import bench_fleet
 from kvflow.bench.policies.task_runner import Outcome
+from kvflow.scheduler.blocks import block_hashes
 from kvflow.simulator import (
     BUILTIN_MODELS,
     AgentWorkload,
@@ -23,6 +24,7 @@ from kvflow.simulator import (
     SimRequest,
     simulate,
 )
+from kvflow.simulator.des import FleetRequest
 from kvflow.simulator.engine import RequestStatus
 from kvflow.simulator.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored
 from kvflow.simulator.kvcache import HostTier
@@ -293,3 +295,28 @@ def test_bench_policies_refuses_a_negative_host_tier_in_words() -> None:
     assert done.returncode == 2
     assert "--host-tier" in done.stderr and "multiple of the GPU KV cache" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_call_arriving_during_a_pending_copy_runs_and_the_copy_still_completes() -> None:
+    config = EngineConfig(
+        block_size=BLOCK, num_gpu_blocks=GPU_BLOCKS, max_model_len=1024, host_tier=4
+    )
+    replica = SimReplica("H100", [MODEL], config, name="h0")
+
+    def call(at: float, name: str, tokens: list[int]) -> FleetRequest:
+        return FleetRequest(
+            arrival_time=at, model=MODEL.name, prompt_tokens=len(tokens), output_tokens=1,
+            block_hashes=block_hashes(tokens, BLOCK), request_id=name,
+        )  # fmt: skip
+
+    conversation = prompt(1, 640)
+    calls = [
+        call(0.0, "first", conversation),
+        call(1.0, "other", prompt(2, 1020)),  # pushes the conversation out of the GPU cache
+        call(2.0, "again", conversation),  # its copy back takes 1.7 ms, the replica idle
+        call(2.001, "small", prompt(3, 48)),  # steps while that copy is on the link
+    ]
+    result = simulate(calls, [replica])
+    assert result.unfinished == 0 and len(result.records) == 4
+    again = next(r for r in result.records if r.request.request_id == "again")
+    assert again.cached_tokens == 39 * BLOCK

@@ -463,7 +463,9 @@ class DiscreteEventFleet:
                 payload()
             elif self._wake_at[payload] == when and not self.crashed[payload]:
                 self._wake_at[payload] = None
-                self._begin_step(payload)
+                # A replica that started stepping since (an arrival) sees it at its step's end.
+                if not self._busy[payload]:
+                    self._begin_step(payload)
         unfinished = sum(
             e.num_running + e.num_waiting for r in self.replicas for e in r.engines.values()
         )
