@@ -24,7 +24,7 @@ from kvflow.simulator import (
     SimRequest,
     simulate,
 )
-from kvflow.simulator.des import FleetRequest
+from kvflow.simulator.des import DiscreteEventFleet, FleetRequest
 from kvflow.simulator.engine import RequestStatus
 from kvflow.simulator.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored
 from kvflow.simulator.kvcache import HostTier
@@ -320,3 +320,34 @@ def test_a_call_arriving_during_a_pending_copy_runs_and_the_copy_still_completes
     assert result.unfinished == 0 and len(result.records) == 4
     again = next(r for r in result.records if r.request.request_id == "again")
     assert again.cached_tokens == 39 * BLOCK
+
+
+def test_a_replica_crashing_during_a_copy_fails_the_call_waiting_for_it() -> None:
+    config = EngineConfig(
+        block_size=BLOCK, num_gpu_blocks=GPU_BLOCKS, max_model_len=1024, host_tier=4
+    )
+    replica = SimReplica("H100", [MODEL], config, name="h0")
+    conversation = prompt(1, 640)
+    calls = [
+        FleetRequest(
+            arrival_time=at,
+            model=MODEL.name,
+            prompt_tokens=len(tokens),
+            output_tokens=1,
+            block_hashes=block_hashes(tokens, BLOCK),
+            request_id=name,
+        )
+        for at, name, tokens in [
+            (0.0, "first", conversation),
+            (1.0, "other", prompt(2, 1020)),
+            (2.0, "again", conversation),  # copied back from 2.0 to 2.0017
+        ]
+    ]
+    failed: list[str] = []
+    fleet = DiscreteEventFleet(
+        [replica], on_fail=lambda request, index, sim: failed.append(request.request_id)
+    )
+    fleet.schedule(2.001, lambda: fleet.crash(0))
+    result = fleet.run(calls)
+    assert failed == ["again"]
+    assert result.unfinished == 0

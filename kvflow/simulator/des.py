@@ -396,7 +396,7 @@ class DiscreteEventFleet:
         self._busy[index] = False
         replica = self.replicas[index]
         for engine in replica.engines.values():
-            for sim in [*engine.running, *engine.waiting]:
+            for sim in [*engine.running, *engine.waiting, *engine.loading]:
                 engine.abort_request(sim.request_id, self.now)
                 if self.on_fail is not None:
                     self.on_fail(sim.tag, index, sim)

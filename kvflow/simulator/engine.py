@@ -652,6 +652,11 @@ class EngineCore:
         """Requests queued (new or preempted, or their prefix on its way from host memory)."""
         return len(self.waiting) + len(self._loading)
 
+    @property
+    def loading(self) -> list[SimRequest]:
+        """Requests whose prefix is being copied back from host memory (a copy of the list)."""
+        return list(self._loading)
+
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running."""
         return bool(self.waiting or self.running or self._loading)
