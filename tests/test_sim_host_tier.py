@@ -322,7 +322,7 @@ def test_a_call_arriving_during_a_pending_copy_runs_and_the_copy_still_completes
     assert again.cached_tokens == 39 * BLOCK
 
 
-def test_a_replica_crashing_during_a_copy_fails_the_call_waiting_for_it() -> None:
+def test_a_call_waiting_for_a_copy_counts_as_waiting_and_fails_if_its_replica_crashes() -> None:
     config = EngineConfig(
         block_size=BLOCK, num_gpu_blocks=GPU_BLOCKS, max_model_len=1024, host_tier=4
     )
@@ -347,7 +347,11 @@ def test_a_replica_crashing_during_a_copy_fails_the_call_waiting_for_it() -> Non
     fleet = DiscreteEventFleet(
         [replica], on_fail=lambda request, index, sim: failed.append(request.request_id)
     )
+    seen: list[tuple[int, int]] = []
+    # While the copy runs, routers see the call on the replica, as vLLM counts it waiting.
+    fleet.schedule(2.0005, lambda: seen.append((replica.load(), replica.num_waiting)))
     fleet.schedule(2.001, lambda: fleet.crash(0))
     result = fleet.run(calls)
+    assert seen == [(1, 1)]
     assert failed == ["again"]
     assert result.unfinished == 0

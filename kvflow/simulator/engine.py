@@ -1492,15 +1492,15 @@ class SimReplica:
     def num_waiting(self) -> int:
         """Waiting requests over all models."""
         if len(self._order) == 1:
-            return len(self._order[0].waiting)
-        return sum(len(e.waiting) for e in self._order)
+            return self._order[0].num_waiting
+        return sum(e.num_waiting for e in self._order)
 
     def load(self) -> int:
         """Running plus waiting requests over all models."""
         if len(self._order) == 1:
             engine = self._order[0]
-            return len(engine.running) + len(engine.waiting)
-        return sum(len(e.running) + len(e.waiting) for e in self._order)
+            return len(engine.running) + len(engine.waiting) + len(engine._loading)
+        return sum(len(e.running) + e.num_waiting for e in self._order)
 
     def kv_cache_usage(self) -> float:
         """Mean KV usage over the models' caches."""
