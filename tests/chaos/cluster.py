@@ -536,23 +536,26 @@ class ChaosCluster:
         return len(paths)
 
     async def kill_gpu_worker_while_streaming(
-        self, replica: Replica, *, streams: int = 2, patience_s: float = 20.0
-    ) -> int:
-        """SIGKILL the replica's GPU worker while its simulator decodes for it.
+        self, *, streams: int = 2, patience_s: float = 20.0
+    ) -> tuple[Replica, int]:
+        """SIGKILL the GPU worker of a replica while its simulator decodes for it.
 
-        Waits for `streams` calls at once, or for any one after `patience_s`; returns how
-        many were running when the worker was killed.
+        The victim is whichever replica first runs `streams` calls at once, or any one call
+        after `patience_s`: placement by prefix affinity, not the test, decides which replicas
+        the workload's calls reach. Returns the victim and how many calls it was running.
         """
         deadline = time.monotonic() + patience_s
         while True:
-            running = await self.running_streams(replica)
-            if running >= streams or (running and time.monotonic() > deadline):
+            running = {r.name: await self.running_streams(r) for r in self.replicas}
+            busiest = max(self.replicas, key=lambda r: running[r.name])
+            most = running[busiest.name]
+            if most >= streams or (most and time.monotonic() > deadline):
                 break
             if time.monotonic() > deadline + 40:
-                raise TimeoutError(f"{replica.name} never streamed")
+                raise TimeoutError(f"no replica streamed ({', '.join(running)})")
             await asyncio.sleep(0.05)
-        replica.gpu_worker.kill()
-        return running
+        busiest.gpu_worker.kill()
+        return busiest, most
 
     async def running_streams(self, replica: Replica) -> int:
         """Requests the replica's simulator is decoding now (vLLM's running gauge)."""

@@ -46,9 +46,8 @@ async def run(
         work = Workload(
             cluster.client, cluster.task_queue, f"a-{uuid.uuid4().hex[:8]}", tasks=TASKS
         )
-        victim = cluster.replicas[0]
         starting = asyncio.create_task(work.start(rate_per_s=8))
-        streams = await cluster.kill_gpu_worker_while_streaming(victim)
+        victim, streams = await cluster.kill_gpu_worker_while_streaming()
         await starting
         await work.wait(RUN_TIMEOUT_S)
         figures = ScenarioFigures(
