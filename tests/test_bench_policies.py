@@ -738,13 +738,15 @@ def test_the_long_agent_model_time_goal_names_a_relaxation_run_against_its_ancho
     # Bracketed by kvflow's own run and its largest cache's: no extrapolation.
     assert result.model_s_at_floor[0] < kvflow_run.mean_model_s
     assert kvflow_run.prefix_hit_rate < result.capacity_floors[0].prefix_hit_rate
-    # Seed by seed over the anchor's: the headline seed's run, and the bound's own.
+    # Seed by seed over the anchor's: the headline seed's run, and the estimate's own.
     ratios = [
         result.model_s_at_floor[0] / anchor_run.mean_model_s,
         result.model_s_at_floor[1] / result.bound_model_s["llm-d-precise"][1],
     ]
-    assert f"model time is {sum(ratios) / 2:.3f}× [" in detail
+    assert f"model time is about {sum(ratios) / 2:.3f}× [" in detail
     assert "over 2 seeds (kvflow on engines" in detail
+    # Read between larger caches, it is called what it is.
+    assert "estimate, not a bound: at the KV-capacity floor's hit rate" in detail
     # The seed run for the bound alone stays out of the headline figures.
     assert [run.seed for run in result.summaries["kvflow"].runs] == [0]
     command = detail.split("`")[1].split()
