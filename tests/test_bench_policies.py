@@ -723,6 +723,9 @@ def test_the_floor_goal_says_where_the_best_anchor_stands_against_the_floor() ->
     assert f"the best anchor is at {theirs / float(floor):.3f}× (sglang-tuned)" in goal.detail
 
 
+# Seven simulated long-agent runs: about 40 s on a quiet 2-core machine, past 120 s beside
+# another heavy job; the limit guards against a hang, not against a slow machine.
+@pytest.mark.timeout(360)
 def test_the_long_agent_model_time_goal_names_a_relaxation_run_against_its_anchor() -> None:
     # One headline seed, and one more run for the model-time bound alone (a window long
     # enough that the larger caches bracket the floor's hit rate on both).
