@@ -87,7 +87,7 @@ async def record_fault_run(workdir: Path, ledger_url: str, out: Path) -> list[Pa
         client = await cluster.start()
         work = Workload(client, cluster.task_queue, "chaos", tasks=24)
         starting = asyncio.create_task(work.start(rate_per_s=8))
-        await cluster.kill_gpu_worker_while_streaming(cluster.replicas[0])
+        await cluster.kill_gpu_worker_while_streaming()
         await starting
         await work.wait(RESULT_TIMEOUT_S)
         traces = await work.traces()
