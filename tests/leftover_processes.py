@@ -33,7 +33,7 @@ _OUTPUT_KEY = "leftover_processes"
 _LEFT: pytest.StashKey[list[str]] = pytest.StashKey()
 
 
-def _process_table() -> dict[int, tuple[int, str]]:
+def process_table() -> dict[int, tuple[int, str]]:
     """pid → (parent pid, state) of every process, from /proc/*/stat."""
     table: dict[int, tuple[int, str]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -49,7 +49,7 @@ def _process_table() -> dict[int, tuple[int, str]]:
 
 def descendants(pid: int) -> set[int]:
     """The live processes below `pid`: children, their children, and so on (not zombies)."""
-    table = _process_table()
+    table = process_table()
     found: set[int] = set()
     parents = {pid}
     while parents:

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from kvflow.ports import free_port, port_is_free
+from tests.leftover_processes import descendants, process_table
 
 KVFLOW = Path(sys.executable).parent / "kvflow"
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,38 +66,9 @@ def _time_wait_on(port: int) -> bool:
     return False
 
 
-def _process_table() -> dict[int, tuple[int, str]]:
-    """pid → (parent pid, state) of every process, from /proc/*/stat."""
-    table: dict[int, tuple[int, str]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue  # ended while we looked
-        # The command name in parentheses may hold spaces; the fields after it do not.
-        state, ppid = text[text.rindex(")") + 2 :].split()[:2]
-        table[int(stat.parent.name)] = (int(ppid), state)
-    return table
-
-
-def _descendants(pid: int) -> set[int]:
-    """The live processes below `pid`: children, their children, and so on."""
-    table = _process_table()
-    found: set[int] = set()
-    frontier = {pid}
-    while frontier:
-        frontier = {
-            child
-            for child, (ppid, state) in table.items()
-            if ppid in frontier and state != "Z" and child not in found
-        }
-        found |= frontier
-    return found
-
-
 def _alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie, dead but not yet reaped, does not)."""
-    entry = _process_table().get(pid)
+    entry = process_table().get(pid)
     return entry is not None and entry[1] != "Z"
 
 
@@ -210,7 +182,7 @@ def test_server_killed_with_sigkill_takes_the_temporal_server_with_it(tmp_path: 
     process = _start_server(port, ui_port, tmp_path)
     try:
         _read_until(process, "Web UI")
-        children = _descendants(process.pid)
+        children = descendants(process.pid)
         assert any("temporal" in _cmdline(p) for p in children), children
         process.kill()
         process.wait(timeout=30)
@@ -269,7 +241,7 @@ def _start_demo(
 
 def _simulators_and_temporal(pid: int) -> set[int]:
     """The demo's child processes; asserts that there are simulators and a Temporal server."""
-    children = _descendants(pid)
+    children = descendants(pid)
     commands = [_cmdline(p) for p in children]
     assert any("kvflow.cli.sim" in c for c in commands), commands
     assert any("temporal" in c for c in commands), commands
