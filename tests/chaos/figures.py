@@ -3,7 +3,7 @@
 A scenario records its figures before it asserts, so a failing run still says what it saw.
 Each scenario's figures go to `.kvflow/chaos/<scenario>.json`; at the end of the session the
 table of the scenarios that ran is printed and written to `.kvflow/chaos-summary.md`, in the
-form the README's "Reliability" section quotes.
+form the reliability page (docs/operators/reliability.md) quotes.
 """
 
 from __future__ import annotations
