@@ -22,7 +22,8 @@ from kvflow import KvflowPlugin, load_fleet
 from kvflow.ports import free_port, port_is_free
 from kvflow.workers.config import EXAMPLE_FLEET
 from kvflow.workers.dev_endpoints import ENDPOINTS_FILE_ENV, write_endpoints_file
-from tests.test_cli_server import _assert_all_exit, _descendants, _read_until, _wait_for
+from tests.leftover_processes import descendants
+from tests.test_cli_server import _assert_all_exit, _read_until, _wait_for
 
 KVFLOW = Path(sys.executable).parent / "kvflow"
 READY = "Ctrl-C stops everything kvflow dev started."
@@ -55,7 +56,7 @@ def test_dev_runs_the_starter_init_wrote_and_ctrl_c_leaves_no_process(tmp_path: 
         assert f"http://127.0.0.1:{ui_port}" in banner
         assert "h200/0" in banner and "l4/1" in banner
         assert (tmp_path / ".kvflow" / "dev.toml").is_file()
-        children = _descendants(dev.pid)
+        children = descendants(dev.pid)
         starter = subprocess.run(
             [sys.executable, "starter.py"],
             cwd=tmp_path,
