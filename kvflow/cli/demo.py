@@ -9,9 +9,10 @@ import asyncio
 import contextlib
 import signal
 import time
+from collections.abc import Coroutine
 from pathlib import Path
 from types import FrameType
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -56,6 +57,20 @@ class StopOnSigterm:
             task.get_loop().call_soon_threadsafe(lambda: None)
         else:
             raise KeyboardInterrupt
+
+    def run(self, main: Coroutine[Any, Any, None]) -> None:
+        """`asyncio.run(main)`, with a SIGTERM during it ending it as Ctrl-C does."""
+
+        async def main_task() -> None:
+            self.task = asyncio.current_task()
+            await main
+
+        try:
+            asyncio.run(main_task())
+        except asyncio.CancelledError:
+            if not self.received:
+                raise
+            raise KeyboardInterrupt from None
 
 
 def demo(
@@ -195,7 +210,6 @@ def demo(
     signal.signal(signal.SIGTERM, sigterm)
 
     async def run() -> None:
-        sigterm.task = asyncio.current_task()
         client = await connect_local(temporal.address, state_dir / "context")
         await run_demo(
             client,
@@ -260,12 +274,7 @@ def demo(
                 highlight=False,
                 soft_wrap=True,
             )
-            try:
-                asyncio.run(run())
-            except asyncio.CancelledError:
-                if not sigterm.received:
-                    raise
-                raise KeyboardInterrupt from None
+            sigterm.run(run())
         except KeyboardInterrupt:
             out.print("Interrupted." if not sigterm.received else "Stopped by SIGTERM.")
         except DevServerError as exc:

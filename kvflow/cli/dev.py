@@ -130,7 +130,6 @@ def dev(
     signal.signal(signal.SIGTERM, sigterm)
 
     async def serve() -> None:
-        sigterm.task = asyncio.current_task()
         client = await connect_local(temporal.address, context_dir)
         ledger = await open_async_ledger(ledger_url, migrate=True)
         simulated = any(isinstance(p.endpoints, str) for p in config.pools)
@@ -177,12 +176,7 @@ def dev(
             stack.callback(codec.stop)
             stack.callback(temporal.stop)
             temporal.start()
-            try:
-                asyncio.run(serve())
-            except asyncio.CancelledError:
-                if not sigterm.received:
-                    raise
-                raise KeyboardInterrupt from None
+            sigterm.run(serve())
         except KeyboardInterrupt:
             out.print("Stopping…" if not sigterm.received else "Stopping on SIGTERM…")
         except DevServerError as exc:
